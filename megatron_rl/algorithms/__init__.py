@@ -1,0 +1,12 @@
+"""The GRPO math as pure tensor functions: advantages, group filter, log-probs/entropy (plain and
+vocab-parallel) and the clipped loss with its metrics. No globals, no config objects inside."""
+
+from megatron_rl.algorithms.advantages import compute_advantages, group_advantages, minibatch_normalize
+from megatron_rl.algorithms.config import GRPOConfig
+from megatron_rl.algorithms.filtering import FilterReport, filter_groups
+from megatron_rl.algorithms.logprobs import naive_token_logprobs, token_logprobs
+from megatron_rl.algorithms.loss import finalize_loss_metrics, grpo_loss, reduce_loss_metrics
+
+__all__ = ["compute_advantages", "group_advantages", "minibatch_normalize", "GRPOConfig",
+           "FilterReport", "filter_groups", "naive_token_logprobs", "token_logprobs",
+           "finalize_loss_metrics", "grpo_loss", "reduce_loss_metrics"]

@@ -1,0 +1,36 @@
+"""Configuration of the GRPO algorithm (advantages, filter, loss). Defaults are Magistral's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.config_checks import ConfigFieldError, check_range
+
+
+@dataclass(kw_only=True)
+class GRPOConfig:
+    """GRPO as in Magistral: no KL, group-token normalisation, minibatch advantages, Clip-Higher."""
+
+    group_norm: Literal["center", "center_std"] = "center"  # r - mean (paper) or (r - mean) / std
+    minibatch_norm: bool = True  # standardise advantages over the minibatch (paper: on)
+    adv_eps: float = 1e-6  # added to the std in advantage normalisation
+    loss_norm: Literal["group", "token", "sequence"] = "group"  # per-token weight mode (paper: group)
+    eps_low: float = 0.2  # lower clip: ratio >= 1 - eps_low
+    eps_high: float = 0.28  # upper clip (Clip-Higher): ratio <= 1 + eps_high; paper 0.26-0.30
+    filter_tolerance: float = 0.0  # drop a group when max(r) - min(r) <= this (0: exact equality)
+    kl_coef: float = 0.0  # KL to a reference model; 0 = none and no reference model (paper)
+    temperature: float = 1.0  # sampling temperature the behaviour log-probs were recorded at
+    logprob_chunk_size: int = 0  # tokens per log-prob chunk; 0 = automatic (~64 MiB fp32 buffer)
+
+    def __post_init__(self):
+        check_range("adv_eps", self.adv_eps, low=0.0, low_open=True)
+        check_range("eps_low", self.eps_low, low=0.0, high=1.0, high_open=True)
+        check_range("eps_high", self.eps_high, low=0.0)
+        if self.eps_high < self.eps_low:
+            raise ConfigFieldError("eps_high", f"must be >= eps_low ({self.eps_low}) for Clip-Higher, "
+                                               f"got {self.eps_high}")
+        check_range("filter_tolerance", self.filter_tolerance, low=0.0)
+        check_range("kl_coef", self.kl_coef, low=0.0)
+        check_range("temperature", self.temperature, low=0.0, low_open=True)
+        check_range("logprob_chunk_size", self.logprob_chunk_size, low=0)
