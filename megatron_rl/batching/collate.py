@@ -1,0 +1,240 @@
+"""Microbatch collation: which sequences share a microbatch, and the tensors a microbatch becomes.
+
+Planning (Magistral's greedy collation): sort the minibatch's sequences by length, longest first,
+and put each into the first microbatch that still has room under a fixed token budget, opening a
+new one when none has. The baseline ``uniform`` fills microbatches in arrival order and opens a new
+one whenever the next sequence does not fit (no sorting, no going back).
+
+Two layouts, one planner; the cost of a microbatch under each is what the budget bounds:
+
+- ``packed`` (default): the sequences are concatenated into one row; attention stays inside each
+  sequence and positions restart at 0 for each. The row carries ``cu_seqlens`` (cumulative
+  sequence starts, int32), which is what Megatron-Core's ``PackedSeqParams`` (``qkv_format="thd"``)
+  takes for Transformer Engine's variable-length attention on GPU; the local (non-TE) attention on
+  CPU gets the same packing as a block-diagonal causal mask from :meth:`Microbatch.attention_mask`.
+  Cost = total tokens. Packing wastes nothing but the rounding to ``pad_to_multiple``.
+- ``padded``: one row per sequence, right-padded to the longest in the microbatch; works with every
+  attention kernel without varlen support. Cost = rows x longest row.
+
+Causal-LM alignment: position ``p`` predicts token ``p + 1`` of the same sequence. Completion token
+``j`` of a sequence with prompt length ``P`` is the label at position ``P + j - 1``; every per-token
+field (loss weight, advantage, behaviour log-prob, version) sits at that position. Prompt
+positions, each sequence's last position and padding carry weight 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from megatron_rl.types import TrainBatch, TrainSequence
+
+Layout = Literal["packed", "padded"]
+Strategy = Literal["greedy", "uniform"]
+
+__all__ = ["Layout", "Strategy", "plan_microbatches", "microbatch_cost", "CollationStats",
+           "collation_stats", "Microbatch", "collate", "build_microbatches"]
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def microbatch_cost(lengths: Sequence[int], layout: Layout, pad_to_multiple: int = 1) -> int:
+    """Token slots a microbatch of these sequence lengths occupies."""
+    if not lengths:
+        return 0
+    if layout == "packed":
+        return _round_up(sum(lengths), pad_to_multiple)
+    if layout == "padded":
+        return len(lengths) * _round_up(max(lengths), pad_to_multiple)
+    raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+
+
+def plan_microbatches(lengths: Sequence[int], token_budget: int, *, layout: Layout = "packed",
+                      strategy: Strategy = "greedy", pad_to_multiple: int = 1) -> list[list[int]]:
+    """Assign sequence indices to microbatches whose cost stays within ``token_budget``.
+
+    Args:
+        lengths: total length (prompt + completion) of each sequence.
+        token_budget: the largest cost a microbatch may have (see :func:`microbatch_cost`).
+        strategy: ``greedy`` (first-fit decreasing) or ``uniform`` (arrival order, next-fit).
+    Returns:
+        Lists of indices into ``lengths``, one list per microbatch; every index appears once.
+    """
+    for i, n in enumerate(lengths):
+        if microbatch_cost([n], layout, pad_to_multiple) > token_budget:
+            raise ValueError(f"sequence {i} has {n} tokens, more than the microbatch token budget "
+                             f"{token_budget} (batching.token_budget must be >= the longest sequence)")
+    if strategy == "uniform":
+        bins: list[list[int]] = []
+        for i in range(len(lengths)):
+            if bins and microbatch_cost([lengths[j] for j in bins[-1]] + [lengths[i]], layout,
+                                        pad_to_multiple) <= token_budget:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
+        return bins
+    if strategy != "greedy":
+        raise ValueError(f"strategy must be 'greedy' or 'uniform', got {strategy!r}")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins, used, longest = [], [], []  # used: tokens (packed); longest: first = longest (padded)
+    for i in order:
+        n = lengths[i]
+        for b in range(len(bins)):
+            if layout == "packed":
+                fits = _round_up(used[b] + n, pad_to_multiple) <= token_budget
+            else:  # sorted descending: the bin's first sequence is its longest
+                fits = (len(bins[b]) + 1) * _round_up(longest[b], pad_to_multiple) <= token_budget
+            if fits:
+                bins[b].append(i)
+                used[b] += n
+                break
+        else:
+            bins.append([i])
+            used.append(n)
+            longest.append(n)
+    return bins
+
+
+@dataclass
+class CollationStats:
+    """How well a plan uses fixed-size microbatches of ``token_budget`` slots."""
+
+    microbatches: int
+    lower_bound: int  # ceil(total tokens / budget): no plan can use fewer
+    total_tokens: int
+    padding_fraction: float  # 1 - tokens / (microbatches x budget): fixed-size microbatches
+    shape_padding_fraction: float  # 1 - tokens / sum(costs): microbatches sized to their content
+
+    @property
+    def over_lower_bound(self) -> float:
+        return self.microbatches / max(1, self.lower_bound)
+
+
+def collation_stats(lengths: Sequence[int], bins: list[list[int]], token_budget: int,
+                    layout: Layout = "packed", pad_to_multiple: int = 1) -> CollationStats:
+    total = int(sum(lengths))
+    slots = len(bins) * token_budget
+    cost = sum(microbatch_cost([lengths[i] for i in b], layout, pad_to_multiple) for b in bins)
+    return CollationStats(
+        microbatches=len(bins), lower_bound=math.ceil(total / token_budget), total_tokens=total,
+        padding_fraction=1.0 - total / slots if slots else 0.0,
+        shape_padding_fraction=1.0 - total / cost if cost else 0.0)
+
+
+@dataclass
+class Microbatch:
+    """Tensors of one microbatch, ``[R, S]`` each (``R = 1`` when packed)."""
+
+    layout: Layout
+    tokens: torch.Tensor  # [R, S] int64 input ids
+    position_ids: torch.Tensor  # [R, S] int64, restarting at 0 for every sequence
+    labels: torch.Tensor  # [R, S] int64 next token (0 where there is none)
+    loss_weights: torch.Tensor  # [R, S] float32 per-token loss weight; 0 = no loss here
+    advantages: torch.Tensor  # [R, S] float32
+    behaviour_logprobs: torch.Tensor  # [R, S] float32
+    versions: torch.Tensor  # [R, S] int64 policy version of the label token; -1 = none
+    loss_mask: torch.Tensor  # [R, S] bool: positions whose label is a completion token
+    seq_index: list[int]  # which sequences of the batch, in row / segment order
+    seq_lengths: list[int]
+    cu_seqlens: torch.Tensor | None = None  # [n + 1] int32 segment starts in the packed row
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lengths)
+
+    def attention_mask(self) -> torch.Tensor:
+        """``[R, 1, S, S]`` bool, True where attention is *not* allowed (Megatron's convention):
+        causal within each sequence, nothing across sequences or into padding."""
+        r, s = self.tokens.shape
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        if self.layout == "packed":
+            seg = torch.repeat_interleave(torch.arange(len(self.cu_seqlens) - 1),
+                                          (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
+            allowed = causal & (seg[:, None] == seg[None, :])
+            return (~allowed).view(1, 1, s, s)
+        valid = torch.arange(s)[None, :] < torch.tensor(self.seq_lengths)[:, None]  # [R, S]
+        allowed = causal[None] & valid[:, None, :] & valid[:, :, None]
+        # Padding queries attend to themselves only, so softmax rows are never empty.
+        allowed |= torch.eye(s, dtype=torch.bool)[None]
+        return (~allowed).unsqueeze(1)
+
+    def split_per_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-position ``[R, S]`` values (e.g. recomputed log-probs) -> one ``[C_i]`` tensor of
+        completion-token values per sequence, in ``seq_index`` order."""
+        out = []
+        for k, (start, n) in enumerate(self._segments()):
+            row = 0 if self.layout == "packed" else k
+            w = self.loss_mask[row, start:start + n]
+            out.append(values[row, start:start + n][w])
+        return out
+
+    def _segments(self) -> list[tuple[int, int]]:
+        if self.layout == "packed":
+            return [(int(self.cu_seqlens[k]), n) for k, n in enumerate(self.seq_lengths)]
+        return [(0, n) for n in self.seq_lengths]
+
+
+def _place(seq: TrainSequence, fields: dict[str, torch.Tensor], row: int, start: int) -> None:
+    n, p = seq.length, seq.prompt_length
+    fields["tokens"][row, start:start + n] = seq.tokens
+    fields["position_ids"][row, start:start + n] = torch.arange(n)
+    fields["labels"][row, start:start + n - 1] = seq.tokens[1:]
+    lo, hi = start + p - 1, start + n - 1  # label positions of the completion tokens
+    fields["mask"][row, lo:hi] = True
+    fields["loss_weights"][row, lo:hi] = seq.weight
+    fields["advantages"][row, lo:hi] = seq.advantage
+    fields["behaviour_logprobs"][row, lo:hi] = seq.behaviour_logprobs
+    fields["versions"][row, lo:hi] = seq.versions
+
+
+def collate(sequences: list[TrainSequence], seq_index: list[int], *, layout: Layout = "packed",
+            pad_to_multiple: int = 1, pad_id: int = 0) -> Microbatch:
+    """Lay the given sequences out as one microbatch (see the module docstring)."""
+    lengths = [s.length for s in sequences]
+    if layout == "packed":
+        rows, width = 1, _round_up(sum(lengths), pad_to_multiple)
+    elif layout == "padded":
+        rows, width = len(sequences), _round_up(max(lengths), pad_to_multiple)
+    else:
+        raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+    f = {
+        "tokens": torch.full((rows, width), pad_id, dtype=torch.long),
+        "position_ids": torch.zeros(rows, width, dtype=torch.long),
+        "labels": torch.zeros(rows, width, dtype=torch.long),
+        "mask": torch.zeros(rows, width, dtype=torch.bool),
+        "loss_weights": torch.zeros(rows, width, dtype=torch.float32),
+        "advantages": torch.zeros(rows, width, dtype=torch.float32),
+        "behaviour_logprobs": torch.zeros(rows, width, dtype=torch.float32),
+        "versions": torch.full((rows, width), -1, dtype=torch.long),
+    }
+    starts = [0] * len(sequences)
+    if layout == "packed":
+        starts = [0] + list(torch.tensor(lengths).cumsum(0)[:-1].tolist())
+    for k, seq in enumerate(sequences):
+        _place(seq, f, 0 if layout == "packed" else k, starts[k])
+    cu = None
+    if layout == "packed":
+        bounds = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
+        if bounds[-1] < width:  # the tail padding is a segment of its own
+            bounds.append(width)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        f["position_ids"][0, sum(lengths):] = torch.arange(width - sum(lengths))
+    return Microbatch(layout=layout, tokens=f["tokens"], position_ids=f["position_ids"],
+                    labels=f["labels"], loss_weights=f["loss_weights"], advantages=f["advantages"],
+                    behaviour_logprobs=f["behaviour_logprobs"], versions=f["versions"],
+                    loss_mask=f["mask"], seq_index=list(seq_index), seq_lengths=lengths, cu_seqlens=cu)
+
+
+def build_microbatches(batch: TrainBatch, token_budget: int, *, layout: Layout = "packed",
+                       strategy: Strategy = "greedy", pad_to_multiple: int = 1,
+                       pad_id: int = 0) -> list[Microbatch]:
+    """Plan and collate a (per-rank) batch into microbatches."""
+    bins = plan_microbatches(batch.lengths, token_budget, layout=layout, strategy=strategy,
+                             pad_to_multiple=pad_to_multiple)
+    return [collate([batch.sequences[i] for i in b], b, layout=layout,
+                    pad_to_multiple=pad_to_multiple, pad_id=pad_id) for b in bins]

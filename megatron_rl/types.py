@@ -1,0 +1,128 @@
+"""Records that cross stage boundaries; nothing else does.
+
+prompts (``Prompt``) -> generation (``Completion``: tokens, behaviour log-probs, policy version per
+token) -> verifiers (``ScoredCompletion``: reward and its parts) -> ``Group`` (one prompt, G scored
+completions) -> batch builder (``TrainBatch`` of ``TrainSequence``) -> trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from megatron_rl.algorithms.filtering import FilterReport
+
+__all__ = ["Prompt", "Completion", "ScoredCompletion", "Group", "TrainSequence", "TrainBatch"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(kw_only=True)
+class Prompt:
+    """A problem as the generator sees it."""
+
+    prompt_id: str
+    token_ids: list[int]  # chat-templated prompt, system prompt included
+    text: str = ""  # the problem statement (the language check reads it)
+    task: Literal["math", "code"] = "math"
+    answer: str | None = None  # math reference answer
+    tests: list[dict[str, Any]] | None = None  # code tests
+    language: str | None = None  # expected language, when known
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One sampled answer; every token carries the log-prob and policy version that produced it."""
+
+    prompt_id: str
+    sample_index: int  # index within the group, 0..G-1
+    token_ids: list[int]
+    logprobs: list[float]  # behaviour log-prob of each token, recorded at generation
+    versions: list[int]  # policy version that generated each token
+    finish_reason: FinishReason = "stop"
+    text: str = ""
+
+    def __post_init__(self):
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"Completion {self.prompt_id}/{self.sample_index}: token_ids ({n}), logprobs "
+                f"({len(self.logprobs)}) and versions ({len(self.versions)}) must have equal length")
+
+
+@dataclass(kw_only=True)
+class ScoredCompletion:
+    """A completion with its reward, the reward's parts and the reason (``ok``, ``format_error``, ...)."""
+
+    completion: Completion
+    reward: float
+    parts: dict[str, float] = field(default_factory=dict)
+    reason: str = "ok"
+    correct: bool | None = None  # the answer check passed (None: not evaluated)
+    format_ok: bool | None = None  # the format check passed
+
+
+@dataclass(kw_only=True)
+class Group:
+    """All completions sampled for one prompt."""
+
+    prompt: Prompt
+    completions: list[ScoredCompletion]
+
+
+@dataclass(kw_only=True)
+class TrainSequence:
+    """One prompt + completion ready for the trainer.
+
+    ``tokens`` is ``[P + C]`` (prompt then completion); the per-token fields ``[C]`` belong to the
+    completion tokens. ``weight`` is the loss weight of each of its completion tokens (the whole
+    normalisation, see ``batching/weights.py``); ``advantage`` is shared by all its tokens.
+    """
+
+    tokens: torch.Tensor  # [P + C] int64
+    prompt_length: int
+    behaviour_logprobs: torch.Tensor  # [C] float32
+    versions: torch.Tensor  # [C] int64
+    advantage: float
+    weight: float
+    group_id: int
+    reward: float = 0.0
+
+    def __post_init__(self):
+        c = self.completion_length
+        if self.prompt_length < 1 or c < 1:
+            raise ValueError(f"a sequence needs >= 1 prompt and >= 1 completion token, got "
+                             f"prompt {self.prompt_length}, completion {c}")
+        if self.behaviour_logprobs.shape != (c,) or self.versions.shape != (c,):
+            raise ValueError(f"per-token fields must be [{c}], got behaviour_logprobs "
+                             f"{tuple(self.behaviour_logprobs.shape)}, versions {tuple(self.versions.shape)}")
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def completion_length(self) -> int:
+        return self.length - self.prompt_length
+
+
+@dataclass(kw_only=True)
+class TrainBatch:
+    """A minibatch: sequences of the kept groups, with the filter's report."""
+
+    sequences: list[TrainSequence]
+    filter_report: FilterReport = field(default_factory=FilterReport)
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.sequences]
+
+    def subset(self, indices: list[int]) -> "TrainBatch":
+        """The sequences at ``indices`` (for a data-parallel rank); weights are kept as they are."""
+        return TrainBatch(sequences=[self.sequences[i] for i in indices], filter_report=self.filter_report)
