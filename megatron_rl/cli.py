@@ -1,0 +1,100 @@
+"""The ``megatron-rl`` command.
+
+    megatron-rl bench collation            # benchmark programs under tools/ (bench_NAME.py)
+    megatron-rl config RECIPE.yaml [k=v]   # resolve and check a recipe, print it as YAML
+    megatron-rl train RECIPE.yaml          # the RL loop (see README for what is available)
+
+Also runnable as ``python -m megatron_rl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+import yaml
+
+# Verbs whose implementation has not landed yet, with the issue that brings each.
+_PENDING = {
+    "train": ("run the asynchronous GRPO loop from a YAML recipe", 7),
+    "reward": ("score completions with the format/math/code/length/language reward", 3),
+    "convert": ("convert checkpoints between Hugging Face and Megatron-Core", 5),
+    "serve-engine": ("start the built-in PyTorch engine server (SGLang API subset)", 6),
+    "curate": ("difficulty filtering and code-test curation of problem sets", 8),
+    "eval": ("pass@k / maj@k evaluation through the generation fleet", 8),
+}
+
+TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
+
+
+def _benchmarks() -> dict[str, Path]:
+    return {p.stem[len("bench_"):]: p for p in sorted(TOOLS_DIR.glob("bench_*.py"))}
+
+
+def _bench(args: argparse.Namespace) -> int:
+    benches = _benchmarks()
+    if not TOOLS_DIR.is_dir():
+        print(f"megatron-rl bench: no tools/ folder next to the package ({TOOLS_DIR}); benchmarks run "
+              "from a source checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    if args.name not in benches:
+        print(f"megatron-rl bench: unknown benchmark {args.name!r}; available: {', '.join(benches)}",
+              file=sys.stderr)
+        return 2
+    sys.argv = [str(benches[args.name]), *args.args]
+    try:
+        runpy.run_path(str(benches[args.name]), run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, str):  # sys.exit("message"): show it, as the interpreter would
+            print(e.code, file=sys.stderr)
+            return 1
+        return int(e.code or 0)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from megatron_rl.config import ConfigError, config_to_dict, load_config
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"megatron-rl config: {e}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def _pending(verb: str, issue: int):
+    def run(_args: argparse.Namespace) -> int:
+        print(f"megatron-rl {verb}: not in this version yet (planned in issue #{issue}).", file=sys.stderr)
+        return 2
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    b = sub.add_parser("bench", help="run a benchmark program from tools/ (bench_NAME.py)")
+    b.add_argument("name", help=f"one of: {', '.join(_benchmarks()) or '(none found)'}")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.set_defaults(func=_bench)
+    c = sub.add_parser("config", help="resolve and validate a recipe, print it as YAML")
+    c.add_argument("recipe", nargs="?", help="YAML recipe (defaults only when omitted)")
+    c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.3")
+    c.set_defaults(func=_config)
+    for verb, (text, issue) in _PENDING.items():
+        p = sub.add_parser(verb, help=f"{text} (not yet: issue #{issue})")
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_pending(verb, issue))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Run configuration: one dataclass per component, composed into :class:`RunConfig`.
+
+Component configs live next to the code they configure and check their values in
+``__post_init__`` by raising :class:`ConfigFieldError` with the field's name. Recipes are small
+YAML files that set only what differs from the defaults; ``key.sub=value`` overrides from the
+command line are applied on top. Every error names the file, the line and the dotted field::
+
+    examples/bad.yaml:4: algorithm.eps_high: must be >= eps_low (0.2), got 0.1
+
+Usage::
+
+    cfg = load_config("examples/quickstart.yaml", ["algorithm.eps_high=0.3"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_rl.algorithms.config import GRPOConfig
+from megatron_rl.batching.config import BatchingConfig
+from megatron_rl.config_checks import ConfigFieldError
+
+__all__ = ["ConfigError", "ConfigFieldError", "RunConfig", "load_config", "config_from_dict",
+           "config_to_dict", "parse_overrides"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the place it comes from in the message."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a run needs; each section is its component's own config."""
+
+    algorithm: GRPOConfig = field(default_factory=GRPOConfig)  # GRPO loss and advantages
+    batching: BatchingConfig = field(default_factory=BatchingConfig)  # microbatches, DP assignment
+
+
+def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
+    """Parse YAML; also return the 1-based line of every dotted key path."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML: {e}") from None
+    lines: dict[str, int] = {}
+
+    def walk(n, prefix: str):
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                key = f"{prefix}{k.value}"
+                lines[key] = k.start_mark.line + 1
+                walk(v, key + ".")
+
+    if node is not None:
+        walk(node, "")
+    return yaml.safe_load(text), lines
+
+
+def _where(source: str, lines: dict[str, int], path: str) -> str:
+    # Report the deepest known ancestor's line when the field itself was not in the file.
+    probe = path
+    while probe:
+        if probe in lines:
+            return f"{source}:{lines[probe]}"
+        probe = probe.rpartition(".")[0]
+    return source
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check/convert a YAML scalar against a field's type hint (int, float, bool, str, Literal,
+    Optional, list/dict); raises ConfigFieldError naming the field."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, name)
+            except ConfigFieldError:
+                pass
+        raise ConfigFieldError(name, f"expected {hint}, got {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigFieldError(name, f"must be one of {list(choices)}, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigFieldError(name, f"expected true/false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigFieldError(name, f"expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigFieldError(name, f"expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigFieldError(name, f"expected a string, got {value!r}")
+        return value
+    if origin in (list, tuple) and not isinstance(value, (list, tuple)):
+        raise ConfigFieldError(name, f"expected a list, got {value!r}")
+    if origin is dict and not isinstance(value, dict):
+        raise ConfigFieldError(name, f"expected a mapping, got {value!r}")
+    return value
+
+
+def config_from_dict(cls: type, data: dict[str, Any] | None, *, source: str = "<config>",
+                     lines: dict[str, int] | None = None, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict, checking every key and value."""
+    lines = lines or {}
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_where(source, lines, prefix.rstrip('.'))}: {prefix.rstrip('.') or 'config'}: "
+                          f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"{_where(source, lines, path)}: unknown field '{path}' "
+                              f"(known in {cls.__name__}: {', '.join(sorted(known))})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = config_from_dict(hint, value, source=source, lines=lines, prefix=path + ".")
+            continue
+        try:
+            kwargs[key] = _coerce(value, hint, key)
+        except ConfigFieldError as e:
+            raise ConfigError(f"{_where(source, lines, path)}: {path}: {e.message}") from None
+    try:
+        return cls(**kwargs)
+    except ConfigFieldError as e:
+        path = f"{prefix}{e.field}"
+        raise ConfigError(f"{_where(source, lines, path)}: {path}: {e.message}") from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["a.b=3", "c=x"]`` -> ``{"a": {"b": 3}, "c": "x"}``; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected KEY.PATH=VALUE")
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{p}' is set to a value and to a section")
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in extra.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                cls: type = RunConfig) -> Any:
+    """Read a YAML recipe (or only defaults when ``path`` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"{source}: cannot read recipe: {e.strerror}") from None
+        data, lines = _yaml_with_lines(text, source)
+        data = data or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}:1: a recipe must be a mapping of sections, got {type(data).__name__}")
+    if overrides:
+        over = parse_overrides(overrides)
+        data = _merge(data, over)
+        # Lines of overridden keys point at the command line, not at the file.
+        for k in list(lines):
+            if any(k == o or k.startswith(o + ".") for o in _flat_keys(over)):
+                del lines[k]
+        source = f"{source} (with overrides {' '.join(overrides)})"
+    return config_from_dict(cls, data, source=source, lines=lines)
+
+
+def _flat_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in d.items():
+        keys.extend(_flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"])
+    return keys
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (for snapshots and ``megatron-rl config``)."""
+    return dataclasses.asdict(cfg)
