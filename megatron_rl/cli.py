@@ -19,7 +19,6 @@ import yaml
 # Verbs whose implementation has not landed yet, with the issue that brings each.
 _PENDING = {
     "train": ("run the asynchronous GRPO loop from a YAML recipe", 7),
-    "reward": ("score completions with the format/math/code/length/language reward", 3),
     "convert": ("convert checkpoints between Hugging Face and Megatron-Core", 5),
     "serve-engine": ("start the built-in PyTorch engine server (SGLang API subset)", 6),
     "curate": ("difficulty filtering and code-test curation of problem sets", 8),
@@ -84,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("recipe", nargs="?", help="YAML recipe (defaults only when omitted)")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.3")
     c.set_defaults(func=_config)
+    from megatron_rl.rewards.cli import build_parser as reward_parser
+
+    reward_parser(sub.add_parser("reward", help="score a JSONL of completions (format, math, code, "
+                                                "length, language)"))
     for verb, (text, issue) in _PENDING.items():
         p = sub.add_parser(verb, help=f"{text} (not yet: issue #{issue})")
         p.add_argument("args", nargs=argparse.REMAINDER)

@@ -26,6 +26,7 @@ import yaml
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.config_checks import ConfigFieldError
+from megatron_rl.rewards.compose import RewardConfig
 
 __all__ = ["ConfigError", "ConfigFieldError", "RunConfig", "load_config", "config_from_dict",
            "config_to_dict", "parse_overrides"]
@@ -41,6 +42,7 @@ class RunConfig:
 
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)  # GRPO loss and advantages
     batching: BatchingConfig = field(default_factory=BatchingConfig)  # microbatches, DP assignment
+    reward: RewardConfig = field(default_factory=RewardConfig)  # reward weights, verifier limits
 
 
 def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:

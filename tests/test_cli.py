@@ -67,3 +67,10 @@ def test_bench_logprobs_uses_less_memory_than_naive():
 def test_unknown_benchmark():
     proc = run("bench", "nope", check=False)
     assert proc.returncode == 2 and "collation" in proc.stderr
+
+
+def test_bench_verifiers_prints_its_figures():
+    out = run("bench", "verifiers", "--repeat", "1", "--compiles", "1").stdout
+    fig = last_json(out)
+    assert "per second" in out
+    assert fig["verifications"] == 68 and fig["math_pool_speedup"] > 0 and fig["cpp_pch_compile_ratio"] > 0

@@ -11,8 +11,11 @@ time over its own pipe, so the pool always knows which task a worker runs and si
 - an exception inside the verifier fails only that task, with ``verifier_error``; the worker stays.
 
 Workers are started by a forkserver that has already imported the verifiers, so a replacement is
-ready in milliseconds rather than re-importing SymPy. Workers die with the caller
-(``PR_SET_PDEATHSIG``), so a killed trainer leaves no verifier behind.
+ready in milliseconds rather than re-importing SymPy (the forkserver is one per process: the first
+pool's ``preload`` is the one that counts). A worker takes tasks only after it reports ready; if
+three in a row die while starting, the pool fails its pending tasks with the reason and refuses
+new ones rather than respawning forever. Workers die with the caller (``PR_SET_PDEATHSIG``), so a
+killed trainer leaves no verifier behind.
 
     with VerifierPool(num_workers=2) as pool:
         results = pool.map(fn, [(a, b), (c, d)], timeout_s=10)   # in input order
@@ -54,6 +57,7 @@ def _worker_main(conn) -> None:
     except (OSError, AttributeError):
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    conn.send(("ready", os.getpid()))  # tasks go only to workers that started
     while True:
         try:
             msg = conn.recv()
@@ -63,13 +67,13 @@ def _worker_main(conn) -> None:
             return
         task_id, fn, args = msg
         try:
-            reply = (task_id, True, fn(*args))
+            reply = ("result", task_id, True, fn(*args))
         except BaseException as e:  # noqa: BLE001 -- any failure is the task's, not the worker's
-            reply = (task_id, False, f"{type(e).__name__}: {e}")
+            reply = ("result", task_id, False, f"{type(e).__name__}: {e}")
         try:
             conn.send(reply)
         except Exception as e:  # noqa: BLE001 -- e.g. an unpicklable result
-            conn.send((task_id, False, f"result could not be sent back: {type(e).__name__}: {e}"))
+            conn.send(("result", task_id, False, f"result could not be sent back: {type(e).__name__}: {e}"))
 
 
 @dataclass
@@ -87,6 +91,7 @@ class _Worker:
     conn: Any
     task: _Task | None = None
     deadline: float = 0.0
+    ready: bool = False  # said hello: it imported everything and waits for tasks
 
 
 class VerifierPool:
@@ -103,6 +108,8 @@ class VerifierPool:
         self._pending: deque[_Task] = deque()
         self._ids = itertools.count()
         self._closing = False
+        self._broken: str | None = None  # why workers cannot start, once that is certain
+        self._start_failures = 0  # consecutive workers that died before saying ready
         self.stats = {"tasks": 0, "worker_timeout": 0, "worker_crash": 0, "verifier_error": 0}
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._workers = [self._spawn() for _ in range(num_workers)]
@@ -117,6 +124,8 @@ class VerifierPool:
         with self._lock:
             if self._closing:
                 raise RuntimeError("the verifier pool is closed")
+            if self._broken:
+                raise RuntimeError(f"the verifier pool is broken: {self._broken}")
             self._pending.append(task)
         self._wake_w.send_bytes(b"")
         return task.future
@@ -171,7 +180,27 @@ class VerifierPool:
         if w.task is not None:
             self.stats[reason] += 1
             w.task.future.set_exception(PoolTaskError(reason, detail))
-        self._workers[self._workers.index(w)] = self._spawn()
+            w.task = None
+        if not w.ready:
+            # A worker that dies before it is ready is not a task's fault: the workers cannot
+            # start (bad preload, no memory, broken main module). Retrying forever would spin.
+            self._start_failures += 1
+            if self._start_failures >= 3:
+                self._workers.remove(w)
+                self._break(f"3 verifier processes in a row died while starting ({detail})")
+                return
+        try:
+            self._workers[self._workers.index(w)] = self._spawn()
+        except Exception as e:  # noqa: BLE001 -- e.g. the forkserver itself is gone
+            self._workers.remove(w)
+            self._break(f"cannot start a verifier process: {type(e).__name__}: {e}")
+
+    def _break(self, why: str) -> None:
+        with self._lock:
+            self._broken = why
+            pending, self._pending = list(self._pending), deque()
+        for task in pending:
+            task.future.set_exception(PoolTaskError("worker_crash", why))
 
     @staticmethod
     def _exit_status(w: _Worker) -> str:
@@ -185,35 +214,49 @@ class VerifierPool:
 
     def _dispatch(self) -> bool:
         """Give pending tasks to idle workers; True when the pool may stop."""
+        dead = []
         with self._lock:
             for w in self._workers:
-                while w.task is None and self._pending:
+                while w.ready and w.task is None and self._pending:
                     task = self._pending.popleft()
                     if not task.future.set_running_or_notify_cancel():
                         continue
                     try:
                         w.conn.send((task.task_id, task.fn, task.args))
-                    except (OSError, ValueError) as e:  # dead worker, or unpicklable arguments
+                    except OSError:  # the worker died while idle: the task never ran, requeue it
+                        self._pending.appendleft(task)
+                        dead.append(w)
+                        break
+                    except Exception as e:  # noqa: BLE001 -- arguments that cannot be pickled
                         task.future.set_exception(PoolTaskError("verifier_error", f"could not send task: {e}"))
                         continue
                     w.task, w.deadline = task, time.monotonic() + task.timeout_s
-            return self._closing and not self._pending and all(w.task is None for w in self._workers)
+        for w in dead:
+            self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
+        with self._lock:
+            idle = all(w.task is None for w in self._workers)
+            return idle and (self._broken is not None or (self._closing and not self._pending))
 
     def _loop(self) -> None:
         while not self._dispatch():
             busy = [w for w in self._workers if w.task is not None]
+            watched = list(self._workers)  # idle ones too: a worker may die while waiting
             timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic()) if busy else None
-            for obj in wait([w.conn for w in busy] + [self._wake_r], timeout=timeout):
+            for obj in wait([w.conn for w in watched] + [self._wake_r], timeout=timeout):
                 if obj is self._wake_r:
                     while self._wake_r.poll():
                         self._wake_r.recv_bytes()
                     continue
-                w = next(w for w in busy if w.conn is obj)
+                w = next(w for w in watched if w.conn is obj)
                 try:
-                    _, ok, payload = w.conn.recv()
+                    kind, *msg = w.conn.recv()
                 except (EOFError, OSError):
                     self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
                     continue
+                if kind == "ready":
+                    w.ready, self._start_failures = True, 0
+                    continue
+                _, ok, payload = msg
                 task, w.task = w.task, None
                 self.stats["tasks"] += 1
                 if ok:

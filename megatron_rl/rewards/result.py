@@ -50,7 +50,9 @@ class RewardResult:
     detail: str = ""
     correct: bool = False
     format_ok: bool = False
+    info: dict = field(default_factory=dict)  # e.g. the detected language of each span
 
     def to_json(self) -> dict:
         return {"reward": self.reward, "parts": self.parts, "reason": self.reason,
-                "detail": self.detail, "correct": self.correct, "format_ok": self.format_ok}
+                "detail": self.detail, "correct": self.correct, "format_ok": self.format_ok,
+                **({"info": self.info} if self.info else {})}

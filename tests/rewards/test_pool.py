@@ -1,5 +1,7 @@
 import ctypes
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -98,3 +100,33 @@ def test_close_leaves_no_worker_behind():
         assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(square, 1)
+
+
+BROKEN_START = """
+import sys
+from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+from tests.rewards.test_pool import square
+if __name__ == "__main__":
+    p = VerifierPool(num_workers=2, preload=("tests.rewards.exit_on_import",))
+    try:
+        p.submit(square, 2).result(timeout=60)
+    except PoolTaskError as e:
+        print("task:", e.reason, e.detail)
+    try:
+        p.submit(square, 3)
+    except RuntimeError as e:
+        print("submit:", e)
+    p.close()
+"""
+
+
+def test_workers_that_cannot_start_break_the_pool_instead_of_spinning(tmp_path):
+    # The forkserver (and its preload) is per process, so this runs in a fresh interpreter.
+    # Every process forked from that server dies at once, as with a broken start-up.
+    script = tmp_path / "broken_start.py"
+    script.write_text(BROKEN_START)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert "task: worker_crash 3 verifier processes in a row died while starting" in proc.stdout, proc.stderr
+    assert "submit: the verifier pool is broken" in proc.stdout
