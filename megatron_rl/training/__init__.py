@@ -1,0 +1,10 @@
+"""The trainer side: Megatron-Core policy built from an HF config, its parallel layout and process
+groups, and the CPU adaptation that lets all of it run over gloo without a GPU.
+
+Modules (imported directly; this package imports nothing heavy):
+
+- ``parallel``: ``ParallelConfig``, ``init_parallel``, ``destroy_parallel``, ``process_groups``.
+- ``model``: ``transformer_config_from_hf``, ``build_gpt_model``, ``build_model_chunks``,
+  ``padded_vocab_size``, ``save_model_checkpoint``, ``load_model_checkpoint``.
+- ``cpu_compat``: ``apply_cpu_compat`` (called by ``init_parallel`` when CUDA is absent).
+"""

@@ -1,0 +1,321 @@
+"""A Megatron-Core ``GPTModel`` from a Hugging Face config (Mistral / Llama / Qwen2 families).
+
+Shapes, as Megatron uses them: the model takes ``input_ids [b, s]`` and ``position_ids [b, s]``
+(and ``attention_mask=None`` for plain causal attention) and, on the last pipeline stage, returns
+vocab-parallel logits ``[b, s, padded_vocab / tp]`` (or the loss when given ``labels``). Rank ``r``
+of the TP group holds vocabulary ids ``[r * V/tp, (r + 1) * V/tp)``, ``V`` the padded size. Earlier
+stages return the hidden states ``[s, b, h]`` that the pipeline schedule sends on.
+
+Checkpoints go through ``megatron.core.dist_checkpointing``: every tensor is stored by its global
+name and shape, so a checkpoint written at one TP/PP layout loads into any other with the same
+padded vocabulary (:func:`save_model_checkpoint`, :func:`load_model_checkpoint`).
+
+The HF weights' mapping to these parameters lives with the weight-sync code (one converter per
+architecture); here only the architecture is translated.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_rl.training.parallel import ParallelConfig
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "padded_vocab_size",
+           "transformer_config_from_hf", "gpt_model_kwargs_from_hf", "build_gpt_model",
+           "build_model_chunks", "save_model_checkpoint", "load_model_checkpoint"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# Megatron pads the vocabulary so each TP shard is a multiple of 128 (GEMM-friendly) ids.
+VOCAB_DIVISIBLE_BY = 128
+
+
+def _have_te() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def load_hf_config(hf_config: Any):
+    """``hf_config`` itself if it is a ``transformers.PretrainedConfig``; else read the
+    ``config.json`` of the folder it names (no network access)."""
+    import transformers
+
+    if isinstance(hf_config, transformers.PretrainedConfig):
+        return hf_config
+    if isinstance(hf_config, (str, os.PathLike)):
+        folder = Path(hf_config)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"hf_config: {folder} is not a folder with a config.json")
+        return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    raise TypeError(f"hf_config: expected a transformers.PretrainedConfig or a folder path, "
+                    f"got {type(hf_config).__name__}")
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, *,
+                      divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Smallest multiple of ``divisible_by * tensor_parallel`` that is >= ``vocab_size``.
+
+    The extra rows of the embedding and output layer are never produced by the tokenizer; their
+    logits must be masked (or ignored) by whoever samples or computes log-probs.
+    """
+    if vocab_size < 1 or tensor_parallel < 1:
+        raise ValueError(f"vocab_size and tensor_parallel must be >= 1, got {vocab_size}, "
+                         f"{tensor_parallel}")
+    multiple = divisible_by * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def _rope_parameters(hf) -> dict:
+    """RoPE settings in either layout: transformers >= 5 (``rope_parameters`` holding
+    ``rope_theta``) or older config.json files (top-level ``rope_theta``, ``rope_scaling``)."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"rope_parameters: per-layer-type RoPE settings {sorted(params)} are "
+                         "not supported")
+    params = dict(params)
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params
+
+
+def _rope_model_kwargs(hf) -> dict:
+    """GPTModel's RoPE arguments: ``rotary_base`` plus the scalings Megatron implements.
+
+    - ``default``: none.
+    - ``linear``: positions divided by ``factor`` (= ``seq_len_interpolation_factor``).
+    - ``llama3``: Megatron's ``rope_scaling`` with ``factor``; Megatron hard-codes
+      low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192, so other
+      values are refused.
+    """
+    p = _rope_parameters(hf)
+    kw: dict = {"rotary_base": p["rope_theta"]}
+    kind = p["rope_type"]
+    if kind == "default":
+        return kw
+    if kind == "linear":
+        kw["seq_len_interpolation_factor"] = float(p["factor"])
+        return kw
+    if kind == "llama3":
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+        for name, value in fixed.items():
+            if float(p.get(name, value)) != float(value):
+                raise ValueError(f"rope_scaling.{name}: Megatron's llama3 RoPE scaling fixes it at "
+                                 f"{value}, got {p[name]}")
+        kw.update(rope_scaling=True, rope_scaling_factor=float(p["factor"]))
+        return kw
+    raise ValueError(f"rope_scaling.rope_type: {kind!r} is not supported (supported: default, "
+                     "linear, llama3)")
+
+
+def _check_supported(hf) -> None:
+    """Raise ValueError naming the HF field when the architecture is not one this builds."""
+    if hf.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type: {hf.model_type!r} is not supported (supported: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act: only 'silu' (SwiGLU) is supported, got {hf.hidden_act!r}")
+    if getattr(hf, "attention_bias", False):
+        raise ValueError("attention_bias: biases on q/k/v/o projections are not supported")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError("mlp_bias: MLP biases are not supported")
+    if float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor: only 1.0 is supported, got "
+                         f"{hf.partial_rotary_factor}")
+    window = getattr(hf, "sliding_window", None)
+    if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+        window = None  # Qwen2 configs carry a window that only applies with use_sliding_window
+    if window is not None and window < hf.max_position_embeddings:
+        raise ValueError(
+            f"sliding_window: sliding-window attention ({window} tokens, smaller than "
+            f"max_position_embeddings={hf.max_position_embeddings}) is not supported; set "
+            "sliding_window=None, or max_position_embeddings <= sliding_window if no sequence "
+            "is longer than the window (then full causal attention is the same thing)")
+
+
+def transformer_config_from_hf(hf_config: Any, parallel: ParallelConfig, *,
+                               params_dtype: torch.dtype = torch.float32, **overrides: Any):
+    """Megatron ``TransformerConfig`` for a Mistral / Llama / Qwen2 HF config and a layout.
+
+    RMSNorm (the config's eps), SwiGLU MLP, grouped-query attention, no linear biases except
+    Qwen2's q/k/v biases, no dropout (whatever the HF config says: RL training runs without it).
+    On CPU, weights are initialised on the CPU from the default generator *before* sharding, so
+    the initial model is the same at every TP size, and all fused kernels are off. ``overrides``
+    are passed to ``TransformerConfig`` last (e.g. ``recompute_granularity="full"``).
+
+    Raises ValueError naming the HF field for architectures it cannot express.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    hf = load_hf_config(hf_config)
+    _check_supported(hf)
+    _rope_model_kwargs(hf)  # validates rope settings early; they go to GPTModel, not here
+    layers_per_stage = parallel.pipeline_parallel * (parallel.virtual_pipeline or 1)
+    if hf.num_hidden_layers % layers_per_stage:
+        raise ValueError(f"num_hidden_layers: {hf.num_hidden_layers} layers do not split evenly "
+                         f"into pipeline_parallel x virtual_pipeline = {layers_per_stage} chunks")
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if n % parallel.tensor_parallel:
+            raise ValueError(f"{name}: {n} is not divisible by tensor_parallel="
+                             f"{parallel.tensor_parallel}")
+    on_gpu = torch.cuda.is_available()
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        ffn_hidden_size=hf.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=kv_heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.rms_norm_eps,
+        layernorm_zero_centered_gamma=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf.model_type == "qwen2",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=getattr(hf, "initializer_range", 0.02),
+        tensor_model_parallel_size=parallel.tensor_parallel,
+        pipeline_model_parallel_size=parallel.pipeline_parallel,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=not on_gpu,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,  # needs Apex's fused_weight_gradient_mlp_cuda
+        # Fused kernels exist only on CUDA (Megatron falls back where a kernel is missing).
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=on_gpu and _have_te(),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def gpt_model_kwargs_from_hf(hf_config: Any, *, tensor_parallel: int,
+                             vocab_size: int | None = None) -> dict:
+    """The ``GPTModel`` arguments that come from the HF config (vocabulary, positions, RoPE,
+    tied embeddings); ``vocab_size`` overrides the config's (e.g. a resized tokenizer)."""
+    hf = load_hf_config(hf_config)
+    return dict(
+        vocab_size=padded_vocab_size(vocab_size or hf.vocab_size, tensor_parallel),
+        max_sequence_length=hf.max_position_embeddings,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
+        **_rope_model_kwargs(hf),
+    )
+
+
+def _layer_spec(config):
+    """Transformer Engine layers where TE is importable, plain PyTorch ones otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if _have_te():
+        return get_gpt_layer_with_transformer_engine_spec()
+    if config.sequence_parallel:
+        raise ValueError("sequence_parallel: needs Transformer Engine (the plain PyTorch "
+                         "RMSNorm of Megatron's local layer spec does not support it)")
+    return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(hf_config: Any, parallel: ParallelConfig, *, pre_process: bool | None = None,
+                    post_process: bool | None = None, vocab_size: int | None = None,
+                    params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
+                    pg_collection: Any = None, config: Any = None):
+    """One ``GPTModel`` chunk for this rank (needs :func:`init_parallel` first).
+
+    ``pre_process`` / ``post_process`` default to "this is the first / last pipeline stage"
+    (of virtual stage ``vp_stage`` under interleaving). ``pg_collection`` defaults to the groups
+    made by ``init_parallel``; ``config`` to :func:`transformer_config_from_hf`. The output layer
+    returns vocab-parallel logits (``parallel_output=True``).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_rl.training.parallel import process_groups
+
+    if config is None:
+        config = transformer_config_from_hf(hf_config, parallel, params_dtype=params_dtype)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                             vp_stage=vp_stage)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(config),
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        pg_collection=pg_collection if pg_collection is not None else process_groups(),
+        vp_stage=vp_stage,
+        **gpt_model_kwargs_from_hf(hf_config, tensor_parallel=parallel.tensor_parallel,
+                                   vocab_size=vocab_size),
+    )
+
+
+def build_model_chunks(hf_config: Any, parallel: ParallelConfig, *,
+                       vocab_size: int | None = None,
+                       params_dtype: torch.dtype = torch.float32) -> list:
+    """The model chunks of this rank, as Megatron's schedules take them: ``[model]`` without
+    interleaving, ``virtual_pipeline`` chunks (virtual stages ``0..vpp-1``) with it."""
+    config = transformer_config_from_hf(hf_config, parallel, params_dtype=params_dtype)
+    stages: Iterable[int | None] = (range(parallel.virtual_pipeline)
+                                    if parallel.virtual_pipeline else [None])
+    return [build_gpt_model(hf_config, parallel, vocab_size=vocab_size, vp_stage=stage,
+                            config=config) for stage in stages]
+
+
+def _chunks(model: Any) -> list:
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model if isinstance(model, list) else [model])
+
+
+def _sharded_state_dict(chunks: list) -> dict:
+    # With several chunks (interleaving) the python keys must not collide; the tensors inside
+    # carry their global names (layer numbers include the chunk's offset), which is what the
+    # checkpoint is keyed by, so the nesting does not leak into the files.
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def save_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
+    """Write the model's weights to the folder ``path`` with ``dist_checkpointing`` (collective:
+    every rank of the default group calls it). ``model`` is a chunk or a list of chunks,
+    possibly wrapped in DDP / Float16Module. Not atomic: a crash mid-save leaves a partial folder.
+    """
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save(_sharded_state_dict(_chunks(model)), str(path))
+
+
+def load_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
+    """Load weights written by :func:`save_model_checkpoint` at any TP/PP layout into ``model``
+    (collective). Every parameter must be in the checkpoint with the same global shape."""
+    from megatron.core import dist_checkpointing
+
+    chunks = _chunks(model)
+    state = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+    if len(chunks) == 1:
+        chunks[0].load_state_dict(state)
+    else:
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(state[f"model{i}"])
