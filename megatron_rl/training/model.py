@@ -17,6 +17,7 @@ architecture); here only the architecture is translated.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -57,16 +58,19 @@ def load_hf_config(hf_config: Any):
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, *,
-                      divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Smallest multiple of ``divisible_by * tensor_parallel`` that is >= ``vocab_size``.
+                      divisible_by: int = VOCAB_DIVISIBLE_BY, resume_tp: int = 8) -> int:
+    """Smallest multiple of ``divisible_by * lcm(tensor_parallel, resume_tp)`` >= ``vocab_size``.
 
-    The extra rows of the embedding and output layer are never produced by the tokenizer; their
-    logits must be masked (or ignored) by whoever samples or computes log-probs.
+    Megatron pads to ``divisible_by * tp``, which makes the padded size -- and so the embedding and
+    output shapes in a checkpoint -- depend on TP: a run could not resume at another TP. Padding
+    for every TP that divides ``resume_tp`` (1, 2, 4, 8 by default) keeps one shape for all of them.
+    The extra rows are never produced by the tokenizer; their logits must be masked to -inf by
+    whoever samples or computes log-probs.
     """
     if vocab_size < 1 or tensor_parallel < 1:
         raise ValueError(f"vocab_size and tensor_parallel must be >= 1, got {vocab_size}, "
                          f"{tensor_parallel}")
-    multiple = divisible_by * tensor_parallel
+    multiple = divisible_by * math.lcm(tensor_parallel, resume_tp)
     return -(-vocab_size // multiple) * multiple
 
 

@@ -30,7 +30,7 @@ import torch
 
 from tests.spawn import run_ranks
 
-BATCH, SEQ, VOCAB = 4, 8, 250
+BATCH, SEQ, VOCAB = 4, 8, 1000  # ids on every TP shard of the 1024-row padded vocabulary
 # Per tensor, max |layout - reference| <= REL_TOL * max |reference|. Reordered fp32 sums (split
 # matmuls, all-reduces, microbatch accumulation) measure up to ~1.3e-6 of the tensor's scale for
 # this 4-layer model; a real bug (wrong shard, missing reduction, wrong scaling) is O(1).

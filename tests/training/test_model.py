@@ -29,7 +29,7 @@ def test_tiny_llama_forward_and_backward(single_rank):
     model = build_gpt_model(hf, ParallelConfig())
     ids, pos = _ids(model, 2, 16)
     logits = model(ids, pos, None)
-    assert logits.shape == (2, 16, padded_vocab_size(VOCAB, 1)) == (2, 16, 256)
+    assert logits.shape == (2, 16, padded_vocab_size(VOCAB, 1)) == (2, 16, 1024)
     assert torch.isfinite(logits).all()
     (logits ** 2).mean().backward()
     for name, p in model.named_parameters():
@@ -150,7 +150,7 @@ def test_model_kwargs_from_config_folder(tmp_path):
         '"rope_theta": 123456.0, "rope_scaling": null, "max_position_embeddings": 512, '
         '"tie_word_embeddings": true}')
     kw = gpt_model_kwargs_from_hf(str(tmp_path), tensor_parallel=2)
-    assert kw == dict(vocab_size=512, max_sequence_length=512, position_embedding_type="rope",
+    assert kw == dict(vocab_size=1024, max_sequence_length=512, position_embedding_type="rope",
                       share_embeddings_and_output_weights=True, rotary_base=123456.0)
     assert gpt_model_kwargs_from_hf(str(tmp_path), tensor_parallel=1,
                                     vocab_size=1000)["vocab_size"] == 1024
@@ -158,11 +158,13 @@ def test_model_kwargs_from_config_folder(tmp_path):
         gpt_model_kwargs_from_hf(str(tmp_path / "missing"), tensor_parallel=1)
 
 
-@pytest.mark.parametrize("vocab, tp, padded", [(250, 1, 256), (250, 2, 256), (257, 1, 384),
-                                               (256, 2, 256), (257, 2, 512), (151936, 8, 152576),
-                                               (1, 4, 512)])
-def test_padded_vocab_size(vocab, tp, padded):
+@pytest.mark.parametrize("vocab, tp, padded", [(250, 1, 1024), (250, 2, 1024), (1025, 1, 2048),
+                                               (1024, 8, 1024), (151936, 8, 152576), (1, 4, 1024),
+                                               (250, 3, 3072)])
+def test_padded_vocab_size_does_not_depend_on_tp(vocab, tp, padded):
+    # One padded size for TP 1, 2, 4, 8: a checkpoint resumes at any of them.
     assert padded_vocab_size(vocab, tp) == padded
+    assert padded_vocab_size(250, 128, divisible_by=1, resume_tp=1) == 256
 
 
 UNSUPPORTED = [
