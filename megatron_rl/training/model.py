@@ -29,7 +29,8 @@ from megatron_rl.training.parallel import ParallelConfig
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "padded_vocab_size",
            "transformer_config_from_hf", "gpt_model_kwargs_from_hf", "build_gpt_model",
-           "build_model_chunks", "save_model_checkpoint", "load_model_checkpoint"]
+           "build_model_chunks", "unwrap_chunks", "model_sharded_state_dict", "save_model_checkpoint",
+           "load_model_checkpoint"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -285,13 +286,15 @@ def build_model_chunks(hf_config: Any, parallel: ParallelConfig, *,
                             config=config) for stage in stages]
 
 
-def _chunks(model: Any) -> list:
+def unwrap_chunks(model: Any) -> list:
+    """The bare ``GPTModel`` chunks of a chunk or list of chunks wrapped in DDP / Float16Module."""
     from megatron.core.utils import unwrap_model
 
-    return unwrap_model(model if isinstance(model, list) else [model])
+    return unwrap_model(list(model) if isinstance(model, (list, tuple)) else [model])
 
 
-def _sharded_state_dict(chunks: list) -> dict:
+def model_sharded_state_dict(chunks: list) -> dict:
+    """The ``dist_checkpointing`` sharded state dict of (unwrapped) model chunks."""
     # With several chunks (interleaving) the python keys must not collide; the tensors inside
     # carry their global names (layer numbers include the chunk's offset), which is what the
     # checkpoint is keyed by, so the nesting does not leak into the files.
@@ -308,7 +311,7 @@ def save_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     os.makedirs(path, exist_ok=True)
-    dist_checkpointing.save(_sharded_state_dict(_chunks(model)), str(path))
+    dist_checkpointing.save(model_sharded_state_dict(unwrap_chunks(model)), str(path))
 
 
 def load_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
@@ -316,8 +319,8 @@ def load_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
     (collective). Every parameter must be in the checkpoint with the same global shape."""
     from megatron.core import dist_checkpointing
 
-    chunks = _chunks(model)
-    state = dist_checkpointing.load(_sharded_state_dict(chunks), str(path))
+    chunks = unwrap_chunks(model)
+    state = dist_checkpointing.load(model_sharded_state_dict(chunks), str(path))
     if len(chunks) == 1:
         chunks[0].load_state_dict(state)
     else:

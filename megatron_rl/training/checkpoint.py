@@ -1,0 +1,707 @@
+"""Training checkpoints that are written atomically and resume exactly, also at another TP/PP.
+
+Usage (every rank of the default process group calls both; collective)::
+
+    path = save_checkpoint(run_dir / "checkpoints", step, model_chunks, optimizer, scheduler,
+                           extra={"sampler": cursor, "policy_version": v}, seed=cfg.seed)
+    step, extra = load_checkpoint(run_dir / "checkpoints", model_chunks, optimizer, scheduler)
+
+Layout on disk (``root`` is the folder given to :func:`save_checkpoint`)::
+
+    root/
+      latest                     "step_00000012\\n", replaced atomically after each save
+      step_00000012/             a complete checkpoint (the rename below is what makes it one)
+        complete                 JSON marker: step, layout (TP/PP/DP/world/chunks), time, versions,
+                                 what is inside (optimizer kind and format, scheduler, seed)
+        dist/                    model + optimizer, megatron.core.dist_checkpointing (torch_dist):
+                                 every tensor under its global name and shape, any TP/PP reads it
+        rng/rank_00000.pt        RNG states of each rank (python, numpy, torch CPU/CUDA, Megatron's
+                                 tensor-parallel tracker), plain tensors and numbers
+        scheduler.json           OptimizerParamScheduler.state_dict() (rank 0; same on every rank)
+        extra.json               the caller's ``extra`` dict (rank 0's)
+      step_00000012.tmp-3f9a1c/  a save in progress or a crashed one: never loaded, swept later
+
+Write protocol: every rank writes into ``step_N.tmp-<random>/``; all ranks report success; rank 0
+writes ``complete`` into it, renames it to ``step_N`` (one atomic rename, so ``step_N`` never
+exists without its marker), replaces ``latest`` (tmp file + ``os.replace``), and only then deletes
+checkpoints beyond ``keep_last`` and leftovers of crashed saves. :func:`latest_checkpoint` trusts
+``latest`` only if it names a complete checkpoint, else it takes the complete one with the highest
+step. All ranks must see the same filesystem at ``root`` (a shared or parallel filesystem on a
+cluster): rank 0 renames what the other ranks wrote, and every rank reads the marker. One job
+writes a given root at a time.
+
+What resumes exactly:
+
+- Model weights and optimizer state (Adam moments, step, fp32 main params of
+  ``Float16OptimizerWithFloat16Params``, the grad scaler) of Megatron's plain optimizer, at any
+  TP/PP/DP layout: they are stored by global tensor name, so a resumed run at another layout
+  continues with bit-identical state; only the reduction order of its sums differs.
+- The LR scheduler (its step count and settings) and the step; ``extra`` round-trips as JSON
+  (tuples come back as lists, dict keys as strings).
+- RNG states, at the same layout only (same world size, TP, PP, DP, chunks and device kind):
+  every rank gets back its own states. At another layout there is no one-to-one map from old
+  ranks to new ones, so every rank is reseeded deterministically from ``(seed, step)`` and its
+  TP rank, exactly as :func:`~megatron_rl.training.parallel.init_parallel` seeds a fresh run
+  (one default-generator seed for all ranks, a tracker stream per TP rank) -- the rank enters
+  through its TP coordinate only because ranks that hold replicated activations must draw the
+  same dropout masks. ``seed`` is the one given to :func:`save_checkpoint`, or, if none was, a
+  digest of rank 0's saved generator state. Training with dropout 0 (this project's default)
+  does not consume these RNGs at all.
+
+What does not resume: Megatron's *distributed* optimizer on CPU (megatron-core 0.16.1; see
+:data:`DISTRIBUTED_OPTIMIZER_ON_CPU`); its checkpoints are written (format ``dp_reshardable``
+on CPU, ``fully_reshardable`` with CUDA) but loading one raises on CPU instead of guessing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import secrets
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_rl.training.model import model_sharded_state_dict, unwrap_chunks
+
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
+           "checkpoint_dir_name", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
+           "CheckpointError", "CheckpointMismatchError", "DISTRIBUTED_OPTIMIZER_ON_CPU"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FORMAT_VERSION = 1
+MARKER, LATEST = "complete", "latest"
+DIST_DIR, RNG_DIR = "dist", "rng"
+SCHEDULER_FILE, EXTRA_FILE = "scheduler.json", "extra.json"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+_LEFTOVER_DIR = re.compile(r"step_\d{8,}\.(tmp|trash)-[0-9a-f]+")
+
+DISTRIBUTED_OPTIMIZER_ON_CPU = (
+    "Megatron's distributed optimizer does not resume on CPU with megatron-core 0.16.1: the format "
+    "that reshards across TP/PP ('fully_reshardable') gathers its state with Tensor.cuda(), so "
+    "only 'dp_reshardable' can be written without CUDA; that format cannot change TP/PP, and its "
+    "loader (DistributedOptimizer.load_parameter_state_from_dp_reshardable) fails on fp32 "
+    "parameters outside torch.no_grad and has not been verified to restore the state exactly. "
+    "Use the plain optimizer (use_distributed_optimizer=False) on CPU; it resumes exactly.")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, or a rank failed while writing or reading one."""
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit the model/optimizer it is loaded into (names the tensor)."""
+
+
+# -- small files, written atomically ------------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (a no-op where directories cannot be synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part.
+
+    Writes a sibling temporary file, fsyncs it, and ``os.replace``-s it over ``path`` (atomic on
+    POSIX within one filesystem), then fsyncs the folder so the rename survives a crash.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    """:func:`atomic_write_bytes` of ``obj`` as indented JSON (TypeError if not serialisable)."""
+    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
+
+
+# -- finding checkpoints ------------------------------------------------------------------------
+
+def checkpoint_dir_name(step: int) -> str:
+    """``step_00000012`` for step 12: zero-padded so names sort like steps."""
+    return f"step_{step:08d}"
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``root`` as ``(step, path)``, lowest step first.
+
+    Only ``step_<digits>`` folders holding the ``complete`` marker count: a save in progress
+    (``*.tmp-*``), a crashed one, or a folder someone renamed by hand without the marker does not.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir() and _is_complete(entry):
+            found.append((int(match.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from under ``root``, or None if there is no complete one.
+
+    ``root/latest`` is followed if it names a complete checkpoint; if it is missing, or names a
+    folder that is gone or has no marker, the complete checkpoint with the highest step is taken.
+    """
+    root = Path(root)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except OSError:  # no root, no `latest`, or something unreadable there: scan instead
+        name = ""
+    if _STEP_DIR.fullmatch(name) and _is_complete(root / name):
+        return root / name
+    found = list_checkpoints(root)
+    if name and found:
+        log.warning("checkpoint: %s/latest names %r, which is not a complete checkpoint; "
+                    "using %s", root, name, found[-1][1].name)
+    return found[-1][1] if found else None
+
+
+def _resolve(path: Path) -> Path:
+    """``path`` itself if it is a complete checkpoint, else the latest one under it as a root."""
+    if _is_complete(path):
+        return path
+    if (path / DIST_DIR).exists() or _STEP_DIR.fullmatch(path.name) or _LEFTOVER_DIR.fullmatch(
+            path.name):
+        raise CheckpointError(f"{path} is an incomplete checkpoint (no '{MARKER}' marker: its "
+                              "save did not finish); load the root folder to get the latest "
+                              "complete one")
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete checkpoint under {path}")
+    return found
+
+
+# -- collectives that never leave a rank waiting ------------------------------------------------
+
+def _on_rank0(fn: Callable[[], T]) -> T:
+    """Run ``fn`` on rank 0 only; every rank returns its result, or raises its exception.
+
+    The other ranks raise a copy of rank 0's exception (same type and message; a
+    CheckpointError quoting it if it cannot be pickled). Without this, a failure on rank 0 would
+    leave the other ranks blocked in the next collective.
+    """
+    payload: list[Any] = [None]
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = ("ok", fn())
+        except Exception as err:  # noqa: BLE001 -- forwarded to every rank below
+            error = err
+            try:
+                pickle.dumps(err)
+                payload[0] = ("error", err)
+            except Exception:  # noqa: BLE001 -- an exception type that does not pickle
+                payload[0] = ("error", CheckpointError(f"rank 0: {type(err).__name__}: {err}"))
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "error":
+        if error is not None:
+            raise error
+        raise value
+    return value
+
+
+def _agree(problem: str | None, error_type: type[Exception] = CheckpointError,
+           local: BaseException | None = None) -> None:
+    """Raise on every rank if any rank has a ``problem``: this rank's own exception ``local``
+    where it has one, else ``error_type`` quoting the first rank's problem."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    bad = [(rank, p) for rank, p in enumerate(gathered) if p]
+    if not bad:
+        return
+    if local is not None:
+        raise local
+    rank, first = bad[0]
+    more = f" (and problems on {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
+    raise error_type(f"rank {rank}: {first}{more}")
+
+
+@contextlib.contextmanager
+def _all_or_none(what: str) -> Iterator[None]:
+    """Run the block on every rank; if it raised on any rank, raise on all of them after it.
+
+    For rank-local work (file reads and writes) followed by collectives: a rank that failed
+    alone would otherwise leave the others blocked in the next collective until the timeout.
+    """
+    local = None
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 -- re-raised below, on every rank
+        local = err
+    _agree(None if local is None else f"{what}: {type(local).__name__}: {local}", local=local)
+
+
+# -- layout and RNG -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each rank's shard and RNG streams came from; equal layouts map rank r to rank r."""
+
+    world_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+    data_parallel: int
+    model_chunks: int  # > 1 with interleaved (virtual) pipeline stages
+
+
+def _layout(chunks: list) -> _Layout:
+    """The layout these (unwrapped) chunks were built for, read from their process groups."""
+    pgs = chunks[0].pg_collection
+    world, tp, pp = dist.get_world_size(), pgs.tp.size(), pgs.pp.size()
+    return _Layout(world_size=world, tensor_parallel=tp, pipeline_parallel=pp,
+                   data_parallel=world // (tp * pp), model_chunks=len(chunks))
+
+
+def _rng_device() -> str:
+    # CUDA generator states (and the tracker's, which are CUDA states on GPU) cannot be set on a
+    # CPU-only machine, so a device change counts as a layout change for the RNG.
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _capture_rng() -> dict:
+    """This rank's RNG states as plain tensors, numbers and tuples (``weights_only``-loadable)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "torch_cpu": torch.get_rng_state(),
+        "tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _restore_rng(state: dict) -> None:
+    """Inverse of :func:`_capture_rng`."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch_cpu"])
+    if "torch_cuda" in state:
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
+    tracker = get_cuda_rng_tracker()
+    if state["tracker"]:
+        tracker.set_states(dict(state["tracker"]))
+
+
+def _reseed_rng(base_seed: int, step: int, tp_rank: int) -> None:
+    """Seed every generator from ``(base_seed, step)`` the way ``init_parallel`` seeds a new run.
+
+    The 32-bit seed (numpy's limit) comes from a hash, so nearby steps get unrelated streams.
+    """
+    from megatron.core import tensor_parallel
+
+    digest = hashlib.sha256(f"megatron-rl-reseed:{base_seed}:{step}".encode()).digest()
+    seed = int.from_bytes(digest[:4], "little")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank)
+
+
+def _rng_file(ckpt: Path, rank: int) -> Path:
+    return ckpt / RNG_DIR / f"rank_{rank:05d}.pt"
+
+
+def _state_seed(ckpt: Path) -> int:
+    """A seed that is a deterministic function of the checkpoint: rank 0's torch generator."""
+    state = torch.load(_rng_file(ckpt, 0), weights_only=True)
+    return int.from_bytes(hashlib.sha256(state["torch_cpu"].numpy().tobytes()).digest()[:8],
+                          "little")
+
+
+# -- what goes into dist_checkpointing ----------------------------------------------------------
+
+def _inner_optimizers(optimizer: Any) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _optimizer_kind(optimizer: Any) -> str | None:
+    """``None``, ``"plain"`` (Float16OptimizerWithFloat16Params / FP32Optimizer, possibly inside a
+    ChainedOptimizer) or ``"distributed"`` (any DistributedOptimizer inside)."""
+    if optimizer is None:
+        return None
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = _inner_optimizers(optimizer)
+    return "distributed" if any(isinstance(o, DistributedOptimizer) for o in inner) else "plain"
+
+
+def _has_state(optimizer: Any) -> bool:
+    """Whether the optimizer has stepped: torch optimizers create their state on the first step."""
+    return any(len(o.optimizer.state) for o in _inner_optimizers(optimizer))
+
+
+def _reset_optimizer(optimizer: Any) -> None:
+    """Make ``optimizer`` what it was before its first step, around the freshly loaded weights.
+
+    Clears the per-parameter state (Adam creates it again, step 0, on the next step) and copies
+    the model's weights into the fp32 main params of a Float16 optimizer, which would otherwise
+    overwrite the loaded weights with their old copies on the next step.
+    """
+    for inner in _inner_optimizers(optimizer):
+        inner.optimizer.state.clear()
+    optimizer.reload_model_params()
+
+
+def _optimizer_metadata(kind: str | None, sharding: str | None) -> dict:
+    # Without the prefix flag a ChainedOptimizer of several plain optimizers would key its state
+    # by optimizer index, which depends on the layout.
+    meta: dict = {"chained_optim_avoid_prefix": True}
+    if kind == "distributed":
+        meta["distrib_optim_sharding_type"] = sharding
+    return meta
+
+
+def _sharded_state_dict(chunks: list, optimizer: Any, meta: dict, is_loading: bool) -> dict:
+    model = model_sharded_state_dict(chunks)
+    state = {"model": model}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                          metadata=meta)
+    return state
+
+
+def _versions() -> dict:
+    from megatron_rl import __version__
+
+    def version(dist_name: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {"megatron_rl": __version__, "megatron_core": version("megatron-core"),
+            "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
+# -- save ---------------------------------------------------------------------------------------
+
+def save_checkpoint(root: str | os.PathLike, step: int, model_chunks: list, optimizer: Any,
+                    scheduler: Any, *, extra: dict | None = None, keep_last: int | None = 3,
+                    seed: int | None = None) -> Path:
+    """Write ``root/step_<step>`` atomically; return its path (the same on every rank).
+
+    Collective over the default process group (every rank calls it with the same ``root`` and
+    ``step``; ``root`` on a filesystem all ranks share). ``model_chunks`` as the schedules take
+    them (DDP/Float16Module wrappers are fine); ``optimizer`` a Megatron optimizer or None (model
+    only); ``scheduler`` an ``OptimizerParamScheduler`` or None. ``extra`` must be JSON-
+    serialisable; rank 0's is stored. ``seed`` (the run's) is recorded for reseeding at another
+    layout. After the new checkpoint is complete and ``latest`` names it, complete checkpoints
+    with lower steps beyond the newest ``keep_last`` (None: keep all) are deleted, along with
+    leftovers of crashed saves (best effort: a failed deletion is logged). Saving a step that
+    already exists replaces it.
+
+    Raises ValueError for bad arguments; TypeError if ``extra`` is not JSON-serialisable (on
+    every rank, before anything is written); if a rank fails to write its part, its own error
+    there and CheckpointError on the others, with nothing marked complete.
+    """
+    if step < 0 or int(step) != step:
+        raise ValueError(f"step: must be an integer >= 0, got {step!r}")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last: must be >= 1 or None (keep all), got {keep_last}")
+    rng = _capture_rng()  # first, so nothing below can advance a generator before it is saved
+    root, rank = Path(root), dist.get_rank()
+    chunks = unwrap_chunks(model_chunks)
+    layout = _layout(chunks)
+    kind = _optimizer_kind(optimizer)
+    # Before the first step there is no state to save; loading then resets the optimizer
+    # (Megatron's loader would create moments without a step count, which Adam cannot use).
+    opt_state = None if kind is None else ("saved" if _has_state(optimizer) else "empty")
+    sharding = None
+    if kind == "distributed":
+        sharding = "fully_reshardable" if torch.cuda.is_available() else "dp_reshardable"
+    meta = _optimizer_metadata(kind, sharding)
+    tmp = Path(_on_rank0(lambda: str(_start(root, step, extra))))
+    from megatron.core import dist_checkpointing
+
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, meta, is_loading=False),
+                            str(tmp / DIST_DIR), validate_access_integrity=True)
+    with _all_or_none(f"writing {tmp}"):
+        torch.save({"layout": asdict(layout), "rank": rank, **rng}, _rng_file(tmp, rank))
+        if rank == 0 and scheduler is not None:
+            atomic_write_json(tmp / SCHEDULER_FILE, scheduler.state_dict())
+    marker = {
+        "format": FORMAT_VERSION, "step": int(step), "layout": asdict(layout),
+        "rng_device": _rng_device(), "seed": seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "unix_time": time.time(), "versions": _versions(),
+        "contents": {"optimizer": kind, "optimizer_state": opt_state,
+                     "optimizer_sharding": sharding, "optimizer_metadata": meta,
+                     "scheduler": scheduler is not None},
+    }
+    return Path(_on_rank0(lambda: str(_finalize(root, tmp, marker, keep_last))))
+
+
+def _start(root: Path, step: int, extra: dict | None) -> Path:
+    """Rank 0: the tmp folder of a new save, with ``extra.json`` in it (checked first)."""
+    text = json.dumps(extra or {}, indent=1, sort_keys=True) + "\n"  # TypeError before mkdir
+    # secrets, not random: the python generator was just captured and must not advance.
+    tmp = root / f"{checkpoint_dir_name(step)}.tmp-{secrets.token_hex(4)}"
+    (tmp / DIST_DIR).mkdir(parents=True)
+    (tmp / RNG_DIR).mkdir()
+    atomic_write_text(tmp / EXTRA_FILE, text)
+    return tmp
+
+
+def _finalize(root: Path, tmp: Path, marker: dict, keep_last: int | None) -> Path:
+    """Rank 0: marker, rename into place, ``latest``, then pruning (in that order)."""
+    atomic_write_json(tmp / MARKER, marker)
+    final = root / checkpoint_dir_name(marker["step"])
+    old = None
+    if final.exists():  # re-saving a step: move the old one aside, delete it once replaced
+        old = _trash_name(final)
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(root)
+    atomic_write_text(root / LATEST, final.name + "\n")
+    try:
+        if old is not None:
+            shutil.rmtree(old)
+        _prune(root, final, marker["step"], keep_last)
+    except OSError as err:  # the new checkpoint is complete; a failed cleanup must not fail it
+        log.warning("checkpoint: cleaning up %s after saving %s failed: %s", root, final, err)
+    return final
+
+
+def _trash_name(path: Path) -> Path:
+    return path.with_name(f"{path.name}.trash-{secrets.token_hex(4)}")
+
+
+def _prune(root: Path, new: Path, step: int, keep_last: int | None) -> None:
+    """Delete older complete checkpoints beyond ``keep_last`` and leftovers of crashed saves.
+
+    A checkpoint is first renamed to ``*.trash-*`` (one atomic step that also takes its marker
+    away), then deleted: an interrupted deletion leaves a leftover, never a broken "complete" one.
+    Checkpoints with a higher step than the new one (a run resumed from an earlier step) are kept.
+    """
+    if keep_last is not None:
+        older = [path for s, path in list_checkpoints(root) if s < step and path != new]
+        for path in older[:max(0, len(older) - (keep_last - 1))]:
+            trash = _trash_name(path)
+            path.rename(trash)
+            shutil.rmtree(trash)
+    for entry in root.iterdir():
+        if _LEFTOVER_DIR.fullmatch(entry.name) and entry.is_dir():
+            shutil.rmtree(entry)
+
+
+# -- load ---------------------------------------------------------------------------------------
+
+def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer: Any = None,
+                    scheduler: Any = None, *, strict: bool = True) -> tuple[int, dict]:
+    """Load a checkpoint into ``model_chunks``, ``optimizer``, ``scheduler``; ``(step, extra)``.
+
+    Collective over the default process group. ``path`` is a checkpoint folder or a root (then
+    :func:`latest_checkpoint` of it, as rank 0 sees it). Any TP/PP/DP layout loads a checkpoint
+    written at any other, as long as the padded vocabulary and architecture agree. RNG states are
+    restored exactly at the same layout and reseeded otherwise (module docstring). With
+    ``strict=False`` model tensors missing from the checkpoint keep their current values; shape
+    mismatches, and missing optimizer state when an optimizer is given, are errors either way.
+    A checkpoint saved before the optimizer's first step resets the given optimizer to that
+    state. With ``optimizer=None`` only the weights change: an optimizer built before the load
+    must then be told (``optimizer.reload_model_params()``; a Float16 optimizer keeps fp32
+    copies of the old weights otherwise), or be built after it.
+
+    Raises FileNotFoundError (no complete checkpoint under a root), CheckpointError (incomplete
+    checkpoint, unsupported optimizer format, scheduler/optimizer state absent), and
+    CheckpointMismatchError naming the checkpoint and the tensor when shapes or names do not fit.
+    All of them are raised on every rank before any collective that could hang.
+    """
+    ckpt = Path(_on_rank0(lambda: str(_resolve(Path(path)))))
+    with _all_or_none(f"reading {ckpt / MARKER}"):
+        marker = json.loads((ckpt / MARKER).read_text())
+    chunks = unwrap_chunks(model_chunks)
+    layout, saved = _layout(chunks), _Layout(**marker["layout"])
+    contents = marker["contents"]
+    _check_optimizer_and_scheduler(ckpt, contents, optimizer, scheduler, saved, layout)
+    load_optimizer = optimizer if contents["optimizer_state"] == "saved" else None
+    state = _sharded_state_dict(chunks, load_optimizer, contents["optimizer_metadata"],
+                                is_loading=True)
+    missing = _check_fits(ckpt, state, strict)
+    if missing:
+        log.warning("checkpoint %s lacks %d model tensors (kept as they are): %s", ckpt,
+                    len(missing), ", ".join(sorted(missing)[:10]))
+        state["model"] = _without_keys(state["model"], missing)
+    from megatron.core import dist_checkpointing
+
+    loaded = dist_checkpointing.load(state, str(ckpt / DIST_DIR))
+    with _all_or_none(f"loading {ckpt}"):
+        _load_states(ckpt, chunks, loaded, strict, optimizer, load_optimizer, scheduler)
+        _restore_or_reseed(ckpt, marker, saved, layout, chunks)
+        extra = json.loads((ckpt / EXTRA_FILE).read_text())
+    return int(marker["step"]), extra
+
+
+def _load_states(ckpt: Path, chunks: list, loaded: dict, strict: bool, optimizer: Any,
+                 load_optimizer: Any, scheduler: Any) -> None:
+    """Copy what dist_checkpointing read into the modules, the optimizer and the scheduler."""
+    # Loading copies into parameters (and the distributed optimizer's views of them); autograd
+    # must not record that.
+    with torch.no_grad():
+        if len(chunks) == 1:
+            chunks[0].load_state_dict(loaded["model"], strict=strict)
+        else:
+            for i, chunk in enumerate(chunks):
+                chunk.load_state_dict(loaded["model"][f"model{i}"], strict=strict)
+        if load_optimizer is not None:
+            load_optimizer.load_state_dict(loaded["optimizer"])
+        elif optimizer is not None:
+            _reset_optimizer(optimizer)
+    if scheduler is not None:
+        # load_state_dict *adds* the saved step count to the current one; start from zero so a
+        # scheduler that has already stepped ends up at the checkpoint's step, not past it.
+        scheduler.num_steps = 0
+        scheduler.load_state_dict(json.loads((ckpt / SCHEDULER_FILE).read_text()))
+
+
+def _check_optimizer_and_scheduler(ckpt: Path, contents: dict, optimizer: Any, scheduler: Any,
+                                   saved: _Layout, layout: _Layout) -> None:
+    """Raise (the same on every rank: it reads only the marker) if the state cannot be loaded."""
+    kind = _optimizer_kind(optimizer)
+    if kind is not None and contents["optimizer"] is None:
+        raise CheckpointError(f"{ckpt} holds no optimizer state; pass optimizer=None to load "
+                              "the model only")
+    if kind is not None and kind != contents["optimizer"]:
+        raise CheckpointError(f"{ckpt} holds {contents['optimizer']} optimizer state, the "
+                              f"optimizer given is {kind}; their formats differ")
+    if kind == "distributed":
+        if not torch.cuda.is_available():
+            raise CheckpointError(f"{ckpt}: {DISTRIBUTED_OPTIMIZER_ON_CPU}")
+        moved = (saved.tensor_parallel, saved.pipeline_parallel, saved.model_chunks) != (
+            layout.tensor_parallel, layout.pipeline_parallel, layout.model_chunks)
+        if contents["optimizer_sharding"] == "dp_reshardable" and moved:
+            raise CheckpointError(f"{ckpt}: its distributed-optimizer state was written on CPU "
+                                  "as 'dp_reshardable', which loads only at the TP/PP it was "
+                                  f"written at ({saved.tensor_parallel}/"
+                                  f"{saved.pipeline_parallel}), not at {layout.tensor_parallel}/"
+                                  f"{layout.pipeline_parallel}")
+    if scheduler is not None and not contents["scheduler"]:
+        raise CheckpointError(f"{ckpt} holds no LR scheduler state; pass scheduler=None")
+
+
+def _sharded_tensors(state: dict) -> list:
+    """Every ShardedTensor in a sharded state dict, factories expanded (without changing it)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = []
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensorFactory):
+            out.extend(_sharded_tensors({"built": value.build()}))
+        elif isinstance(value, ShardedTensor):
+            out.append(value)
+    return out
+
+
+def _check_fits(ckpt: Path, state: dict, strict: bool) -> set[str]:
+    """Compare every tensor this rank would load with the checkpoint's global names and shapes.
+
+    Returns the model tensors (by global key) to skip when ``strict`` is False; raises
+    CheckpointMismatchError on every rank if any rank found a shape mismatch or a missing
+    tensor it may not skip. Collective (the verdict is agreed so that no rank goes on into
+    dist_checkpointing's collectives while another has stopped).
+    """
+    from megatron.core import dist_checkpointing
+
+    problem, skip, error_type = None, set(), CheckpointMismatchError
+    try:
+        stored = dist_checkpointing.load_tensors_metadata(str(ckpt / DIST_DIR))
+        problems = []
+        for part in ("model", "optimizer"):
+            for ten in _sharded_tensors({part: state.get(part, {})}):
+                if ten.key not in stored:
+                    if part == "model" and not strict:
+                        skip.add(ten.key)
+                    else:
+                        problems.append(f"tensor {ten.key!r} is not in the checkpoint")
+                elif tuple(stored[ten.key].global_shape) != tuple(ten.global_shape):
+                    problems.append(f"tensor {ten.key!r} has shape "
+                                    f"{tuple(stored[ten.key].global_shape)} in the checkpoint, "
+                                    f"the model expects {tuple(ten.global_shape)}")
+        if problems:
+            more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+            problem = f"checkpoint {ckpt} does not fit: {problems[0]}{more}"
+    except Exception as err:  # noqa: BLE001 -- unreadable metadata, reported to every rank
+        problem = f"checkpoint {ckpt}: cannot read its tensor metadata: {err}"
+        error_type = CheckpointError
+    _agree(problem, error_type)
+    return skip
+
+
+def _without_keys(state: Any, keys: set[str]) -> Any:
+    """``state`` without the entries whose ShardedTensor/factory key is in ``keys``."""
+    if isinstance(state, dict):
+        return {k: _without_keys(v, keys) for k, v in state.items()
+                if getattr(v, "key", None) not in keys}
+    return state
+
+
+def _restore_or_reseed(ckpt: Path, marker: dict, saved: _Layout, layout: _Layout,
+                       chunks: list) -> None:
+    """Exact RNG states at the same layout and device kind; a deterministic reseed otherwise."""
+    rank = dist.get_rank()
+    if saved == layout and marker["rng_device"] == _rng_device():
+        state = torch.load(_rng_file(ckpt, rank), weights_only=True)
+        if _Layout(**state["layout"]) != layout or state["rank"] != rank:
+            raise CheckpointError(f"{_rng_file(ckpt, rank)} was written by rank {state['rank']} "
+                                  f"of layout {state['layout']}, not rank {rank} of {layout}")
+        _restore_rng(state)
+        return
+    seed = marker["seed"] if marker["seed"] is not None else _state_seed(ckpt)
+    log.info("checkpoint %s: written at %s on %s, loaded at %s on %s; RNGs reseeded from "
+             "(seed, step=%d)", ckpt, saved, marker["rng_device"], layout, _rng_device(),
+             marker["step"])
+    _reseed_rng(seed, int(marker["step"]), tp_rank=chunks[0].pg_collection.tp.rank())
