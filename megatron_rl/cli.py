@@ -19,7 +19,6 @@ import yaml
 # Verbs whose implementation has not landed yet, with the issue that brings each.
 _PENDING = {
     "train": ("run the asynchronous GRPO loop from a YAML recipe", 7),
-    "convert": ("convert checkpoints between Hugging Face and Megatron-Core", 5),
     "serve-engine": ("start the built-in PyTorch engine server (SGLang API subset)", 6),
     "curate": ("difficulty filtering and code-test curation of problem sets", 8),
     "eval": ("pass@k / maj@k evaluation through the generation fleet", 8),
@@ -29,7 +28,8 @@ TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
 
 
 def _benchmarks() -> dict[str, Path]:
-    return {p.stem[len("bench_"):]: p for p in sorted(TOOLS_DIR.glob("bench_*.py"))}
+    # tools/bench_train_step.py is `megatron-rl bench train-step`.
+    return {p.stem[len("bench_"):].replace("_", "-"): p for p in sorted(TOOLS_DIR.glob("bench_*.py"))}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -38,6 +38,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"megatron-rl bench: no tools/ folder next to the package ({TOOLS_DIR}); benchmarks run "
               "from a source checkout (pip install -e .)", file=sys.stderr)
         return 2
+    args.name = args.name.replace("_", "-")
     if args.name not in benches:
         print(f"megatron-rl bench: unknown benchmark {args.name!r}; available: {', '.join(benches)}",
               file=sys.stderr)
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_config)
     from megatron_rl.rewards.cli import build_parser as reward_parser
 
+    from megatron_rl.convert.cli import build_parser as convert_parser
+
+    convert_parser(sub.add_parser("convert", help="convert checkpoints between Hugging Face and "
+                                                  "Megatron-Core (hf-to-mcore, mcore-to-hf)"))
     reward_parser(sub.add_parser("reward", help="score a JSONL of completions (format, math, code, "
                                                 "length, language)"))
     for verb, (text, issue) in _PENDING.items():

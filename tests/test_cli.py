@@ -30,8 +30,8 @@ def test_help_lists_every_verb():
 
 
 def test_pending_verb_says_so_and_fails():
-    proc = run("convert", "hf-to-mcore", check=False)
-    assert proc.returncode == 2 and "issue #5" in proc.stderr
+    proc = run("eval", "suite.jsonl", check=False)
+    assert proc.returncode == 2 and "issue #8" in proc.stderr
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))

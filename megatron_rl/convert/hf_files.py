@@ -1,0 +1,256 @@
+"""The Hugging Face side of a conversion: safetensors read tensor by tensor, written shard by
+shard, the files that travel with the weights, and atomic output folders.
+
+- :class:`HFWeights` indexes a model folder (``model.safetensors.index.json`` if present, else
+  every ``*.safetensors`` file) from the files' headers only, and reads one tensor per access
+  (``safe_open``, memory-mapped): nothing is loaded until asked for.
+- :class:`ShardWriter` collects tensors and writes a shard as soon as the next tensor would make
+  it exceed ``max_shard_bytes`` (HF's ``max_shard_size`` rule: a single larger tensor gets a
+  shard of its own), so at most one shard is held in memory. One shard is ``model.safetensors``;
+  several are ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
+- :func:`atomic_output_dir` writes into a fresh sibling folder and renames it into place, so the
+  output either does not exist or is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+
+__all__ = ["HFWeights", "ShardWriter", "SIDE_FILE_PATTERNS", "copy_side_files", "parse_size",
+           "parse_dtype", "dtype_name", "atomic_output_dir", "INDEX_FILE", "SINGLE_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# Files carried across a conversion untouched (config.json is handled separately: it is checked
+# against the weights and its dtype entry follows the output).
+SIDE_FILE_PATTERNS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                      "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                      "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "*.model",
+                      "*.tiktoken")
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
+                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+def parse_dtype(text: str) -> torch.dtype | None:
+    """``bf16|fp16|fp32`` (or the long names) -> torch dtype; ``keep`` -> None."""
+    if text == "keep":
+        return None
+    if text not in _DTYPES:
+        raise ValueError(f"dtype: {text!r} is not one of bf16, fp16, fp32, keep")
+    return _DTYPES[text]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling of HF's config ``dtype`` field)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5 * 10**9 bytes (decimal units as in HF's ``max_shard_size``; ``GiB``
+    style binary units too); a bare number is bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"max_shard_size: cannot read {text!r} (use e.g. 5GB, 500MB, 1GiB)")
+    unit = (m.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0])
+    size = int(float(m.group(1)) * base ** power)
+    if size <= 0:
+        raise ValueError(f"max_shard_size: must be positive, got {text!r}")
+    return size
+
+
+class HFWeights(Mapping[str, torch.Tensor]):
+    """The safetensors weights of an HF model folder as a read-on-access mapping.
+
+    ``weights[name]`` reads that tensor from its file (one ``safe_open`` handle per file, kept
+    open); :meth:`shape` and :meth:`dtype` read the headers only.
+    """
+
+    def __init__(self, folder: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / INDEX_FILE
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.folder}: no {INDEX_FILE} and no *.safetensors files")
+        self._handles = {f: safe_open(str(self.folder / f), framework="pt") for f in files}
+        self._file_of: dict[str, str] = {}
+        for f, handle in self._handles.items():
+            for name in handle.keys():
+                if name in self._file_of:
+                    raise ValueError(f"{self.folder}: tensor {name} is in both "
+                                     f"{self._file_of[name]} and {f}")
+                self._file_of[name] = f
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._handles[self._file_of[name]].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file_of)
+
+    def __len__(self) -> int:
+        return len(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        code = self._handles[self._file_of[name]].get_slice(name).get_dtype()
+        return _SAFETENSORS_DTYPES[code]
+
+    def nbytes(self) -> int:
+        """Total bytes of all tensors (from the headers)."""
+        total = 0
+        for name in self._file_of:
+            numel = 1
+            for n in self.shape(name):
+                numel *= n
+            total += numel * self.dtype(name).itemsize
+        return total
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class ShardWriter:
+    """Write tensors into safetensors shards of at most ``max_shard_bytes`` as they arrive.
+
+    Call :meth:`add` per tensor (names must be unique) and :meth:`close` once; ``close`` names
+    the shards as HF does and writes the index when there is more than one.
+    """
+
+    def __init__(self, folder: str | os.PathLike, max_shard_bytes: int):
+        self.folder = Path(folder)
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self.total_bytes = 0
+        self.total_numel = 0
+        self._seen: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._seen:
+            raise ValueError(f"{name} written twice")
+        self._seen.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        # safetensors stores contiguous CPU memory; views (q/k/v slices) are copied here.
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+        self.total_numel += tensor.numel()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        tmp_name = f"shard-{len(self._shards):05d}.safetensors.part"
+        save_file(self._pending, str(self.folder / tmp_name), metadata={"format": "pt"})
+        self._shards.append((tmp_name, list(self._pending)))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Write the last shard, give the shards their final names; returns the file names."""
+        if self._pending or not self._shards:
+            self._flush()
+        n = len(self._shards)
+        if n == 1:
+            os.replace(self.folder / self._shards[0][0], self.folder / SINGLE_FILE)
+            return [SINGLE_FILE]
+        weight_map, files = {}, []
+        for i, (tmp_name, names) in enumerate(self._shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / tmp_name, self.folder / final)
+            files.append(final)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total_bytes,
+                              "total_parameters": self.total_numel},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return files + [INDEX_FILE]
+
+
+def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer / generation-config files of :data:`SIDE_FILE_PATTERNS` from ``src``
+    to ``dst`` (existing ones are replaced); returns the names copied."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for p in sorted(src.iterdir()):
+        if p.is_file() and any(fnmatch.fnmatch(p.name, pat) for pat in SIDE_FILE_PATTERNS):
+            shutil.copy2(p, dst / p.name)
+            copied.append(p.name)
+    return copied
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    # Contents reach the disk before the rename publishes them: without this, a crash could
+    # leave a complete-looking folder of empty or truncated files (a rename of a new name is not
+    # ordered after the data writes on common filesystems).
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder))
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to ``out``; on success rename it to ``out``.
+
+    Every file is fsync'ed before the rename, so a folder that exists after a crash is complete.
+    On an exception the temporary folder is removed and ``out`` is untouched. ``out`` must not
+    exist unless ``overwrite``: then the old folder is moved aside (``out`` is briefly absent)
+    and removed once the new one is in place. Raises FileExistsError (naming ``out``) otherwise.
+    """
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; remove it or pass --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        _fsync(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""HF-named tensors <-> the parameters of one rank's Megatron model chunk.
+
+    converter = HFConverter.for_config(hf_config)
+    load_hf_into_chunk(chunk, converter, hf_state, tp_rank=r, tp_size=tp)   # HF -> this rank
+    for hf_name, tensor in chunk_to_hf(chunk, converter, tp_group=tp_group): # this stage -> HF
+        ...
+
+A chunk is what :func:`megatron_rl.training.model.build_gpt_model` returns (possibly wrapped in
+DDP / Float16Module): one pipeline stage, or one virtual stage under interleaving. Its layers are
+numbered from 0; the global numbers come from the layers' own ``layer_number`` (so uneven
+pipeline splits are right too). Each pipeline stage handles its own layers and nothing is sent
+between stages; with tied embeddings the last stage's copy of the embedding is filled from the HF
+embedding and skipped on the way out.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.weight_sync.hf_map import (HFConverter, TPSplit, canonical_name, gather_from_tp,
+                                            shard_for_tp, to_global_name, tp_split)
+
+__all__ = ["chunk_layer_offset", "chunk_global_names", "load_hf_into_chunk", "chunk_to_hf"]
+
+
+def _unwrap(chunk: Any):
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunk)
+
+
+def chunk_layer_offset(chunk: Any) -> int:
+    """Global index of the chunk's first transformer layer (0 for a chunk without layers)."""
+    layers = _unwrap(chunk).decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def chunk_global_names(chunk: Any) -> dict[str, str]:
+    """Local parameter name -> canonical global name, for every parameter of ``chunk``."""
+    offset = chunk_layer_offset(chunk)
+    return {n: canonical_name(to_global_name(n, offset))
+            for n, _ in _unwrap(chunk).named_parameters()}
+
+
+@torch.no_grad()
+def load_hf_into_chunk(chunk: Any, converter: HFConverter, hf_state: Mapping[str, torch.Tensor],
+                       *, tp_rank: int, tp_size: int) -> int:
+    """Copy HF weights into every parameter of ``chunk`` (this rank's TP shard of each).
+
+    ``hf_state`` maps HF names to full tensors; only the tensors this chunk needs are read, one
+    parameter at a time, so a lazy mapping over safetensors files keeps one full tensor in memory
+    at a time. Values are cast to each parameter's dtype and device. Returns the number of
+    parameters filled; raises KeyError naming an HF tensor that is missing, or a parameter the
+    converter does not know.
+    """
+    names = chunk_global_names(chunk)
+    filled = 0
+    for local, param in _unwrap(chunk).named_parameters():
+        full = converter.hf_to_mcore_tensor(names[local], hf_state)
+        shard = shard_for_tp(names[local], full, tp_rank, tp_size)
+        if shard.shape != param.shape:
+            raise ValueError(f"{local}: the converted shard has shape {list(shard.shape)}, the "
+                             f"parameter {list(param.shape)} (TP rank {tp_rank} of {tp_size})")
+        param.copy_(shard)
+        filled += 1
+    return filled
+
+
+@torch.no_grad()
+def chunk_to_hf(chunk: Any, converter: HFConverter, *,
+                tp_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF ``(name, full tensor)`` pairs for the parameters of this chunk, in model order.
+
+    Collective over ``tp_group`` (every TP rank of the stage must iterate to the end, in step):
+    sharded parameters are all-gathered, so every TP rank gets the same full tensors. ``None``
+    means TP = 1 (no communication). Tensors keep the parameters' dtypes (Megatron keeps norms in
+    fp32 in a bf16 model); casting is the consumer's choice. The tied copy of the embedding on
+    the last pipeline stage yields nothing.
+    """
+    names = chunk_global_names(chunk)
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    for local, param in _unwrap(chunk).named_parameters():
+        name = names[local]
+        if name == "output_layer.weight" and converter.dims.tied:
+            continue  # the same decision on every TP rank, so the gathers stay in step
+        full = param.detach()
+        if tp > 1 and tp_split(name) is not TPSplit.REPLICATED:
+            shards = [torch.empty_like(full) for _ in range(tp)]
+            dist.all_gather(shards, full.contiguous(), group=tp_group)
+            full = gather_from_tp(name, shards)
+        yield from converter.mcore_to_hf(name, full)

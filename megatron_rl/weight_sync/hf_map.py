@@ -1,0 +1,589 @@
+"""Hugging Face <-> Megatron-Core names and layouts, one converter per architecture.
+
+The single source of truth for how a Llama / Mistral / Qwen2 ``*ForCausalLM`` state dict maps onto
+the ``GPTModel`` of :mod:`megatron_rl.training.model`. The offline checkpoint converter
+(:mod:`megatron_rl.convert`) and the live weight broadcast to the generators both go through it;
+nothing here reads or writes files.
+
+Megatron names used here ("canonical" names) are those of a TP=1, PP=1 model, with global layer
+numbers and the Transformer Engine spelling of the two pre-norms, which is also how
+``dist_checkpointing`` stores them under either layer spec. Megatron-Core 0.16.1's *module* names
+differ between the specs for exactly those two norms:
+
+==============================================  ==========================================
+TE spec (= canonical, = checkpoint keys)        local spec (plain PyTorch layers)
+==============================================  ==========================================
+``self_attention.linear_qkv.layer_norm_weight``  ``input_layernorm.weight``
+``mlp.linear_fc1.layer_norm_weight``             ``pre_mlp_layernorm.weight``
+==============================================  ==========================================
+
+Every function taking a Megatron name accepts both spellings (:func:`canonical_name`).
+
+The map, for one layer ``i`` (h = hidden_size, f = intermediate_size, n = num_attention_heads,
+g = num_key_value_heads, d = head_dim, V = vocab_size, Vp = padded vocabulary):
+
+- ``embedding.word_embeddings.weight [Vp, h]`` <-> ``model.embed_tokens.weight [V, h]``: rows
+  ``V..Vp`` are Megatron's vocabulary padding (zeros when made from HF, dropped going to HF).
+- ``decoder.layers.i.self_attention.linear_qkv.weight [(n + 2g) d, h]`` <-> ``q_proj [n d, h]``,
+  ``k_proj [g d, h]``, ``v_proj [g d, h]``: Megatron interleaves per query group -- for each of
+  the g groups, its n/g query heads, then its key head, then its value head. Qwen2's ``.bias``
+  ``[(n + 2g) d]`` follows the same layout.
+- ``...linear_proj.weight [h, n d]`` <-> ``o_proj``; ``...linear_fc1.weight [2f, h]`` <->
+  ``[gate_proj; up_proj]``; ``...linear_fc2.weight [h, f]`` <-> ``down_proj``.
+- the pre-attention / pre-MLP norms ``[h]`` <-> ``input_layernorm`` / ``post_attention_layernorm``;
+  ``decoder.final_layernorm.weight`` <-> ``model.norm.weight``.
+- ``output_layer.weight [Vp, h]`` <-> ``lm_head.weight [V, h]``; with tied embeddings there is no
+  ``lm_head`` and the last pipeline stage's copy of the embedding maps to nothing.
+
+Tensor parallelism (:func:`tp_split`, :func:`shard_for_tp`, :func:`gather_from_tp`): column-
+parallel weights split dim 0 (fused QKV -- contiguous because it is laid out by query group -- the
+vocabulary of the embedding and output layer), row-parallel ones dim 1 (``linear_proj``,
+``linear_fc2``); SwiGLU's ``fc1`` splits gate and up separately so that rank r holds
+``[gate_r; up_r]``; norms and row-parallel biases are replicated.
+
+Pipeline parallelism: a stage (or virtual-pipeline chunk) numbers its layers from 0; the global
+number adds the stage's :func:`layer_offset` (:func:`to_global_name`, :func:`to_local_name`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterable, Mapping, Sequence
+
+import torch
+
+from megatron_rl.training.model import load_hf_config, padded_vocab_size
+
+__all__ = ["HFConverter", "LlamaConverter", "MistralConverter", "Qwen2Converter", "CONVERTERS",
+           "ModelDims", "WeightsMismatchError", "TPSplit", "tp_split", "shard_for_tp",
+           "gather_from_tp", "canonical_name", "local_spec_name", "layer_offset",
+           "to_global_name", "to_local_name", "IGNORED_HF_SUFFIXES"]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# Local-spec module names of the two pre-norms -> the TE / checkpoint spelling.
+_LOCAL_TO_FUSED = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_FUSED_TO_LOCAL = {v: k for k, v in _LOCAL_TO_FUSED.items()}
+
+# Per-layer Megatron suffix -> the HF suffixes (under ``model.layers.i.``) it is made of.
+_LAYER_MAP: dict[str, tuple[str, ...]] = {
+    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
+    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                         "self_attn.v_proj.weight"),
+    "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                       "self_attn.v_proj.bias"),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+}
+_EMBEDDING, _FINAL_NORM, _OUTPUT = ("embedding.word_embeddings.weight",
+                                    "decoder.final_layernorm.weight", "output_layer.weight")
+_GLOBAL_MAP = {_EMBEDDING: "model.embed_tokens.weight", _FINAL_NORM: "model.norm.weight",
+               _OUTPUT: "lm_head.weight"}
+
+# HF tensors that are not weights and carry nothing to convert (non-persistent RoPE buffers that
+# some older checkpoints saved anyway).
+IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class WeightsMismatchError(ValueError):
+    """A config does not describe the weights it goes with; ``field`` names the config field(s)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# --------------------------------------------------------------------------- names and layers
+
+
+def canonical_name(name: str) -> str:
+    """The canonical (TE-spec, checkpoint) spelling of a Megatron parameter name."""
+    m = _LAYER.match(name)
+    if m and m.group(2) in _LOCAL_TO_FUSED:
+        return f"decoder.layers.{m.group(1)}.{_LOCAL_TO_FUSED[m.group(2)]}"
+    return name
+
+
+def local_spec_name(name: str) -> str:
+    """The local-spec module spelling of a Megatron parameter name (inverse of canonical)."""
+    m = _LAYER.match(name)
+    if m and m.group(2) in _FUSED_TO_LOCAL:
+        return f"decoder.layers.{m.group(1)}.{_FUSED_TO_LOCAL[m.group(2)]}"
+    return name
+
+
+def layer_offset(num_layers: int, *, pp_rank: int, pp_size: int, vp_stage: int | None = None,
+                 vp_size: int | None = None) -> int:
+    """Global index of the first layer held by pipeline rank ``pp_rank`` (virtual stage
+    ``vp_stage`` of ``vp_size`` under interleaving), for Megatron's even split.
+
+    Without interleaving stage r holds layers ``[r L/p, (r+1) L/p)``. With ``v`` virtual stages
+    each rank holds ``v`` chunks of ``n = L / (p v)`` layers and chunk c of rank r starts at
+    ``(c p + r) n`` (chunks go round the ranks first), as in Megatron's
+    ``get_transformer_layer_offset``. Uneven splits are not covered: for a built model use the
+    model's own numbering (``layer.layer_number - 1``).
+    """
+    chunks = pp_size * (vp_size or 1)
+    if num_layers % chunks:
+        raise ValueError(f"num_layers: {num_layers} does not split evenly into {chunks} chunks")
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank: {pp_rank} outside [0, {pp_size})")
+    if (vp_size is None) != (vp_stage is None) or (vp_size and not 0 <= vp_stage < vp_size):
+        raise ValueError(f"vp_stage: {vp_stage} does not fit vp_size={vp_size}")
+    return ((vp_stage or 0) * pp_size + pp_rank) * (num_layers // chunks)
+
+
+def to_global_name(local_name: str, offset: int) -> str:
+    """A stage's parameter name with its layer number made global (``offset`` added)."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
+
+
+def to_local_name(global_name: str, offset: int, num_local_layers: int) -> str | None:
+    """The stage-local name of a global layer parameter, or None when another stage holds it.
+    Names outside ``decoder.layers`` come back unchanged (which stage has them is the caller's
+    business: the embedding is on the first stage, the final norm and output on the last)."""
+    m = _LAYER.match(global_name)
+    if not m:
+        return global_name
+    local = int(m.group(1)) - offset
+    if not 0 <= local < num_local_layers:
+        return None
+    return f"decoder.layers.{local}.{m.group(2)}"
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+
+
+class TPSplit(enum.Enum):
+    """How a parameter is divided over tensor-parallel ranks."""
+
+    REPLICATED = "replicated"  # every rank holds the full tensor
+    COLUMN = "column"  # dim 0 cut into tp contiguous pieces
+    ROW = "row"  # dim 1 cut into tp contiguous pieces
+    SWIGLU = "swiglu"  # dim 0 = [gate; up], each half cut in tp pieces: rank r = [gate_r; up_r]
+
+
+_TP_RULES: tuple[tuple[str, TPSplit], ...] = (
+    ("embedding.word_embeddings.weight", TPSplit.COLUMN),  # vocab-parallel
+    ("output_layer.weight", TPSplit.COLUMN),  # vocab-parallel logits
+    (".self_attention.linear_qkv.weight", TPSplit.COLUMN),
+    (".self_attention.linear_qkv.bias", TPSplit.COLUMN),
+    (".self_attention.linear_proj.weight", TPSplit.ROW),
+    (".self_attention.linear_proj.bias", TPSplit.REPLICATED),  # added after the all-reduce
+    (".mlp.linear_fc1.weight", TPSplit.SWIGLU),
+    (".mlp.linear_fc1.bias", TPSplit.SWIGLU),
+    (".mlp.linear_fc2.weight", TPSplit.ROW),
+    (".mlp.linear_fc2.bias", TPSplit.REPLICATED),
+    (".layer_norm_weight", TPSplit.REPLICATED),
+    (".layer_norm_bias", TPSplit.REPLICATED),
+    ("layernorm.weight", TPSplit.REPLICATED),  # input_ / pre_mlp_ / final_layernorm
+    ("layernorm.bias", TPSplit.REPLICATED),
+)
+
+
+def tp_split(name: str) -> TPSplit:
+    """The TP layout of Megatron parameter ``name`` (either spelling, any layer numbering).
+    Raises KeyError for a name it does not know rather than guess "replicated"."""
+    for suffix, split in _TP_RULES:
+        if name.endswith(suffix):
+            return split
+    raise KeyError(f"no tensor-parallel layout known for Megatron parameter {name!r}")
+
+
+def _pieces(size: int, tp_size: int, name: str, what: str) -> int:
+    if size % tp_size:
+        raise ValueError(f"{name}: {what} of size {size} does not split into {tp_size} TP ranks")
+    return size // tp_size
+
+
+def shard_for_tp(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """The part of the full (TP=1) tensor ``full`` that TP rank ``tp_rank`` of ``tp_size`` holds.
+
+    Returns a view where the layout allows one (COLUMN, ROW, REPLICATED) and a new tensor for
+    SWIGLU. Raises ValueError when the split dimension does not divide by ``tp_size``.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
+    split = tp_split(name)
+    if split is TPSplit.REPLICATED or tp_size == 1:
+        return full
+    if split is TPSplit.SWIGLU:
+        half = _pieces(full.shape[0], 2, name, "dim 0 ([gate; up])")
+        n = _pieces(half, tp_size, name, "each of gate / up")
+        gate, up = full[:half], full[half:]
+        return torch.cat([gate[tp_rank * n:(tp_rank + 1) * n], up[tp_rank * n:(tp_rank + 1) * n]])
+    dim = 0 if split is TPSplit.COLUMN else 1
+    n = _pieces(full.shape[dim], tp_size, name, f"dim {dim}")
+    return full.narrow(dim, tp_rank * n, n)
+
+
+def gather_from_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from the shards of TP ranks ``0..tp-1`` (inverse of :func:`shard_for_tp`).
+
+    Replicated parameters return ``shards[0]`` (the ranks hold equal copies; not checked here).
+    """
+    if not shards:
+        raise ValueError(f"{name}: no shards to gather")
+    split = tp_split(name)
+    if split is TPSplit.REPLICATED or len(shards) == 1:
+        return shards[0]
+    if split is TPSplit.SWIGLU:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=0 if split is TPSplit.COLUMN else 1)
+
+
+# --------------------------------------------------------------------------- architecture
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes that fix every tensor's shape (read from an HF config)."""
+
+    model_type: str
+    hidden: int  # hidden_size
+    ffn: int  # intermediate_size
+    heads: int  # num_attention_heads
+    kv_heads: int  # num_key_value_heads
+    head_dim: int  # head_dim, or hidden_size / num_attention_heads
+    head_dim_explicit: bool  # whether the config sets head_dim
+    vocab: int  # vocab_size
+    padded_vocab: int  # Megatron's padded vocabulary (rows of the embedding / output layer)
+    layers: int  # num_hidden_layers
+    tied: bool  # tie_word_embeddings
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any, *, tensor_parallel: int = 1,
+                       padded_vocab: int | None = None) -> ModelDims:
+        """``padded_vocab`` defaults to :func:`padded_vocab_size` at ``tensor_parallel``."""
+        hf = load_hf_config(hf_config)
+        heads = hf.num_attention_heads
+        explicit = getattr(hf, "head_dim", None)
+        vocab = hf.vocab_size
+        padded = padded_vocab if padded_vocab is not None else padded_vocab_size(
+            vocab, tensor_parallel)
+        if padded < vocab:
+            raise WeightsMismatchError("vocab_size", f"vocab_size={vocab} is larger than the "
+                                                     f"padded vocabulary of {padded} rows")
+        return cls(model_type=hf.model_type, hidden=hf.hidden_size, ffn=hf.intermediate_size,
+                   heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+                   head_dim=explicit or hf.hidden_size // heads,
+                   head_dim_explicit=bool(explicit), vocab=vocab, padded_vocab=padded,
+                   layers=hf.num_hidden_layers,
+                   tied=bool(getattr(hf, "tie_word_embeddings", False)))
+
+
+@dataclass(frozen=True)
+class _Dim:
+    """One expected dimension: its size, the config field(s) that fix it, and how they do
+    (``how`` ends in the size, e.g. ``"num_attention_heads=8 x head_dim=16 = 128"``)."""
+
+    size: int
+    fields: str
+    how: str
+
+
+class HFConverter:
+    """Names, layouts and shape checks for one architecture; build one with :meth:`for_config`.
+
+    Megatron tensors here are full (TP-gathered) with global layer numbers. Subclasses differ in
+    which optional tensors exist (Qwen2's q/k/v biases).
+    """
+
+    model_type: ClassVar[str] = ""
+    qkv_bias: ClassVar[bool] = False
+
+    def __init__(self, dims: ModelDims):
+        if dims.model_type != self.model_type:
+            raise ValueError(f"model_type: {type(self).__name__} converts {self.model_type!r}, "
+                             f"got {dims.model_type!r}")
+        if dims.heads % dims.kv_heads:
+            raise WeightsMismatchError("num_key_value_heads", f"{dims.kv_heads} does not divide "
+                                       f"num_attention_heads={dims.heads}")
+        self.dims = dims
+
+    @staticmethod
+    def for_config(hf_config: Any, *, tensor_parallel: int = 1,
+                   padded_vocab: int | None = None) -> HFConverter:
+        """The converter for an HF config (object or folder); see :class:`ModelDims` for the
+        padded vocabulary. Raises ValueError naming the field for what it cannot map."""
+        hf = load_hf_config(hf_config)
+        if hf.model_type not in CONVERTERS:
+            raise ValueError(f"model_type: {hf.model_type!r} is not supported (supported: "
+                             f"{', '.join(CONVERTERS)})")
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(hf, flag, False):
+                raise ValueError(f"{flag}: {hf.model_type} with {flag}=true is not supported")
+        dims = ModelDims.from_hf_config(hf, tensor_parallel=tensor_parallel,
+                                        padded_vocab=padded_vocab)
+        return CONVERTERS[hf.model_type](dims)
+
+    # ----------------------------------------------------------------- names
+
+    def _layer_suffixes(self) -> list[str]:
+        return [s for s in _LAYER_MAP if self.qkv_bias or not s.endswith("linear_qkv.bias")]
+
+    def mcore_names(self) -> list[str]:
+        """Canonical names of every Megatron weight, in model order (embedding, layers, final
+        norm, output layer unless tied)."""
+        names = [_EMBEDDING]
+        for i in range(self.dims.layers):
+            names += [f"decoder.layers.{i}.{s}" for s in self._layer_suffixes()]
+        names.append(_FINAL_NORM)
+        if not self.dims.tied:
+            names.append(_OUTPUT)
+        return names
+
+    def hf_sources(self, mcore_name: str) -> tuple[str, ...]:
+        """The HF tensors that make up Megatron tensor ``mcore_name`` (either spelling). The
+        last stage's copy of a tied embedding (``output_layer.weight``) comes from
+        ``model.embed_tokens.weight``."""
+        name = canonical_name(mcore_name)
+        if name == _OUTPUT and self.dims.tied:
+            return (_GLOBAL_MAP[_EMBEDDING],)
+        if name in _GLOBAL_MAP:
+            return (_GLOBAL_MAP[name],)
+        m = _LAYER.match(name)
+        if not m or m.group(2) not in self._layer_suffixes() or int(m.group(1)) >= self.dims.layers:
+            raise KeyError(f"{mcore_name!r} is not a weight of this {self.model_type} model "
+                           f"({self.dims.layers} layers)")
+        return tuple(f"model.layers.{m.group(1)}.{s}" for s in _LAYER_MAP[m.group(2)])
+
+    def hf_names(self) -> list[str]:
+        """Every HF weight name, in model order (``lm_head.weight`` only when untied)."""
+        return [h for n in self.mcore_names() for h in self.hf_sources(n)]
+
+    # ----------------------------------------------------------------- conversion
+
+    def _qkv_rows(self) -> list[int]:
+        d = self.dims
+        return [d.heads // d.kv_heads * d.head_dim, d.head_dim, d.head_dim]
+
+    def mcore_to_hf(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """HF ``(name, tensor)`` pairs for the full Megatron tensor ``name`` (global layer
+        number, either spelling). Returns ``[]`` for the tied copy of the embedding. Outputs
+        are views of ``tensor`` where possible, else new contiguous tensors; dtype unchanged.
+        Raises KeyError for an unknown name, WeightsMismatchError for a wrong shape.
+        """
+        canon = canonical_name(name)
+        if canon == _OUTPUT and self.dims.tied:
+            return []
+        sources = self.hf_sources(canon)
+        self._check_shape(canon, tuple(tensor.shape), self._mcore_dims(canon))
+        if canon in (_EMBEDDING, _OUTPUT):
+            return [(sources[0], tensor[:self.dims.vocab])]
+        if canon.endswith("linear_qkv.weight") or canon.endswith("linear_qkv.bias"):
+            groups = tensor.reshape(self.dims.kv_heads, -1, *tensor.shape[1:])
+            parts = groups.split(self._qkv_rows(), dim=1)
+            return [(s, p.reshape(-1, *tensor.shape[1:])) for s, p in zip(sources, parts)]
+        if canon.endswith("linear_fc1.weight"):
+            return list(zip(sources, tensor.chunk(2, dim=0)))
+        return [(sources[0], tensor)]
+
+    def hf_to_mcore_tensor(self, name: str, hf_state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The full Megatron tensor ``name`` built from its HF sources in ``hf_state`` (only
+        those are read, so a lazy mapping over files streams). Vocabulary padding rows are
+        zeros; the dtype is the sources' (they must agree)."""
+        sources = self.hf_sources(name)
+        parts = [hf_state[s] for s in sources]
+        for s, p in zip(sources, parts):
+            self._check_shape(s, tuple(p.shape), self._hf_dims(s))
+        if len({p.dtype for p in parts}) > 1:
+            raise ValueError(f"{name}: its HF tensors {sources} have different dtypes "
+                             f"{[str(p.dtype) for p in parts]}")
+        canon = canonical_name(name)
+        if canon in (_EMBEDDING, _OUTPUT):
+            out = parts[0].new_zeros((self.dims.padded_vocab, *parts[0].shape[1:]))
+            out[:self.dims.vocab] = parts[0]
+            return out
+        if canon.endswith("linear_qkv.weight") or canon.endswith("linear_qkv.bias"):
+            g = self.dims.kv_heads
+            rest = parts[0].shape[1:]
+            groups = [p.reshape(g, -1, *rest) for p in parts]
+            return torch.cat(groups, dim=1).reshape(-1, *rest)
+        if canon.endswith("linear_fc1.weight"):
+            return torch.cat(parts, dim=0)
+        return parts[0]
+
+    def hf_to_mcore(self, hf_state: Mapping[str, torch.Tensor],
+                    names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Megatron tensors (canonical names, default: all of :meth:`mcore_names`) from an HF
+        state dict. Raises KeyError naming a missing HF tensor."""
+        return {n: self.hf_to_mcore_tensor(n, hf_state)
+                for n in (self.mcore_names() if names is None else names)}
+
+    # ----------------------------------------------------------------- shapes and checks
+
+    def _dims_table(self) -> dict[str, _Dim]:
+        d = self.dims
+        derived = "" if d.head_dim_explicit else " (head_dim = hidden_size / num_attention_heads)"
+        heads_fields = "num_attention_heads / head_dim"
+        kv_fields = "num_key_value_heads / head_dim" + (
+            "" if d.head_dim_explicit else " / num_attention_heads")
+        return {
+            "h": _Dim(d.hidden, "hidden_size", f"hidden_size={d.hidden}"),
+            "f": _Dim(d.ffn, "intermediate_size", f"intermediate_size={d.ffn}"),
+            "2f": _Dim(2 * d.ffn, "intermediate_size",
+                       f"2 x intermediate_size={d.ffn} = {2 * d.ffn}"),
+            "V": _Dim(d.vocab, "vocab_size", f"vocab_size={d.vocab}"),
+            "Vp": _Dim(d.padded_vocab, "vocab_size",
+                       f"vocab_size={d.vocab} padded to {d.padded_vocab}"),
+            "q": _Dim(d.heads * d.head_dim, heads_fields,
+                      f"num_attention_heads={d.heads} x head_dim={d.head_dim}{derived} = "
+                      f"{d.heads * d.head_dim}"),
+            "kv": _Dim(d.kv_heads * d.head_dim, kv_fields,
+                       f"num_key_value_heads={d.kv_heads} x head_dim={d.head_dim}{derived} = "
+                       f"{d.kv_heads * d.head_dim}"),
+            "qkv": _Dim((d.heads + 2 * d.kv_heads) * d.head_dim,
+                        "num_attention_heads / num_key_value_heads / head_dim",
+                        f"(num_attention_heads={d.heads} + 2 x num_key_value_heads="
+                        f"{d.kv_heads}) x head_dim={d.head_dim}{derived} = "
+                        f"{(d.heads + 2 * d.kv_heads) * d.head_dim}"),
+        }
+
+    _HF_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "model.embed_tokens.weight": ("V", "h"), "lm_head.weight": ("V", "h"),
+        "model.norm.weight": ("h",), "input_layernorm.weight": ("h",),
+        "post_attention_layernorm.weight": ("h",), "mlp.gate_proj.weight": ("f", "h"),
+        "mlp.up_proj.weight": ("f", "h"), "mlp.down_proj.weight": ("h", "f"),
+        "self_attn.q_proj.weight": ("q", "h"), "self_attn.k_proj.weight": ("kv", "h"),
+        "self_attn.v_proj.weight": ("kv", "h"), "self_attn.o_proj.weight": ("h", "q"),
+        "self_attn.q_proj.bias": ("q",), "self_attn.k_proj.bias": ("kv",),
+        "self_attn.v_proj.bias": ("kv",)}
+    _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
+        _EMBEDDING: ("Vp", "h"), _OUTPUT: ("Vp", "h"), _FINAL_NORM: ("h",),
+        "self_attention.linear_qkv.layer_norm_weight": ("h",),
+        "mlp.linear_fc1.layer_norm_weight": ("h",),
+        "self_attention.linear_qkv.weight": ("qkv", "h"),
+        "self_attention.linear_qkv.bias": ("qkv",),
+        "self_attention.linear_proj.weight": ("h", "q"), "mlp.linear_fc1.weight": ("2f", "h"),
+        "mlp.linear_fc2.weight": ("h", "f")}
+
+    def _hf_dims(self, hf_name: str) -> tuple[_Dim, ...]:
+        m = _HF_LAYER.match(hf_name)
+        key = m.group(2) if m else hf_name
+        table = self._dims_table()
+        return tuple(table[k] for k in self._HF_SHAPES[key])
+
+    def _mcore_dims(self, name: str) -> tuple[_Dim, ...]:
+        m = _LAYER.match(name)
+        key = m.group(2) if m else name
+        table = self._dims_table()
+        return tuple(table[k] for k in self._MCORE_SHAPES[key])
+
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape, for every weight of :meth:`hf_names`."""
+        return {n: tuple(x.size for x in self._hf_dims(n)) for n in self.hf_names()}
+
+    def expected_mcore_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical Megatron name -> full shape, for every weight of :meth:`mcore_names`."""
+        return {n: tuple(x.size for x in self._mcore_dims(n)) for n in self.mcore_names()}
+
+    @staticmethod
+    def _check_shape(name: str, actual: tuple[int, ...], dims: tuple[_Dim, ...]) -> None:
+        if len(actual) != len(dims):
+            raise WeightsMismatchError(dims[0].fields, f"{name} has shape {list(actual)}, "
+                                       f"expected {len(dims)} dimensions")
+        for i, (size, dim) in enumerate(zip(actual, dims)):
+            if size != dim.size:
+                raise WeightsMismatchError(
+                    dim.fields, f"the config gives {dim.how} for dimension {i} of {name}, but "
+                                f"the weights have shape {list(actual)}")
+
+    def check_hf_weights(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Raise :class:`WeightsMismatchError` naming the config field when the HF weights
+        (name -> shape) are not those of this config: layer count, tied embeddings, biases,
+        then every shape (hidden and vocabulary first, so the root cause is named).
+
+        A tied config may come with an ``lm_head.weight`` (some checkpoints store the copy):
+        it is not an error here, and the caller must check it equals the embedding.
+        """
+        names = {n for n in shapes if not n.endswith(IGNORED_HF_SUFFIXES)}
+        layers = {int(m.group(1)) for n in names if (m := _HF_LAYER.match(n))}
+        self._check_layers(layers, "model.layers")
+        if self.dims.tied:
+            names.discard("lm_head.weight")
+        elif "lm_head.weight" not in names:
+            raise WeightsMismatchError("tie_word_embeddings", "the config says false, but the "
+                                       "weights have no lm_head.weight (are they tied?)")
+        self._check_bias(any(n.endswith("q_proj.bias") for n in names), "q_proj.bias")
+        self._check_names(names, set(self.hf_names()), "HF")
+        for name in sorted(names, key=_priority):
+            self._check_shape(name, tuple(shapes[name]), self._hf_dims(name))
+
+    def check_mcore_weights(self, shapes: Mapping[str, Sequence[int]]) -> None:
+        """Like :meth:`check_hf_weights` for full Megatron tensors (canonical or local names,
+        global layers). The padded vocabulary is the converter's ``dims.padded_vocab``."""
+        names = {canonical_name(n) for n in shapes}
+        shapes = {canonical_name(n): s for n, s in shapes.items()}
+        layers = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+        self._check_layers(layers, "decoder.layers")
+        if (_OUTPUT in names) == self.dims.tied:
+            raise WeightsMismatchError(
+                "tie_word_embeddings", f"the config says {str(self.dims.tied).lower()}, but the "
+                f"checkpoint {'has' if _OUTPUT in names else 'has no'} a separate {_OUTPUT}")
+        self._check_bias(any(n.endswith("linear_qkv.bias") for n in names), "linear_qkv.bias")
+        self._check_names(names, set(self.mcore_names()), "Megatron")
+        for name in sorted(names, key=_priority):
+            self._check_shape(name, tuple(shapes[name]), self._mcore_dims(name))
+
+    def _check_layers(self, layers: set[int], prefix: str) -> None:
+        if layers != set(range(self.dims.layers)):
+            found = f"{len(layers)} ({prefix}.{min(layers)}..{max(layers)})" if layers else "none"
+            raise WeightsMismatchError("num_hidden_layers", f"the config has "
+                                       f"{self.dims.layers} layers, the weights have {found}")
+
+    def _check_bias(self, present: bool, what: str) -> None:
+        if present != self.qkv_bias:
+            has = "has q/k/v biases" if self.qkv_bias else "has no q/k/v biases"
+            found = "none" if self.qkv_bias else what
+            raise WeightsMismatchError("model_type", f"{self.model_type!r} {has}, but the "
+                                                     f"weights have {found}")
+
+    @staticmethod
+    def _check_names(names: set[str], expected: set[str], side: str) -> None:
+        missing, unexpected = sorted(expected - names), sorted(names - expected)
+        if missing or unexpected:
+            raise WeightsMismatchError(
+                "model_type", f"the {side} weights are not those of this architecture: missing "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
+                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+
+
+def _priority(name: str) -> tuple[int, str]:
+    """Check order: embedding / output first (vocab, hidden), norms, MLP, then attention, so
+    that a wrong hidden_size is reported as such and not as a head count."""
+    order = ("embed", "lm_head", "output_layer", "norm", "mlp", "")
+    return next(i for i, key in enumerate(order) if key in name), name
+
+
+class LlamaConverter(HFConverter):
+    """Llama 2/3 (``LlamaForCausalLM``): no linear biases; RoPE scaling lives in the config."""
+
+    model_type = "llama"
+
+
+class MistralConverter(HFConverter):
+    """Mistral (``MistralForCausalLM``): Llama's tensors; head_dim may differ from h / n."""
+
+    model_type = "mistral"
+
+
+class Qwen2Converter(HFConverter):
+    """Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): Llama's tensors plus q/k/v biases."""
+
+    model_type = "qwen2"
+    qkv_bias = True
+
+
+CONVERTERS: dict[str, type[HFConverter]] = {
+    c.model_type: c for c in (LlamaConverter, MistralConverter, Qwen2Converter)}
