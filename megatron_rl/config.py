@@ -27,6 +27,7 @@ from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.config_checks import ConfigFieldError
 from megatron_rl.rewards.compose import RewardConfig
+from megatron_rl.training.config import TrainerConfig
 
 __all__ = ["ConfigError", "ConfigFieldError", "RunConfig", "load_config", "config_from_dict",
            "config_to_dict", "parse_overrides"]
@@ -43,6 +44,7 @@ class RunConfig:
     algorithm: GRPOConfig = field(default_factory=GRPOConfig)  # GRPO loss and advantages
     batching: BatchingConfig = field(default_factory=BatchingConfig)  # microbatches, DP assignment
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward weights, verifier limits
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # parallelism, optimizer, precision
 
 
 def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:

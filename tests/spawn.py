@@ -25,7 +25,11 @@ def _entry(fn, rank, world_size, init_file, results, args):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                 world_size=world_size)
         try:
-            results.put((rank, "ok", fn(rank, world_size, *args)))
+            value = fn(rank, world_size, *args)
+            # Every rank leaves its last collective before any tears the group down: a rank that
+            # destroys its gloo pairs early resets the connections of a slower peer.
+            dist.barrier()
+            results.put((rank, "ok", value))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 -- report everything to the parent

@@ -1,0 +1,247 @@
+"""Forward steps and loss closures given to Megatron's pipeline schedule.
+
+``make_forward_step(ctx, mode)`` returns ``forward_step(data_iterator, model)``, which runs the
+model on the next :class:`~megatron_rl.batching.collate.Microbatch` and returns
+``(output, partial(loss_fn, ctx, microbatch))``. On the last pipeline stage the schedule calls the
+closure with the vocab-parallel logits ``[R, S, V_pad / tp]``. Three modes:
+
+- ``grpo``: taken-token log-probs (:func:`token_logprobs` over the TP group, never the full
+  vocabulary), then :func:`grpo_loss` with the microbatch's per-token weights.
+- ``sft``: ``-sum_t w_t log p(label_t)``; the weights are 0 on prompt tokens and ``1 / answer
+  tokens`` of the whole minibatch on answer tokens (``batching/sft.py``), so this is the minibatch's
+  mean answer-token NLL once summed over microbatches and ranks.
+- ``logprobs``: forward only; every sequence's completion-token log-probs.
+
+Padded vocabulary: ids ``>= vocab_size`` exist only to make the output layer divide evenly; the
+generator never samples them, so their logits are set to -inf (on the shard that holds them)
+before any log-softmax. The trainer's distribution is then the generator's.
+
+Normalisation is never computed here: the per-token ``loss_weights`` (``batching/weights.py``) sum
+to 1 over the global minibatch, so a microbatch's loss is a plain partial sum.
+
+Gradient scaling -- why ``calculate_per_token_loss=True`` and a finalize step without token scaling.
+With data-parallel replicas ``d = 1..D``, replica ``d`` running ``M_d`` microbatches with losses
+``L_dm = sum_{t in m} w_t l_t``, one optimizer step must use ``g = grad sum_d sum_m L_dm``.
+
+- Megatron's default (2-tuple from the closure, ``calculate_per_token_loss=False``) backpropagates
+  ``L_dm / M_d`` and DDP pre-scales by ``1 / D`` before a sum all-reduce, giving
+  ``(1/D) sum_d (1/M_d) sum_m grad L_dm``: every closure would have to multiply by ``M_d * D``, a
+  factor that differs between replicas, only for Megatron to divide it out again.
+- With ``TransformerConfig.calculate_per_token_loss=True`` and a 3-tuple ``(loss, num_tokens,
+  metrics)`` the schedule backpropagates ``loss`` as returned (no ``/ M``, no ``/ num_tokens``:
+  ``schedules.forward_step_calc_loss``), and DDP uses ``gradient_scaling_factor = 1`` with a sum
+  all-reduce (``DistributedDataParallel.__init__``; ``average_in_collective`` must stay False).
+  ``finalize_model_grads`` would then divide by the summed ``num_tokens``; the trainer installs
+  :func:`finalize_grads_summed`, which calls it with ``num_tokens=None``. Every factor is 1 and
+  ``g`` is exactly ``sum_d sum_m grad L_dm``.
+- TP: every TP rank computes the same scalar loss (the log-softmax statistics are all-reduced
+  inside :func:`token_logprobs`); each rank backpropagates into its vocabulary shard and the output
+  layer's backward all-reduces the hidden-state gradient over TP, so each shard's contribution is
+  counted once. PP: the loss exists on the last stage; gradients travel back by p2p. Tied
+  embeddings: ``finalize_model_grads`` sums the first and last stage copies' gradients.
+- MoE auxiliary losses would not be divided by ``M`` under this flag; MoE models are not built.
+
+Packed rows (several sequences per row, ``cu_seqlens``): with Transformer Engine the model gets
+``PackedSeqParams(qkv_format="thd")`` and TE's variable-length attention keeps each sequence to
+itself (RoPE restarts per sequence from ``cu_seqlens``). With Megatron's local layer spec the model
+gets the block-diagonal causal mask of :meth:`Microbatch.attention_mask`: the local
+``DotProductAttention`` hands it to ``FusedScaleMaskSoftmax``, whose PyTorch path uses a given mask
+instead of building the causal one (``attn_mask_type`` causal only builds a mask when none is
+given). Its fused CUDA kernel for the causal type (``ScaledUpperTriangMaskedSoftmax``) ignores
+the mask, so the trainer turns ``masked_softmax_fusion`` off (TE's attention never uses it). RoPE
+then rotates by the position in the row, not in the sequence; attention scores depend only on the
+difference of two positions, which is the same inside a segment, so results match the padded
+layout up to rounding (fp32 rounding of position x frequency: up to ~6e-8 rad per position of
+offset, ~1e-3 rad at 16k; exact per sequence on the TE path, which restarts RoPE at cu_seqlens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator, Literal
+
+import torch
+
+from megatron_rl.algorithms.logprobs import token_logprobs
+from megatron_rl.algorithms.loss import grpo_loss
+from megatron_rl.batching.collate import Microbatch
+
+__all__ = ["LossMode", "StepContext", "mask_padded_vocab", "taken_token_logprobs",
+           "grpo_loss_fn", "sft_loss_fn", "logprobs_fn", "metric_keys", "finalize_sft_metrics",
+           "model_inputs", "make_forward_step", "finalize_grads_summed"]
+
+LossMode = Literal["grpo", "sft", "logprobs"]
+
+_TENSOR_FIELDS = ("tokens", "position_ids", "labels", "loss_weights", "advantages",
+                  "behaviour_logprobs", "versions", "loss_mask", "cu_seqlens")
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every microbatch of a step shares; fixed before the schedule runs."""
+
+    tp_group: Any  # tensor-parallel group of the vocab-parallel logits (None: unsharded)
+    vocab_size: int  # the tokenizer's vocabulary; logits of ids >= this are masked to -inf
+    device: torch.device  # where the model runs; microbatches are moved there
+    temperature: float = 1.0  # sampling temperature of the behaviour log-probs (GRPO only)
+    chunk_size: int | None = None  # tokens per log-prob chunk; None = automatic
+    eps_low: float = 0.2  # GRPO clip range [1 - eps_low, 1 + eps_high]
+    eps_high: float = 0.28
+    thd: bool = False  # pass packed rows as PackedSeqParams (Transformer Engine) instead of a mask
+    fp32_output: bool | None = None  # Float16Module's fp32_output (False: keep bf16 logits)
+
+
+def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_group=None) -> torch.Tensor:
+    """``logits`` ``[..., V_local]`` (this rank's shard, ids ``[r V_local, (r+1) V_local)``) with
+    ids ``>= vocab_size`` set to -inf. Returns the input itself when the shard has no such id,
+    else a masked copy (the gradient of masked entries is 0)."""
+    v_local = logits.shape[-1]
+    start = v_local * (tp_group.rank() if tp_group is not None else 0)
+    if start + v_local <= vocab_size:
+        return logits
+    padded = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
+    return logits.masked_fill(padded, float("-inf"))
+
+
+def taken_token_logprobs(ctx: StepContext, logits: torch.Tensor, labels: torch.Tensor,
+                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy ``[R, S]`` (fp32) of ``labels`` ``[R, S]`` under the vocab-parallel
+    ``logits`` ``[R, S, V_local]`` with the padded vocabulary masked. Labels were checked against
+    ``vocab_size`` when the batch was built, so no per-microbatch host sync here."""
+    logits = mask_padded_vocab(logits, ctx.vocab_size, ctx.tp_group)
+    return token_logprobs(logits, labels, temperature=temperature, chunk_size=ctx.chunk_size,
+                         tp_group=ctx.tp_group, check_targets=False)
+
+
+def _num_tokens(mb: Microbatch) -> torch.Tensor:
+    return (mb.loss_weights != 0).sum().to(torch.int)
+
+
+def grpo_loss_fn(ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss of one microbatch: ``(sum_t w_t loss_t, loss tokens, metric sums + "loss")``."""
+    logp, entropy = taken_token_logprobs(ctx, logits, mb.labels, ctx.temperature)
+    loss, metrics = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.loss_weights,
+                              eps_low=ctx.eps_low, eps_high=ctx.eps_high, entropy=entropy)
+    metrics["loss"] = loss.detach().float()
+    return loss, _num_tokens(mb), metrics
+
+
+def _sft_loss(logp: torch.Tensor, weights: torch.Tensor, entropy: torch.Tensor
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``-sum_t w_t logp_t`` ``[R, S]`` -> scalar, with metric sums over tokens of weight != 0."""
+    mask = weights != 0
+    zero = torch.zeros_like(logp)
+    loss = -torch.where(mask, logp * weights, zero).sum()
+    with torch.no_grad():
+        metrics = {"tokens": mask.float().sum(),
+                   "nll_sum": -torch.where(mask, logp.detach(), zero).sum(),
+                   "entropy_sum": torch.where(mask, entropy.detach(), zero).sum()}
+    return loss, metrics
+
+
+def sft_loss_fn(ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Next-token loss on answer tokens: ``(-sum_t w_t logp_t, loss tokens, metric sums)``."""
+    logp, entropy = taken_token_logprobs(ctx, logits, mb.labels)
+    loss, metrics = _sft_loss(logp, mb.loss_weights, entropy)
+    metrics["loss"] = loss.detach().float()
+    return loss, _num_tokens(mb), metrics
+
+
+def logprobs_fn(ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Forward only: ``{"seq_index": [...], "logprobs": [[C_i] per sequence]}`` for the
+    microbatch's sequences (at ``ctx.temperature``); the loss returned is a 0 placeholder."""
+    with torch.no_grad():
+        logp, _ = taken_token_logprobs(ctx, logits, mb.labels, ctx.temperature)
+    out = {"seq_index": list(mb.seq_index), "logprobs": mb.split_per_sequence(logp)}
+    return logp.new_zeros(()), _num_tokens(mb), out
+
+
+_LOSS_FNS: dict[str, Callable] = {"grpo": grpo_loss_fn, "sft": sft_loss_fn, "logprobs": logprobs_fn}
+
+
+def metric_keys(mode: LossMode) -> list[str]:
+    """The metric names a mode's closure returns, known on every rank (also on pipeline stages
+    that never run the loss): read off the loss functions applied to empty tensors."""
+    empty = torch.zeros(0)
+    if mode == "grpo":
+        metrics = grpo_loss(empty, empty, empty, empty, entropy=empty)[1]
+    elif mode == "sft":
+        metrics = _sft_loss(empty, empty, empty)[1]
+    else:
+        return []
+    return sorted([*metrics, "loss"])
+
+
+def finalize_sft_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Reduced SFT sums -> ``tokens``, ``nll_mean`` (mean answer-token NLL) and ``entropy_mean``."""
+    n = max(float(summed["tokens"]), 1.0)
+    return {"tokens": float(summed["tokens"]), "nll_mean": float(summed["nll_sum"]) / n,
+            "entropy_mean": float(summed["entropy_sum"]) / n}
+
+
+def _to_device(mb: Microbatch, device: torch.device) -> Microbatch:
+    if mb.tokens.device == device:
+        return mb
+    moved = {name: getattr(mb, name).to(device, non_blocking=True) for name in _TENSOR_FIELDS
+             if getattr(mb, name) is not None}
+    return dataclasses.replace(mb, **moved)
+
+
+def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = None
+                 ) -> dict[str, Any]:
+    """``GPTModel.forward`` arguments for a (host) microbatch, on ``device`` (default: the
+    microbatch's). The mask is built on the host: ``Microbatch.attention_mask`` makes CPU tensors.
+
+    Padded rows: plain causal attention (``attention_mask=None``); right padding sits after every
+    real token, so no real token attends to it. Packed rows: ``PackedSeqParams`` when ``thd``
+    (Transformer Engine), else the block-diagonal causal mask (see the module docstring).
+    """
+    device = device or mb.tokens.device
+    inputs: dict[str, Any] = {"input_ids": mb.tokens.to(device),
+                              "position_ids": mb.position_ids.to(device), "attention_mask": None}
+    if mb.layout != "packed":
+        return inputs
+    if thd:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = mb.cu_seqlens.to(device, torch.int32)
+        longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+        inputs["packed_seq_params"] = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+            max_seqlen_kv=longest)
+    else:
+        inputs["attention_mask"] = mb.attention_mask().to(device)
+    return inputs
+
+
+def _forward_step(ctx: StepContext, loss_fn: Callable, data_iterator: Iterator[Microbatch], model):
+    mb = next(data_iterator)
+    kwargs = model_inputs(mb, thd=ctx.thd, device=ctx.device)
+    if ctx.fp32_output is not None:
+        kwargs["fp32_output"] = ctx.fp32_output
+    return model(**kwargs), partial(loss_fn, ctx, _to_device(mb, ctx.device))
+
+
+def make_forward_step(ctx: StepContext, mode: LossMode) -> Callable:
+    """``forward_step(data_iterator, model) -> (output, partial(loss_fn, ctx, microbatch))`` for
+    ``get_forward_backward_func()``; the iterator yields :class:`Microbatch` objects."""
+    if mode not in _LOSS_FNS:
+        raise ValueError(f"mode must be one of {sorted(_LOSS_FNS)}, got {mode!r}")
+    return partial(_forward_step, ctx, _LOSS_FNS[mode])
+
+
+def finalize_grads_summed(model: list, num_tokens: torch.Tensor | None = None,
+                          pg_collection: Any = None, force_all_reduce: bool = False) -> None:
+    """``config.finalize_model_grads_func``: Megatron's ``finalize_model_grads`` (DP all-reduce,
+    tied-embedding and layernorm reductions) without dividing by the token count -- the per-token
+    weights already normalise (see the module docstring)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    del num_tokens  # summed by the schedule from the closures; informational only
+    finalize_model_grads(model, None, pg_collection=pg_collection,
+                         force_all_reduce=force_all_reduce)

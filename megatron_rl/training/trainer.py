@@ -1,0 +1,427 @@
+"""The policy trainer: a Megatron-Core GPT model under DDP, Megatron's optimizer and LR schedule,
+and the GRPO / SFT / log-prob steps run through Megatron's pipeline schedule.
+
+    trainer = PolicyTrainer(hf_config, TrainerConfig(...), GRPOConfig(), BatchingConfig())
+    metrics = trainer.rl_step(build_train_batch(groups, grpo_cfg))   # one optimizer step
+    metrics = trainer.sft_step(build_sft_batch(pairs))                # one optimizer step
+    logps = trainer.compute_logprobs(batch)                           # [C_i] per sequence
+
+Launch: every trainer rank constructs the trainer and calls the same methods with the same global
+minibatch (``torchrun --nproc-per-node N python -m megatron_rl.<verb> ...`` on GPUs; on CPU, gloo
+ranks started by the caller). If Megatron's parallel state is not initialised yet the trainer calls
+:func:`~megatron_rl.training.parallel.init_parallel` itself (seeded with ``TrainerConfig.seed``) and
+:meth:`PolicyTrainer.close` tears it down again; if the caller initialised it, the layout must
+match ``TrainerConfig.parallel`` and the caller owns it.
+
+Data flow of a step: the data-parallel assignment (``batching/dp.py``, seeded with
+``batching.seed + step`` so every rank derives the same split) gives this rank's replica its
+sequences; they are collated into microbatches under ``batching.token_budget``; Megatron's schedule
+runs the forward steps of ``training/steps.py`` (gradient scaling derived there); the optimizer
+steps once; the metric sums are reduced over the world once, from the one rank per data-parallel
+replica that holds them (last pipeline stage, TP rank 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algorithms.config import GRPOConfig
+from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metrics
+from megatron_rl.batching.collate import Microbatch, build_microbatches, collate
+from megatron_rl.batching.config import BatchingConfig
+from megatron_rl.batching.dp import assign_data_parallel
+from megatron_rl.training.config import TrainerConfig
+from megatron_rl.training.model import (_have_te, build_gpt_model, load_hf_config,
+                                        transformer_config_from_hf)
+from megatron_rl.training.parallel import destroy_parallel, init_parallel, process_groups
+from megatron_rl.training.steps import (LossMode, StepContext, finalize_grads_summed,
+                                        finalize_sft_metrics, make_forward_step, metric_keys)
+from megatron_rl.types import TrainBatch, TrainSequence
+
+__all__ = ["PolicyTrainer"]
+
+# Per-replica collation figures reduced with the loss metrics (names kept apart from theirs).
+_STAT_KEYS = ("microbatches", "batch_tokens", "slot_tokens")
+
+
+def _ensure_parallel(cfg: TrainerConfig) -> bool:
+    """Initialise Megatron's parallel state for ``cfg.parallel`` unless done; True if done here."""
+    from megatron.core import parallel_state as ps
+
+    p = cfg.parallel
+    if not ps.model_parallel_is_initialized():
+        init_parallel(p, seed=cfg.seed)
+        return True
+    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size())
+    want = (p.tensor_parallel, p.pipeline_parallel, p.virtual_pipeline)
+    if have != want:
+        raise ValueError(f"parallel: Megatron is initialised with (tensor, pipeline, virtual) = "
+                         f"{have}, the trainer config asks for {want}")
+    return False
+
+
+def _filler_microbatch(layout: str, pad_to_multiple: int) -> Microbatch:
+    """A microbatch that contributes exactly nothing (weight 0 everywhere): a data-parallel replica
+    with fewer sequences than microbatches it must run still joins every collective."""
+    seq = TrainSequence(tokens=torch.zeros(2, dtype=torch.long), prompt_length=1,
+                        behaviour_logprobs=torch.zeros(1), versions=torch.full((1,), -1),
+                        advantage=0.0, weight=0.0, group_id=-1)
+    return collate([seq], [-1], layout=layout, pad_to_multiple=pad_to_multiple)
+
+
+def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
+    """``mb`` grown to ``[rows, width]`` by padding that carries no loss: token 0, weight 0, no
+    label mask. A packed row's tail padding stays one segment of its own in ``cu_seqlens``."""
+    r, s = mb.tokens.shape
+    if (r, s) == (rows, width):
+        return mb
+
+    def grow(t: torch.Tensor, value: int = 0) -> torch.Tensor:
+        out = torch.full((rows, width), value, dtype=t.dtype)
+        out[:r, :s] = t
+        return out
+
+    fields = {name: grow(getattr(mb, name), -1 if name == "versions" else 0)
+              for name in ("tokens", "position_ids", "labels", "loss_weights", "advantages",
+                           "behaviour_logprobs", "versions", "loss_mask")}
+    if mb.layout == "packed":
+        used = sum(mb.seq_lengths)
+        bounds = mb.cu_seqlens.tolist()
+        bounds = bounds[:-1] + [width] if bounds[-1] > used else bounds + [width]
+        fields["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
+        fields["position_ids"][0, used:] = torch.arange(width - used)
+    return dataclasses.replace(mb, **fields)
+
+
+class PolicyTrainer:
+    """Megatron-Core policy with DDP, optimizer and schedule; one optimizer step per batch.
+
+    Attributes a checkpoint needs: ``model`` (list of DDP-wrapped chunks, one per virtual stage),
+    ``optimizer`` (Megatron optimizer), ``scheduler`` (``OptimizerParamScheduler``) and ``step``
+    (optimizer steps taken; stored in the scheduler, so restoring the scheduler restores it).
+    """
+
+    def __init__(self, hf_config: Any, cfg: TrainerConfig, grpo: GRPOConfig,
+                 batching: BatchingConfig, vocab_size: int | None = None):
+        """``vocab_size``: the tokenizer's vocabulary (default: the HF config's); the model pads it
+        (``padded_vocab_size``) and the padded ids are masked out of every log-softmax."""
+        if grpo.kl_coef:
+            raise ValueError("kl_coef: a KL term needs a reference model, which the trainer does "
+                             "not build; use kl_coef 0")
+        self.cfg, self.grpo, self.batching = cfg, grpo, batching
+        self._owns_parallel = _ensure_parallel(cfg)
+        self.pgs = process_groups()
+        hf = load_hf_config(hf_config)
+        self.vocab_size = int(vocab_size or hf.vocab_size)
+        self.params_dtype = cfg.params_dtype()
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if torch.cuda.is_available() else torch.device("cpu"))
+        p = cfg.parallel
+        self._uniform_shapes = bool(p.virtual_pipeline) and p.pipeline_parallel == 2
+        self.model = self._build_model(hf)
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.model[0].config.grad_scale_func = self.optimizer.scale_loss
+        # This rank holds its replica's loss metrics: last pipeline stage, first TP rank.
+        self._reports = (self.pgs.pp.rank() == self.pgs.pp.size() - 1 and self.pgs.tp.rank() == 0)
+
+    # -- construction -----------------------------------------------------------------------------
+
+    def _build_model(self, hf) -> list:
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig)
+        from megatron.core.transformer.module import Float16Module
+
+        p = self.cfg.parallel
+        overrides: dict[str, Any] = dict(
+            calculate_per_token_loss=True,  # loss used as returned; DDP sums (see steps.py)
+            # The fused causal softmax kernel ignores a given mask; packed rows need the mask
+            # (local spec). Transformer Engine's attention does not use this softmax at all.
+            masked_softmax_fusion=False)
+        if self.cfg.recompute:
+            overrides.update(recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=1)
+        config = transformer_config_from_hf(hf, p, params_dtype=self.params_dtype, **overrides)
+        if self._uniform_shapes:
+            # PP = 2 with interleaving: both p2p directions go to the same peer. Megatron's batched
+            # p2p (and its shape exchange, always batched) then pairs the forward message of one
+            # rank with the backward message of the other in the 1F1B steady state -- measured
+            # here: wrong loss and gradients over gloo. Megatron's unbatched path sends the two
+            # directions on different communicators; it needs one fixed shape per step, so the
+            # microbatches of a step are padded to one shape (_local_microbatches).
+            config.batch_p2p_comm = False
+        else:
+            # Microbatch shapes differ, so the pipeline's p2p exchanges shapes first. Set after
+            # construction: TransformerConfig refuses it with its default MoE token dispatcher,
+            # a check that does not concern a dense model.
+            config.variable_seq_lengths = True
+        stages = range(p.virtual_pipeline) if p.virtual_pipeline else [None]
+        chunks = [build_gpt_model(hf, p, vocab_size=self.vocab_size, params_dtype=self.params_dtype,
+                                  vp_stage=s, config=config) for s in stages]
+        if config.bf16:
+            chunks = [Float16Module(config, c) for c in chunks]
+        if torch.cuda.is_available():
+            chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
+            use_distributed_optimizer=self.cfg.use_distributed_optimizer())
+        # Megatron buckets only the first chunk's grads under interleaving (get_model does so too).
+        model = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0,
+                                         pg_collection=self.pgs) for i, c in enumerate(chunks)]
+        config.finalize_model_grads_func = finalize_grads_summed
+        config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+        return model
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.cfg.optim
+        optimizer = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
+            clip_grad=o.clip_grad, bf16=self.params_dtype == torch.bfloat16,
+            params_dtype=self.params_dtype,
+            use_distributed_optimizer=self.cfg.use_distributed_optimizer()), self.model)
+        # Megatron needs decay_steps > max(0, warmup_steps) even for the constant style, where it
+        # is never read. The scheduler advances *before* each optimizer step (see _train_step), so
+        # step k (1-based) runs at lr * min(1, k / warmup_steps) and the first step is not lr 0.
+        decay = o.decay_steps if o.decay_style != "constant" else o.warmup_steps + 1
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=decay, lr_decay_style=o.decay_style, start_wd=o.weight_decay,
+            end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+        return optimizer, scheduler
+
+    # -- state ------------------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken (the scheduler's step count)."""
+        return int(self.scheduler.num_steps)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.scheduler.num_steps = int(value)
+        self.scheduler.step(0)  # re-apply the learning rate of that step
+
+    @property
+    def chunks(self) -> list:
+        """The bare ``GPTModel`` chunks (DDP and Float16Module unwrapped), for weight export."""
+        from megatron.core.utils import unwrap_model
+
+        return unwrap_model(self.model)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def num_parameters(self) -> int:
+        """Parameters of the whole model, counted once (collective over the model-parallel group):
+        TP shards add up, TP-replicated weights count on TP rank 0, the last stage's copy of a
+        tied embedding (``param.shared``) is skipped."""
+        tp_rank0 = self.pgs.tp.rank() == 0
+        count = sum(p.numel() for chunk in self.model for p in chunk.parameters()
+                    if not getattr(p, "shared", False)
+                    and (getattr(p, "tensor_model_parallel", False) or tp_rank0))
+        total = torch.tensor(count, dtype=torch.int64, device=self.device)
+        dist.all_reduce(total, group=self.pgs.mp)
+        return int(total)
+
+    def save_checkpoint(self, root, *, extra: dict | None = None, keep_last: int | None = 3):
+        """Atomic checkpoint of model, optimizer, scheduler (the step) and RNG under ``root``
+        (collective; see :mod:`megatron_rl.training.checkpoint`). Returns its folder."""
+        from megatron_rl.training.checkpoint import save_checkpoint
+
+        return save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler,
+                               extra=extra, keep_last=keep_last, seed=self.cfg.seed)
+
+    def load_checkpoint(self, path) -> dict:
+        """Resume from a checkpoint folder, or the latest complete one under a root, written at
+        any TP/PP; returns its ``extra``. The step comes back with the scheduler."""
+        from megatron_rl.training.checkpoint import load_checkpoint
+
+        _, extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        return extra
+
+    def close(self) -> None:
+        """Tear down the parallel state if this trainer set it up."""
+        if self._owns_parallel:
+            destroy_parallel()
+            self._owns_parallel = False
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def rl_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One GRPO optimizer step on the global minibatch ``batch`` (identical on every rank).
+
+        Returns (same on every rank): ``loss`` (sum_t w_t loss_t over the minibatch),
+        ``grad_norm`` (before clipping), ``lr``, the finalized loss metrics (``tokens``,
+        ``ratio_mean``/``ratio_max``, ``clip_low_frac``/``clip_high_frac``, ``approx_kl_mean``,
+        ``entropy_mean``, ``advantage_mean``/``advantage_std``, ``loss_unweighted_mean``),
+        ``microbatches`` (over all replicas), ``padding_fraction``, ``step_time_s``,
+        ``tokens_per_s`` (prompt + completion tokens of the minibatch per second), ``step``,
+        ``update_successful`` (0 only when Megatron skips an update on overflow: fp16 loss
+        scaling, not used here) and ``skipped`` (0). An empty batch (every group filtered) takes
+        no step and returns ``{"skipped": 1.0, "lr": ..., "step": ...}``.
+        """
+        return self._train_step(batch, "grpo")
+
+    def sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One SFT optimizer step (batch from ``batching.sft.build_sft_batch``); returns ``loss``
+        (mean answer-token NLL), ``nll_mean``, ``entropy_mean``, ``tokens`` and the step figures
+        of :meth:`rl_step`."""
+        return self._train_step(batch, "sft")
+
+    def _train_step(self, batch: TrainBatch, mode: LossMode) -> dict[str, float]:
+        if len(batch) == 0:
+            return {"skipped": 1.0, "lr": self.lr, "step": float(self.step)}
+        start = time.perf_counter()
+        metrics = self.forward_backward(batch, mode)
+        self.scheduler.step(1)  # the lr of this step (warm-up counts from step 1)
+        ok, grad_norm, _ = self.optimizer.step()
+        elapsed = time.perf_counter() - start
+        metrics.update(grad_norm=float(grad_norm), lr=self.lr, update_successful=float(ok),
+                       step_time_s=elapsed, tokens_per_s=sum(batch.lengths) / elapsed,
+                       step=float(self.step), skipped=0.0)
+        return metrics
+
+    def forward_backward(self, batch: TrainBatch, mode: LossMode = "grpo", *,
+                         batching: BatchingConfig | None = None) -> dict[str, float]:
+        """Gradients of the minibatch loss into the DDP grad buffers (``param.main_grad``,
+        reduced over DP), without an optimizer step. ``batching`` overrides the trainer's
+        collation settings for this call (the gradient does not depend on them)."""
+        if mode not in ("grpo", "sft"):
+            raise ValueError(f"mode must be 'grpo' or 'sft', got {mode!r}")
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        mbs, stats = self._local_microbatches(batch, batching or self.batching)
+        parts = self._run(mbs, mode, forward_only=False)
+        summed = self._reduce_metrics(parts, metric_keys(mode), stats)
+        out = {"loss": float(summed["loss"])}
+        out.update(finalize_loss_metrics(summed) if mode == "grpo" else finalize_sft_metrics(summed))
+        out["microbatches"] = float(summed["microbatches"])
+        slots = float(summed["slot_tokens"])
+        out["padding_fraction"] = 1.0 - float(summed["batch_tokens"]) / slots if slots else 0.0
+        return out
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None,
+                         batching: BatchingConfig | None = None) -> list[torch.Tensor]:
+        """Every sequence's completion-token log-probs ``[C_i]`` (fp32, CPU), on every rank.
+
+        Forward only, through the same path as the loss (padded vocabulary masked, vocab-parallel
+        log-softmax). ``temperature`` defaults to ``GRPOConfig.temperature``, the generator's.
+        """
+        n = len(batch)
+        if n == 0:
+            return []
+        mbs, _ = self._local_microbatches(batch, batching or self.batching)
+        parts = self._run(mbs, "logprobs", forward_only=True, temperature=temperature)
+        offsets = [0]
+        for s in batch.sequences:
+            offsets.append(offsets[-1] + s.completion_length)
+        # Each position is written by exactly one rank (its replica's reporting rank); the others
+        # add zeros, so one SUM all-reduce over the world assembles the batch exactly.
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.device)
+        if self._reports:
+            for part in parts:
+                for i, values in zip(part["seq_index"], part["logprobs"]):
+                    if i >= 0:
+                        flat[offsets[i]:offsets[i + 1]] = values
+        dist.all_reduce(flat)
+        flat = flat.cpu()
+        return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(n)]
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _local_microbatches(self, batch: TrainBatch, b: BatchingConfig
+                            ) -> tuple[list[Microbatch], dict[str, float]]:
+        """This replica's microbatches (``seq_index`` = indices into ``batch``) and its
+        collation figures. Pads with :func:`_filler_microbatch` to at least one microbatch, and
+        under interleaving to a multiple of the pipeline size (Megatron's interleaved schedule
+        runs microbatches in groups of ``pipeline_parallel``)."""
+        ids = torch.cat([s.tokens for s in batch.sequences] or [torch.zeros(1, dtype=torch.long)])
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got min "
+                             f"{int(ids.min())}, max {int(ids.max())}")
+        dp = self.pgs.dp.size()
+        assignment = assign_data_parallel(batch.lengths, dp, mode=b.dp_assignment,
+                                          seed=b.seed + self.step)
+        mine = assignment[self.pgs.dp.rank()]
+        mbs = []
+        if mine:
+            mbs = build_microbatches(batch.subset(mine), b.token_budget, layout=b.layout,
+                                     strategy=b.strategy, pad_to_multiple=b.pad_to_multiple)
+        for mb in mbs:
+            mb.seq_index = [mine[j] for j in mb.seq_index]
+        stats = {"microbatches": float(len(mbs)),
+                 "batch_tokens": float(sum(mb.num_tokens for mb in mbs)),
+                 "slot_tokens": float(sum(mb.tokens.numel() for mb in mbs))}
+        multiple = self.pgs.pp.size() if self.cfg.parallel.virtual_pipeline else 1
+        while not mbs or len(mbs) % multiple:
+            mbs.append(_filler_microbatch(b.layout, b.pad_to_multiple))
+        if self._uniform_shapes:
+            rows = max(mb.tokens.shape[0] for mb in mbs)
+            width = max(mb.tokens.shape[1] for mb in mbs)
+            mbs = [_pad_microbatch(mb, rows, width) for mb in mbs]
+        return mbs, stats
+
+    def _context(self, temperature: float | None = None) -> StepContext:
+        g = self.grpo
+        return StepContext(
+            tp_group=self.pgs.tp if self.pgs.tp.size() > 1 else None, vocab_size=self.vocab_size,
+            device=self.device, temperature=g.temperature if temperature is None else temperature,
+            chunk_size=g.logprob_chunk_size or None, eps_low=g.eps_low, eps_high=g.eps_high,
+            thd=_have_te(),
+            # Keep bf16 logits: token_logprobs upcasts chunk by chunk, never the whole tensor.
+            fp32_output=False if self.params_dtype == torch.bfloat16 else None)
+
+    def _run(self, mbs: list[Microbatch], mode: LossMode, *, forward_only: bool,
+             temperature: float | None = None) -> list:
+        """Megatron's schedule over ``mbs``; the loss closures' outputs (last stage only)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        forward_step = make_forward_step(self._context(temperature), mode)
+        iters = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
+        grad = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iters, model=self.model,
+                num_microbatches=len(mbs),
+                # The p2p shape when shapes are uniform; else ignored (variable_seq_lengths).
+                seq_length=max(mb.tokens.shape[1] for mb in mbs),
+                micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
+                forward_only=forward_only, pg_collection=self.pgs,
+                p2p_communicator=P2PCommunicator(self.pgs.pp, self.model[0].config))
+
+    def _reduce_metrics(self, parts: list[dict], keys: list[str], stats: dict[str, float]
+                        ) -> dict[str, torch.Tensor]:
+        """Sum (``*_max``: max) the metrics over data-parallel replicas, on every rank: two
+        all-reduces over the world, to which only each replica's reporting rank contributes."""
+        local = reduce_loss_metrics(parts) if self._reports else {}
+        sum_keys = [k for k in keys if not k.endswith("_max")] + list(_STAT_KEYS)
+        max_keys = [k for k in keys if k.endswith("_max")]
+        local.update({k: torch.tensor(v) for k, v in stats.items()} if self._reports else {})
+
+        def vector(names: list[str]) -> torch.Tensor:
+            if not self._reports:
+                return torch.zeros(len(names), dtype=torch.float64, device=self.device)
+            return torch.stack([local[k].to(self.device, torch.float64) for k in names])
+
+        sums = vector(sum_keys)
+        dist.all_reduce(sums)
+        out = dict(zip(sum_keys, sums.cpu()))
+        if max_keys:
+            maxes = vector(max_keys)  # every *_max metric is >= 0, so 0 is a neutral element
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            out.update(zip(max_keys, maxes.cpu()))
+        return out

@@ -1,0 +1,226 @@
+"""Forward steps, loss closures, the SFT batch builder, the trainer config and a single-process
+trainer: packed and padded rows and every token budget give the same loss and gradients,
+``compute_logprobs`` is ``token_logprobs`` of the full logits, and the LR schedule is the
+configured one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+
+from megatron_rl.algorithms.config import GRPOConfig
+from megatron_rl.algorithms.logprobs import naive_token_logprobs, token_logprobs
+from megatron_rl.algorithms.loss import grpo_loss
+from megatron_rl.batching.collate import collate
+from megatron_rl.batching.config import BatchingConfig
+from megatron_rl.batching.sft import build_sft_batch
+from megatron_rl.config_checks import ConfigFieldError
+from megatron_rl.training.config import OptimConfig, TrainerConfig
+from megatron_rl.training.steps import (StepContext, grpo_loss_fn, mask_padded_vocab, metric_keys,
+                                        model_inputs, sft_loss_fn)
+from megatron_rl.types import TrainBatch, TrainSequence
+
+VOCAB = 100  # padded to 1024 by the model
+
+
+def _sequences(n: int, seed: int = 0, vocab: int = VOCAB) -> list[TrainSequence]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p, c = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        out.append(TrainSequence(
+            tokens=torch.randint(0, vocab, (p + c,), generator=g), prompt_length=p,
+            behaviour_logprobs=-math.log(vocab) + 0.3 * torch.randn(c, generator=g),
+            versions=torch.zeros(c, dtype=torch.long), advantage=float(torch.randn(1, generator=g)),
+            weight=float(torch.rand(1, generator=g)) / 10, group_id=i // 3))
+    return out
+
+
+# -- pure pieces ----------------------------------------------------------------------------------
+
+def test_mask_padded_vocab_masks_only_ids_past_the_vocabulary():
+    logits = torch.randn(2, 3, 8, requires_grad=True)
+    masked = mask_padded_vocab(logits, 6)
+    assert torch.isinf(masked[..., 6:]).all() and torch.equal(masked[..., :6], logits[..., :6])
+    masked.exp().sum().backward()
+    assert (logits.grad[..., 6:] == 0).all() and (logits.grad[..., :6] != 0).all()
+    assert mask_padded_vocab(logits, 8) is logits  # nothing padded: no copy
+
+
+def test_loss_closures_equal_the_pure_functions_on_real_vocabulary_logits():
+    seqs = _sequences(3)
+    mb = collate(seqs, [0, 1, 2], layout="padded")
+    logits = torch.randn(*mb.tokens.shape, 128, requires_grad=True)  # 28 padded ids
+    ctx = StepContext(tp_group=None, vocab_size=VOCAB, device=torch.device("cpu"), temperature=0.8)
+    loss, n, metrics = grpo_loss_fn(ctx, mb, logits)
+    want, want_metrics = 0.0, []
+    for row, s in enumerate(seqs):
+        p, c = s.prompt_length, s.completion_length
+        logp, ent = naive_token_logprobs(logits[row, p - 1:p + c - 1, :VOCAB], s.tokens[p:],
+                                         temperature=0.8)
+        part, m = grpo_loss(logp, s.behaviour_logprobs, torch.full((c,), s.advantage),
+                            torch.full((c,), s.weight), entropy=ent)
+        want, want_metrics = want + part, want_metrics + [m]
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+    assert int(n) == sum(s.completion_length for s in seqs) == metrics["tokens"]
+    assert metrics["entropy_sum"].item() == pytest.approx(
+        sum(m["entropy_sum"].item() for m in want_metrics), rel=1e-5)
+    assert sorted(metrics) == metric_keys("grpo")
+    sft, _, sft_metrics = sft_loss_fn(ctx, mb, logits)
+    nll = -sum(naive_token_logprobs(logits[r, s.prompt_length - 1:s.length - 1, :VOCAB],
+                                    s.tokens[s.prompt_length:])[0].sum() * s.weight
+               for r, s in enumerate(seqs))
+    assert sft.item() == pytest.approx(nll.item(), rel=1e-5)  # SFT ignores the temperature
+    assert sorted(sft_metrics) == metric_keys("sft") == ["entropy_sum", "loss", "nll_sum", "tokens"]
+
+
+def test_model_inputs_per_layout():
+    seqs = _sequences(3)
+    packed = collate(seqs, [0, 1, 2], layout="packed", pad_to_multiple=8)
+    inputs = model_inputs(packed, thd=False)
+    assert torch.equal(inputs["attention_mask"], packed.attention_mask())
+    thd = model_inputs(packed, thd=True)["packed_seq_params"]
+    assert thd.qkv_format == "thd" and thd.cu_seqlens_q.dtype == torch.int32
+    assert torch.equal(thd.cu_seqlens_q, packed.cu_seqlens) and thd.cu_seqlens_kv is thd.cu_seqlens_q
+    assert thd.max_seqlen_q == max(max(s.length for s in seqs), packed.tokens.shape[1] - sum(
+        s.length for s in seqs))
+    assert model_inputs(collate(seqs, [0, 1, 2], layout="padded"), thd=True)["attention_mask"] is None
+
+
+def test_build_sft_batch_weights_answer_tokens_only():
+    batch = build_sft_batch([([1, 2, 3], [4, 5]), ([6], [7, 8, 9])])
+    assert [s.weight for s in batch.sequences] == [0.2, 0.2]
+    assert [s.prompt_length for s in batch.sequences] == [3, 1]
+    mb = collate(batch.sequences, [0, 1], layout="packed")
+    # Label positions of the 5 answer tokens carry 1/5 each; prompt positions carry nothing.
+    assert mb.loss_weights.sum().item() == pytest.approx(1.0)
+    assert mb.labels[mb.loss_weights != 0].tolist() == [4, 5, 7, 8, 9]
+    with pytest.raises(ValueError, match="pair 1"):
+        build_sft_batch([([1], [2]), ([3], [])])
+
+
+@pytest.mark.parametrize("cls, kwargs, field", [
+    (OptimConfig, {"lr": 0.0}, "lr"),
+    (OptimConfig, {"lr": 1e-6, "min_lr": 1e-5}, "min_lr"),
+    (OptimConfig, {"clip_grad": 0.0}, "clip_grad"),
+    (OptimConfig, {"adam_beta2": 1.0}, "adam_beta2"),
+    (OptimConfig, {"decay_style": "linear", "warmup_steps": 5, "decay_steps": 5}, "decay_steps"),
+    (OptimConfig, {"decay_style": "step"}, "decay_style"),
+    (TrainerConfig, {"precision": "fp16"}, "precision"),
+    (TrainerConfig, {"distributed_optimizer": "yes"}, "distributed_optimizer"),
+])
+def test_config_errors_name_the_field(cls, kwargs, field):
+    with pytest.raises(ConfigFieldError) as err:
+        cls(**kwargs)
+    assert err.value.field == field
+
+
+def test_auto_settings_resolve_for_this_machine():
+    cfg = TrainerConfig()
+    gpu = torch.cuda.is_available()
+    assert cfg.params_dtype() == (torch.bfloat16 if gpu else torch.float32)
+    assert cfg.use_distributed_optimizer() == gpu
+    assert TrainerConfig(precision="fp32", distributed_optimizer="on").use_distributed_optimizer()
+
+
+# -- a single-process trainer -----------------------------------------------------------------------
+
+def _hf(tied: bool = False):
+    return transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-5,
+        tie_word_embeddings=tied)
+
+
+def _trainer(optim: OptimConfig | None = None, tied: bool = False, recompute: bool = False):
+    from megatron_rl.training.trainer import PolicyTrainer
+
+    torch.manual_seed(0)  # CPU initialisation draws from the default generator: same weights
+    return PolicyTrainer(_hf(tied), TrainerConfig(optim=optim or OptimConfig(), recompute=recompute),
+                         GRPOConfig(), BatchingConfig(token_budget=64))
+
+
+def _grads(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.main_grad.clone() for n, p in trainer.chunks[0].named_parameters()}
+
+
+COLLATIONS = [
+    dict(token_budget=64, layout="packed"),
+    dict(token_budget=16, layout="packed", strategy="uniform"),
+    dict(token_budget=40, layout="packed", pad_to_multiple=8),
+    dict(token_budget=64, layout="padded"),
+    dict(token_budget=13, layout="padded", strategy="uniform", pad_to_multiple=4),
+]
+
+
+@pytest.mark.parametrize("mode", ["grpo", "sft"])
+def test_layouts_and_budgets_give_the_same_loss_and_gradients(single_rank, mode):
+    trainer = _trainer()
+    batch = TrainBatch(sequences=_sequences(10, seed=3))
+    runs = []
+    for c in COLLATIONS:
+        metrics = trainer.forward_backward(batch, mode, batching=BatchingConfig(**c))
+        runs.append((metrics, _grads(trainer)))
+    (ref, ref_grads), counts = runs[0], {r[0]["microbatches"] for r in runs}
+    assert len(counts) >= 3, counts  # the collations really differ
+    for c, (metrics, grads) in zip(COLLATIONS[1:], runs[1:]):
+        assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5), c
+        assert metrics["tokens"] == ref["tokens"]
+        for name, g in grads.items():
+            scale = ref_grads[name].abs().max().item()
+            assert scale > 0 and (g - ref_grads[name]).abs().max().item() <= 1e-5 * scale, (c, name)
+
+
+def test_recompute_gives_the_same_loss_and_gradients(single_rank):
+    batch = TrainBatch(sequences=_sequences(6, seed=5))
+    runs = []
+    for recompute in (False, True):
+        trainer = _trainer(recompute=recompute)
+        assert trainer.model[0].config.recompute_granularity == ("full" if recompute else None)
+        runs.append((trainer.forward_backward(batch, "grpo")["loss"], _grads(trainer)))
+    (loss, grads), (loss_rc, grads_rc) = runs
+    assert loss_rc == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_rc[name], g, rtol=1e-5, atol=1e-5 * g.abs().max().item())
+
+
+def test_compute_logprobs_equals_token_logprobs_of_the_full_logits(single_rank):
+    trainer = _trainer()
+    seqs = _sequences(5, seed=4)
+    model = trainer.chunks[0]
+    for temperature in (1.0, 0.7):
+        got = trainer.compute_logprobs(TrainBatch(sequences=seqs), temperature=temperature)
+        for s, values in zip(seqs, got, strict=True):
+            with torch.no_grad():
+                logits = model(s.tokens[None], torch.arange(s.length)[None], None)[0]
+            logits[:, VOCAB:] = -float("inf")  # the padded ids, as the generator never has them
+            want, _ = token_logprobs(logits[s.prompt_length - 1:-1], s.tokens[s.prompt_length:],
+                                     temperature=temperature)
+            assert values.shape == (s.completion_length,)
+            torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)
+
+
+def test_lr_schedule_empty_batch_and_parameter_count(single_rank):
+    trainer = _trainer(OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=4,
+                                   decay_style="linear"), tied=True)
+    batch = build_sft_batch([([1, 2], [3, 4, 5])])
+    lrs = [trainer.sft_step(batch)["lr"] for _ in range(5)]
+    # Warm-up from step 1 (lr k/2), then linear to min_lr at step 4, min_lr after.
+    assert lrs == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4, 1e-4])
+    assert trainer.rl_step(TrainBatch(sequences=[])) == {"skipped": 1.0, "lr": 1e-4, "step": 5.0}
+    trainer.step = 1
+    assert trainer.step == 1 and trainer.lr == pytest.approx(5e-4)
+    # Tied embeddings counted once; the model's own parameters, padded vocabulary included.
+    assert trainer.num_parameters() == sum(p.numel() for p in trainer.chunks[0].parameters())
+    with pytest.raises(ValueError, match="token ids"):
+        trainer.sft_step(build_sft_batch([([1], [VOCAB])]))
+
+
+def test_kl_term_is_refused(single_rank):
+    from megatron_rl.training.trainer import PolicyTrainer
+
+    with pytest.raises(ValueError, match="kl_coef"):
+        PolicyTrainer(_hf(), TrainerConfig(), GRPOConfig(kl_coef=0.1), BatchingConfig())
