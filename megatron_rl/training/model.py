@@ -167,7 +167,8 @@ def transformer_config_from_hf(hf_config: Any, parallel: ParallelConfig, *,
                          f"into pipeline_parallel x virtual_pipeline = {layers_per_stage} chunks")
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                    ("intermediate_size", hf.intermediate_size)):
         if n % parallel.tensor_parallel:
             raise ValueError(f"{name}: {n} is not divisible by tensor_parallel="
                              f"{parallel.tensor_parallel}")

@@ -185,6 +185,8 @@ UNSUPPORTED = [
      ParallelConfig(pipeline_parallel=2), "num_hidden_layers"),
     (transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 1}),
      ParallelConfig(tensor_parallel=2), "num_key_value_heads"),
+    (transformers.LlamaConfig(**{**TINY, "intermediate_size": 129}),
+     ParallelConfig(tensor_parallel=2), "intermediate_size"),
 ]
 
 
