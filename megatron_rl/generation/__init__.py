@@ -1,0 +1,1 @@
+"""Generation: the built-in inference engine (``engine/``) that turns prompts into completions."""

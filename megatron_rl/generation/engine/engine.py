@@ -1,0 +1,287 @@
+"""Continuous-batching generation over a :class:`~.model.Decoder` and its per-slot KV cache.
+
+One :meth:`Engine.step`:
+
+1. admits waiting requests (first come, first served) into free slots: each prompt is prefilled
+   alone (``[1, P]``) and its first token sampled from the last prompt position;
+2. runs one decode step for every running request (``[B, 1]``, each slot at its own length), and
+   samples its next token;
+3. finishes requests that sampled a stop token (EOS from the config or the request's
+   ``stop_token_ids``; the stop token is part of the output) or reached ``max_new_tokens``, frees
+   their slots, and returns them as :class:`Finished`.
+
+A request admitted in a step thus gains two tokens in that step, every other running request one.
+
+**Log-probs.** Each token's ``logprob`` is ``log_softmax(logits / temperature)`` over the *full*
+vocabulary at the sampled token: exactly what the trainer recomputes
+(:func:`megatron_rl.algorithms.logprobs.token_logprobs` with the same temperature). It is *not* the
+log-prob under the top-p-truncated, renormalised distribution the token was drawn from; with
+``top_p < 1`` the two differ by ``log(kept mass)``, and a token outside the nucleus is never drawn.
+Greedy requests (``temperature=0``) report ``log_softmax(logits)`` (temperature 1).
+
+**Versions.** :meth:`Engine.set_version` sets the weight version; every token records the
+version in force when it was sampled.
+
+**Pause.** :meth:`Engine.pause` makes :meth:`step` a no-op until :meth:`Engine.resume`; the KV cache,
+running and waiting requests are kept, so a weight update between the two continues every
+sequence in place (its later tokens then carry the new version).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Literal, Sequence
+
+import torch
+
+from megatron_rl.generation.engine.model import Decoder, KVCache
+
+__all__ = ["EngineConfig", "Engine", "Finished"]
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Sizes of the engine's KV cache."""
+
+    max_slots: int = 8  # sequences decoded together (cache slots)
+    max_len: int = 2048  # tokens per slot: prompt + completion must fit
+
+    def __post_init__(self):
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots: must be >= 1, got {self.max_slots}")
+        if self.max_len < 2:
+            raise ValueError(f"max_len: must be >= 2, got {self.max_len}")
+
+
+@dataclass(kw_only=True)
+class Finished:
+    """A request's output: generated tokens with their log-probs and weight versions."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # log_softmax(logits / temperature)[token], full vocabulary
+    versions: list[int]  # weight version that sampled each token
+    finish_reason: FinishReason
+
+
+@dataclass(kw_only=True)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop: frozenset[int]
+    generator: torch.Generator
+    slot: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def finished(self, reason: FinishReason) -> Finished:
+        return Finished(request_id=self.request_id, prompt_ids=self.prompt_ids,
+                        token_ids=self.token_ids, logprobs=self.logprobs,
+                        versions=self.versions, finish_reason=reason)
+
+
+def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
+                 generator: torch.Generator) -> tuple[int, float]:
+    """Draw one token from ``logits [V]`` (fp32); return ``(token, log_softmax(logits / T)[token])``.
+
+    ``temperature == 0``: argmax, log-prob at temperature 1. Otherwise the token is drawn from the
+    smallest set of most likely tokens whose mass reaches ``top_p`` (renormalised), using one
+    ``torch.multinomial`` call on the request's own generator, so a seeded request draws the same
+    tokens whatever else shares its batch.
+    """
+    logits = logits.float()
+    if temperature == 0.0:
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits, -1)[token])
+    logp = torch.log_softmax(logits / temperature, -1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep a token if the mass strictly before it is below top_p: the first is always kept.
+        keep = (torch.cumsum(sorted_p, 0) - sorted_p) < top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(logp[token])
+
+
+class Engine:
+    """Continuous batching over a fixed number of KV-cache slots; see the module docstring."""
+
+    def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
+                 eos_token_ids: Iterable[int] | None = None):
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        self.cache = KVCache(model.cfg, slots=self.config.max_slots, max_len=self.config.max_len,
+                             dtype=model.model.norm.weight.dtype,
+                             device=model.model.norm.weight.device)
+        self.eos_token_ids = frozenset(model.cfg.eos_token_ids if eos_token_ids is None
+                                       else eos_token_ids)
+        self.version = 0
+        self.paused = False
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[int, _Request] = {}  # slot -> request
+        self._free: list[int] = list(range(self.config.max_slots - 1, -1, -1))  # pop() -> 0 first
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, config: EngineConfig | None = None,
+                        **kwargs) -> "Engine":
+        """An engine over the HF model folder ``folder`` (config.json + safetensors)."""
+        return cls(Decoder.from_pretrained(folder), config, **kwargs)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV cache holds: ``max_slots * max_len``."""
+        return self.cache.capacity_tokens
+
+    @property
+    def running(self) -> int:
+        """Requests holding a slot."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    def set_version(self, version: int) -> None:
+        """Weight version recorded for every token sampled from now on."""
+        self.version = int(version)
+
+    def pause(self) -> None:
+        """Stop :meth:`step` from advancing; cache and requests are kept."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Let :meth:`step` advance again."""
+        self.paused = False
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
+                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                    stop_token_ids: Iterable[int] = ()) -> None:
+        """Queue a prompt ``input_ids`` (token ids). ``temperature=0`` decodes greedily.
+
+        Raises ``ValueError`` for a request that cannot run: duplicate id, empty prompt, prompt
+        plus ``max_new_tokens`` beyond ``max_len``, ids outside the vocabulary, bad sampling values.
+        """
+        if self._find(request_id) is not None:
+            raise ValueError(f"request_id: {request_id!r} is already queued or running")
+        ids = [int(t) for t in input_ids]
+        vocab = self.model.cfg.vocab_size
+        if not ids or min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"input_ids: need 1 or more ids in [0, {vocab}), got {len(ids)} ids")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        if len(ids) + max_new_tokens > self.config.max_len:
+            raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds "
+                             f"max_len {self.config.max_len}")
+        if temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        gen = torch.Generator(device=self.cache.k.device)
+        if seed is None:
+            gen.seed()  # fresh non-deterministic seed, independent of the global RNG
+        else:
+            gen.manual_seed(int(seed))
+        self._waiting.append(_Request(
+            request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens,
+            temperature=float(temperature), top_p=float(top_p),
+            stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids, generator=gen))
+
+    def abort(self, request_id: str) -> Finished | None:
+        """Drop a waiting or running request, freeing its slot; return what it generated so far
+        (``finish_reason="abort"``), or None if no such request is queued or running."""
+        req = self._find(request_id)
+        if req is None:
+            return None
+        if req.slot >= 0:
+            self._release(req)
+        else:
+            self._waiting.remove(req)
+        return req.finished("abort")
+
+    def _find(self, request_id: str) -> _Request | None:
+        for req in (*self._waiting, *self._running.values()):
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def _release(self, req: _Request) -> None:
+        del self._running[req.slot]
+        self.cache.reset(req.slot)
+        self._free.append(req.slot)
+        req.slot = -1
+
+    # ------------------------------------------------------------------ stepping
+
+    @torch.no_grad()
+    def step(self) -> list[Finished]:
+        """Admit, prefill, decode one token for every running request; return those that ended.
+
+        A no-op (returns ``[]``) while paused.
+        """
+        if self.paused:
+            return []
+        finished: list[Finished] = []
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            req.slot = self._free.pop()
+            self._running[req.slot] = req
+            ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.cache.k.device)
+            logits = self.model(ids, torch.tensor([req.slot]), self.cache)[0, -1]
+            self._accept(req, logits, finished)
+        if self._running:
+            reqs = list(self._running.values())
+            # The last sampled token of each request is not yet in the cache: feed it now.
+            ids = torch.tensor([[r.token_ids[-1]] for r in reqs], dtype=torch.long,
+                               device=self.cache.k.device)
+            slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
+            logits = self.model(ids, slots, self.cache)[:, -1]
+            for req, row in zip(reqs, logits):
+                self._accept(req, row, finished)
+        return finished
+
+    def _accept(self, req: _Request, logits: torch.Tensor, finished: list[Finished]) -> None:
+        """Sample ``req``'s next token from ``logits [V]``; finish the request if it is done."""
+        token, logprob = sample_token(logits, temperature=req.temperature, top_p=req.top_p,
+                                      generator=req.generator)
+        req.token_ids.append(token)
+        req.logprobs.append(logprob)
+        req.versions.append(self.version)
+        if token in req.stop:
+            reason: FinishReason | None = "stop"
+        elif len(req.token_ids) >= req.max_new_tokens:
+            reason = "length"
+        else:
+            return
+        self._release(req)
+        finished.append(req.finished(reason))
+
+    def generate_all(self) -> list[Finished]:
+        """Step until no request waits or runs; return the finished requests in finishing order.
+
+        Raises ``RuntimeError`` if called while paused (it would never end).
+        """
+        if self.paused:
+            raise RuntimeError("generate_all: the engine is paused")
+        out: list[Finished] = []
+        while self.has_work():
+            out.extend(self.step())
+        return out

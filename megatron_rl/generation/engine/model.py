@@ -1,0 +1,340 @@
+"""A plain-PyTorch decoder (Llama / Mistral / Qwen2) with HF parameter names and a per-slot KV cache.
+
+The built-in engine's model. It computes what transformers' ``LlamaForCausalLM``,
+``MistralForCausalLM`` and ``Qwen2ForCausalLM`` compute (RMSNorm, SwiGLU MLP, rotary embeddings
+with the config's ``rope_theta`` and ``head_dim``, grouped-query attention, tied or untied
+embeddings, Qwen2's q/k/v biases), in fp32, and its parameters carry exactly the names
+transformers saves, so that a weight broadcast can assign HF-named tensors in place through
+:meth:`Decoder.named_weights`.
+
+The KV cache (:class:`KVCache`) is contiguous: ``[layers, slots, max_len, kv_heads, head_dim]``.
+A *slot* holds one running sequence; ``lengths[slot]`` is how many of its positions are valid.
+:meth:`Decoder.forward` appends ``T`` new tokens to each of ``B`` slots at once (prefill: ``B = 1,
+T = prompt length``; decode: ``B = running slots, T = 1``); each row's positions start at its own
+slot length, and each query sees only keys of its own slot up to its own position, so sequences
+of different lengths share one decode step. Positions beyond a slot's length hold stale values of
+a previous occupant; the mask, not zeroing, keeps them out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_rl.convert.hf_files import HFWeights
+
+__all__ = ["DecoderConfig", "KVCache", "Decoder"]
+
+_SUPPORTED = ("llama", "mistral", "qwen2")
+
+
+@dataclass(kw_only=True)
+class DecoderConfig:
+    """The shape of a Llama / Mistral / Qwen2 decoder, read from an HF ``config.json``."""
+
+    model_type: str  # one of llama, mistral, qwen2
+    vocab_size: int  # rows of the embedding and of the output head
+    hidden_size: int  # residual-stream width
+    intermediate_size: int  # SwiGLU inner width
+    num_layers: int  # decoder blocks
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (grouped-query attention: divides num_heads)
+    head_dim: int  # width of one head (HF default: hidden_size // num_heads)
+    rope_theta: float = 10000.0  # rotary base
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # output head shares the embedding matrix
+    qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; Llama with attention_bias)
+    o_bias: bool = False  # output projection has a bias (Llama with attention_bias only)
+    mlp_bias: bool = False  # MLP projections have biases (Llama mlp_bias)
+    sliding_window: int | None = None  # Mistral/Qwen2 window; sequences must fit inside it
+    eos_token_ids: tuple[int, ...] = ()  # from config.json, for the engine's default stop set
+
+    def __post_init__(self):
+        if self.model_type not in _SUPPORTED:
+            raise ValueError(f"model_type: {self.model_type!r} is not one of {_SUPPORTED}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads: must divide num_heads ({self.num_heads}), "
+                             f"got {self.num_kv_heads}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta: must be > 0, got {self.rope_theta}")
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
+        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout)."""
+        model_type = cfg.get("model_type", "")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act: only silu is supported, got {cfg['hidden_act']!r}")
+        # transformers 5 nests the rotary settings in rope_parameters; 4.x had rope_theta and
+        # rope_scaling at the top level. Scaled variants (llama3, yarn, ...) change the
+        # frequencies and are not implemented: refuse rather than silently differ.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope_type: only 'default' rotary embeddings are supported, "
+                             f"got {rope_type!r}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        num_heads = cfg["num_attention_heads"]
+        # Qwen2 always has q/k/v biases and no o bias; Llama's attention_bias covers all four.
+        qwen = model_type == "qwen2"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window")
+        if qwen and not cfg.get("use_sliding_window", False):
+            window = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        return cls(model_type=model_type, vocab_size=cfg["vocab_size"],
+                   hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+                   num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
+                   num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+                   rope_theta=float(theta), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                   qkv_bias=qwen or attention_bias, o_bias=attention_bias and not qwen,
+                   mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=window,
+                   eos_token_ids=eos_ids)
+
+
+class KVCache:
+    """Contiguous per-slot keys and values.
+
+    ``k``, ``v``: ``[layers, slots, max_len, kv_heads, head_dim]``; ``lengths``: ``[slots]`` (int64),
+    the valid prefix of each slot. Freeing a slot only resets its length.
+    """
+
+    def __init__(self, cfg: DecoderConfig, *, slots: int, max_len: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if slots < 1 or max_len < 1:
+            raise ValueError(f"slots and max_len: must be >= 1, got {slots} and {max_len}")
+        shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        self.slots = slots
+        self.max_len = max_len
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the cache can hold: ``slots * max_len``."""
+        return self.slots * self.max_len
+
+    def reset(self, slot: int) -> None:
+        """Forget slot ``slot``'s sequence (its stale values stay, masked out by length)."""
+        self.lengths[slot] = 0
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as transformers does, so bf16
+        # weights would round at the same place.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Block(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = _MLP(cfg)
+
+
+class _Backbone(nn.Module):
+    # Named "model" inside Decoder so parameter names read "model.layers.0...." like HF's.
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Decoder(nn.Module):
+    """Llama / Mistral / Qwen2 causal LM over a :class:`KVCache`; parameters named as in HF."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = _Backbone(cfg)
+        # Tied: no lm_head parameter at all (HF does not save one), the head reads the embedding.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
+            cfg.hidden_size, cfg.vocab_size, bias=False)
+        # HF's inv_freq: theta ** -(2i / d) for i < d/2, computed from an int64 arange in fp32.
+        exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+        self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta ** exponent), persistent=False)
+        self.requires_grad_(False)
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike) -> "Decoder":
+        """Load ``config.json`` and the safetensors weights (single file or sharded index)."""
+        folder = Path(folder)
+        cfg = DecoderConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        model = cls(cfg)
+        weights = HFWeights(folder)
+        try:
+            model.load_state_dict(weights)
+        finally:
+            weights.close()
+        return model
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The live parameters by HF name; ``named_weights()[n].copy_(t)`` updates the model.
+
+        With tied embeddings there is no ``lm_head.weight`` entry: the head is the embedding.
+        """
+        return {name: p for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False):
+        """Copy HF-named tensors into the parameters (cast to their dtype).
+
+        Accepts exactly what transformers saves: every parameter must be present, and the only
+        extras tolerated are ``lm_head.weight`` of a tied model (must equal the embedding) and
+        rotary ``inv_freq`` buffers of older checkpoints, which are recomputed here anyway.
+        ``strict`` and ``assign`` exist for signature compatibility; loading is always strict.
+        """
+        params = self.named_weights()
+        missing = sorted(set(params) - set(state))
+        extra = []
+        for name in state:
+            if name in params or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # compared with the embedding once that is loaded, below
+            extra.append(name)
+        if missing or extra:
+            raise KeyError(f"state dict does not match the model: missing {missing[:8]}, "
+                           f"unexpected {extra[:8]}")
+        with torch.no_grad():
+            for name, p in params.items():
+                t = state[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                p.copy_(t.to(p.dtype))
+        if self.lm_head is None and "lm_head.weight" in state:
+            embed = params["model.embed_tokens.weight"]
+            if not torch.equal(state["lm_head.weight"].to(embed.dtype), embed):
+                raise ValueError("lm_head.weight: differs from model.embed_tokens.weight but "
+                                 "the config says tie_word_embeddings")
+        return None
+
+    # ------------------------------------------------------------------ forward
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [B, T]`` -> ``cos, sin [B, T, 1, head_dim]`` (HF's duplicated-half layout)."""
+        freqs = positions.float()[..., None] * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        return emb.cos(), emb.sin()
+
+    def _attend(self, layer: int, block: _Block, x: torch.Tensor, cache: KVCache,
+                slots: torch.Tensor, positions: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        """Self-attention of ``x [B, T, hidden]`` that writes its K/V into ``cache`` first.
+
+        ``positions [B, T]`` are absolute; ``mask [B, 1, T, L]`` is True where a query may see a
+        key among the first ``L`` cache positions. Returns ``[B, T, hidden]``.
+        """
+        cfg, attn = self.cfg, block.self_attn
+        B, T, _ = x.shape
+        q = attn.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
+        k = attn.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = attn.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        cos, sin = self._rope(positions)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        # Scatter the new keys/values to (slot, position) and read each slot's prefix back.
+        cache.k[layer][slots[:, None], positions] = k.to(cache.k.dtype)
+        cache.v[layer][slots[:, None], positions] = v.to(cache.v.dtype)
+        L = mask.shape[-1]
+        keys = cache.k[layer][slots, :L].to(q.dtype)  # [B, L, kv_heads, head_dim]
+        values = cache.v[layer][slots, :L].to(q.dtype)
+        groups = cfg.num_heads // cfg.num_kv_heads
+        keys = keys.repeat_interleave(groups, dim=2)
+        values = values.repeat_interleave(groups, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                             values.transpose(1, 2), attn_mask=mask)
+        return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
+
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor,
+                cache: KVCache) -> torch.Tensor:
+        """Append ``input_ids [B, T]`` to ``slots [B]`` of ``cache``; return logits ``[B, T, V]``.
+
+        Row ``b``'s tokens take positions ``lengths[slots[b]] .. + T - 1``; the slot lengths grow by
+        ``T``. Every row appends the same ``T`` (prefill one sequence at a time, or decode one
+        token for many).
+        """
+        B, T = input_ids.shape
+        slots = slots.to(cache.lengths.device)
+        start = cache.lengths[slots]  # [B]
+        end = int(start.max()) + T
+        if end > cache.max_len:
+            raise ValueError(f"sequence would reach {end} tokens; the cache holds {cache.max_len} "
+                             "per slot")
+        if self.cfg.sliding_window is not None and end > self.cfg.sliding_window:
+            raise ValueError(f"sequence would reach {end} tokens, beyond sliding_window "
+                             f"{self.cfg.sliding_window} (windowed attention is not implemented)")
+        positions = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
+        # Causal and per-slot: query at position p sees keys 0..p of its own slot, and nothing of
+        # the stale tail beyond its slot's new length.
+        key_pos = torch.arange(end, device=start.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        x = self.model.embed_tokens(input_ids)
+        for i, block in enumerate(self.model.layers):
+            x = x + self._attend(i, block, block.input_layernorm(x), cache, slots, positions, mask)
+            x = x + block.mlp(block.post_attention_layernorm(x))
+        cache.lengths[slots] = start + T
+        x = self.model.norm(x)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head)
+
+    def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of whole sequences ``input_ids [B, T]`` (one pass, scratch cache)."""
+        B, T = input_ids.shape
+        cache = KVCache(self.cfg, slots=B, max_len=T, dtype=self.model.norm.weight.dtype,
+                        device=input_ids.device)
+        return self.forward(input_ids, torch.arange(B, device=input_ids.device), cache)

@@ -1,0 +1,266 @@
+"""The built-in engine against transformers, and its batching, log-prob, version, pause and abort
+contracts, on tiny random models saved with ``save_pretrained`` (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from megatron_rl.algorithms.logprobs import token_logprobs
+from megatron_rl.generation.engine import Decoder, Engine, EngineConfig
+
+_COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+# name -> (config class, extra config, randomise biases, save shard size)
+_MODELS = {
+    # head_dim 24 != 64 / 4: the projections are not square, the rope width follows head_dim.
+    "llama": (transformers.LlamaConfig, dict(head_dim=24, rope_theta=500000.0), False, "40KB"),
+    "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True), False, None),
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=False),
+              True, None),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None), False, None),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_models(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
+    """name -> (saved folder, the transformers model), built once per module."""
+    out = {}
+    for i, (name, (cls, extra, biases, shard)) in enumerate(_MODELS.items()):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_config(cls(**_COMMON, **extra))
+        model = model.float().eval()
+        if biases:  # HF initialises biases to zero, which would not exercise them
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n.endswith(".bias"):
+                        p.normal_(0.0, 0.5)
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
+        out[name] = (str(folder), model)
+    return out
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, _COMMON["vocab_size"], (n,), generator=g).tolist()
+
+
+def _engine(folder: str, slots: int = 4, max_len: int = 64) -> Engine:
+    return Engine.from_pretrained(folder, EngineConfig(max_slots=slots, max_len=max_len))
+
+
+def _run(engine: Engine, cap: int = 1000):
+    out = {}
+    for _ in range(cap):
+        if not engine.has_work():
+            return out
+        out.update({f.request_id: f for f in engine.step()})
+    raise AssertionError("engine did not finish")
+
+
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_logits_match_transformers(hf_models, name):
+    folder, hf = hf_models[name]
+    model = Decoder.from_pretrained(folder)
+    ids = torch.tensor([_prompt(11, 1), _prompt(11, 2)])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    torch.testing.assert_close(model.full_logits(ids), ref, atol=1e-5, rtol=0)
+
+
+def test_sharded_folder_was_sharded(hf_models):
+    import os
+    assert "model.safetensors.index.json" in os.listdir(hf_models["llama"][0])
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
+def test_load_state_dict_takes_transformers_tensors(hf_models, name):
+    folder, hf = hf_models[name]
+    model = Decoder.from_pretrained(folder)
+    fresh = Decoder(model.cfg)
+    fresh.load_state_dict(hf.state_dict())  # tied: includes lm_head.weight, accepted
+    ids = torch.tensor([_prompt(7)])
+    torch.testing.assert_close(fresh.full_logits(ids), model.full_logits(ids), atol=0, rtol=0)
+    names = set(fresh.named_weights())
+    assert names == {n for n in hf.state_dict() if not (n == "lm_head.weight" and
+                                                       model.cfg.tie_word_embeddings)}
+    if model.cfg.tie_word_embeddings:  # an explicit tied head is accepted only if it matches
+        state = dict(hf.state_dict(), **{"lm_head.weight": hf.state_dict()[
+            "model.embed_tokens.weight"]})
+        fresh.load_state_dict(state)
+        state["lm_head.weight"] = state["lm_head.weight"] + 1.0
+        with pytest.raises(ValueError, match="lm_head.weight"):
+            fresh.load_state_dict(state)
+    bad = dict(hf.state_dict())
+    bad.pop("model.norm.weight")
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        fresh.load_state_dict(bad)
+
+
+def test_named_weights_are_live(hf_models):
+    model = Decoder.from_pretrained(hf_models["llama"][0])
+    ids = torch.tensor([_prompt(5)])
+    before = model.full_logits(ids)
+    model.named_weights()["model.norm.weight"].mul_(2.0)  # an in-place broadcast would do this
+    assert not torch.allclose(model.full_logits(ids), before)
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
+def test_greedy_matches_generate(hf_models, name):
+    folder, hf = hf_models[name]
+    prompt = _prompt(9, 3)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                          min_new_tokens=16, pad_token_id=0)[0, len(prompt):].tolist()
+    engine = _engine(folder)
+    engine.add_request("r", prompt, max_new_tokens=16, temperature=0.0)
+    assert _run(engine)["r"].token_ids == ref
+
+
+def test_kv_cache_decode_matches_full_forward(hf_models):
+    from megatron_rl.generation.engine import KVCache
+    model = Decoder.from_pretrained(hf_models["qwen2"][0])
+    seqs = [_prompt(14, 4), _prompt(14, 5)]
+    full = [model.full_logits(torch.tensor([s]))[0] for s in seqs]
+    cache = KVCache(model.cfg, slots=3, max_len=32)
+    # Slot 2 gets a 6-token prompt, slot 0 a 3-token one: the decode batch mixes lengths.
+    starts = {2: (seqs[0], 6), 0: (seqs[1], 3)}
+    for slot, (s, p) in starts.items():
+        got = model(torch.tensor([s[:p]]), torch.tensor([slot]), cache)[0]
+        torch.testing.assert_close(got, full[0 if slot == 2 else 1][:p], atol=1e-5, rtol=0)
+    for step in range(8):
+        ids = torch.tensor([[seqs[0][6 + step]], [seqs[1][3 + step]]])
+        got = model(ids, torch.tensor([2, 0]), cache)[:, 0]
+        torch.testing.assert_close(got[0], full[0][6 + step], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[1], full[1][3 + step], atol=1e-5, rtol=0)
+    assert cache.lengths.tolist() == [11, 0, 14]
+
+
+def test_batched_requests_equal_each_alone(hf_models):
+    folder = hf_models["llama"][0]
+    specs = [(f"r{i}", _prompt(n, 10 + i), 100 + i) for i, n in enumerate([3, 12, 7, 1, 9])]
+    batched = _engine(folder, slots=3)  # 5 requests, 3 slots: some wait, slots get reused
+    for rid, prompt, seed in specs:
+        batched.add_request(rid, prompt, max_new_tokens=10 + len(prompt) % 4, temperature=0.9,
+                            top_p=0.95, seed=seed)
+    together = _run(batched)
+    for rid, prompt, seed in specs:
+        alone = _engine(folder, slots=1)
+        alone.add_request(rid, prompt, max_new_tokens=10 + len(prompt) % 4, temperature=0.9,
+                          top_p=0.95, seed=seed)
+        got = _run(alone)[rid]
+        assert together[rid].token_ids == got.token_ids
+        torch.testing.assert_close(together[rid].logprobs, got.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5)])
+def test_logprobs_are_full_vocab_tempered_logsoftmax(hf_models, temperature, top_p):
+    folder = hf_models["qwen2"][0]
+    engine = _engine(folder)
+    prompts = {"a": _prompt(5, 20), "b": _prompt(10, 21)}
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, max_new_tokens=12, temperature=temperature, top_p=top_p,
+                           seed=7)
+    out = _run(engine)
+    for rid, p in prompts.items():
+        toks = out[rid].token_ids
+        logits = engine.model.full_logits(torch.tensor([p + toks]))[0, len(p) - 1:-1]
+        ref = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(toks)[:, None])
+        got = torch.tensor(out[rid].logprobs)
+        torch.testing.assert_close(got, ref[:, 0], atol=1e-5, rtol=0)
+        # ... which is what the trainer recomputes.
+        trainer, _ = token_logprobs(logits, torch.tensor(toks), temperature=temperature)
+        torch.testing.assert_close(got, trainer, atol=1e-5, rtol=0)
+
+
+def test_versions_follow_set_version(hf_models):
+    engine = _engine(hf_models["llama"][0])
+    engine.add_request("a", _prompt(4), max_new_tokens=6, seed=1)
+    engine.step()  # admission step: prefill token + one decode token at version 0
+    engine.set_version(3)
+    engine.step()
+    engine.add_request("b", _prompt(6), max_new_tokens=3, seed=2)
+    engine.set_version(4)
+    out = _run(engine)
+    assert out["a"].versions == [0, 0, 3, 4, 4, 4]
+    assert out["b"].versions == [4, 4, 4]
+
+
+def test_pause_keeps_state_and_resume_continues(hf_models):
+    folder = hf_models["llama"][0]
+    kwargs = dict(max_new_tokens=10, temperature=1.0, seed=5)
+    reference = _engine(folder)
+    reference.add_request("a", _prompt(6), **kwargs)
+    expected = _run(reference)["a"]
+
+    engine = _engine(folder)
+    engine.add_request("a", _prompt(6), **kwargs)
+    engine.step()
+    engine.step()
+    engine.pause()
+    lengths = engine.cache.lengths.clone()
+    for _ in range(3):
+        assert engine.step() == []
+    assert engine.running == 1 and torch.equal(engine.cache.lengths, lengths)
+    engine.resume()
+    got = _run(engine)["a"]
+    assert got.token_ids == expected.token_ids and len(got.token_ids) == 10
+    assert got.logprobs == pytest.approx(expected.logprobs, abs=1e-6)
+
+
+def test_abort_frees_the_slot(hf_models):
+    engine = _engine(hf_models["llama"][0], slots=1)
+    engine.add_request("a", _prompt(4), max_new_tokens=20, seed=1)
+    engine.add_request("b", _prompt(5), max_new_tokens=2, seed=2)
+    engine.step()
+    assert (engine.running, engine.waiting) == (1, 1)
+    aborted = engine.abort("a")
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 2
+    assert len(aborted.logprobs) == len(aborted.versions) == 2
+    assert (engine.running, engine.waiting) == (0, 1) and engine.cache.lengths.tolist() == [0]
+    assert engine.abort("a") is None
+    out = _run(engine)
+    assert out["b"].finish_reason == "length" and len(out["b"].token_ids) == 2
+    engine.add_request("c", _prompt(3), max_new_tokens=5)
+    assert engine.abort("c").token_ids == [] and engine.waiting == 0
+
+
+def test_stop_token_ends_the_request(hf_models):
+    folder = hf_models["llama"][0]
+    engine = _engine(folder)
+    engine.add_request("a", _prompt(8), max_new_tokens=12, temperature=0.0)
+    full = _run(engine)["a"].token_ids
+    stop = full[4]
+    engine.add_request("b", _prompt(8), max_new_tokens=12, temperature=0.0,
+                       stop_token_ids=[stop])
+    got = _run(engine)["b"]
+    cut = full.index(stop) + 1
+    assert got.finish_reason == "stop" and got.token_ids == full[:cut]
+    eos_engine = Engine.from_pretrained(folder, EngineConfig(max_slots=2, max_len=32),
+                                        eos_token_ids=[stop])
+    eos_engine.add_request("c", _prompt(8), max_new_tokens=12, temperature=0.0)
+    assert _run(eos_engine)["c"].token_ids == full[:cut]
+
+
+def test_counts_capacity_and_validation(hf_models):
+    engine = _engine(hf_models["llama"][0], slots=2, max_len=16)
+    assert engine.capacity_tokens == 32
+    for rid in "abc":
+        engine.add_request(rid, _prompt(3), max_new_tokens=4)
+    assert (engine.running, engine.waiting) == (0, 3)
+    engine.step()
+    assert (engine.running, engine.waiting) == (2, 1)
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("a", _prompt(3), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_len"):
+        engine.add_request("d", _prompt(10), max_new_tokens=7)
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.add_request("d", [97], max_new_tokens=1)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request("d", [1], max_new_tokens=1, top_p=0.0)
+    with pytest.raises(ValueError, match="max_slots"):
+        EngineConfig(max_slots=0)
