@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from megatron_rl.convert.hf_files import (HFWeights, ShardWriter, atomic_output_dir,
                                           copy_side_files, dtype_name, parse_dtype, parse_size)
-from megatron_rl.training.model import _rope_parameters, padded_vocab_size
+from megatron_rl.training.model import padded_vocab_size, rope_parameters
 from megatron_rl.weight_sync.hf_map import HFConverter, WeightsMismatchError
 
 __all__ = ["hf_to_mcore", "mcore_to_hf", "McoreCheckpoint", "check_same_architecture",
@@ -103,7 +103,7 @@ def _architecture(config: dict) -> dict[str, Any]:
         "rms_norm_eps": hf.rms_norm_eps, "hidden_act": getattr(hf, "hidden_act", "silu"),
         "attention_bias": bool(getattr(hf, "attention_bias", False)),
         "mlp_bias": bool(getattr(hf, "mlp_bias", False)), "sliding_window": window}
-    rope = _rope_parameters(hf)  # the same reading the model builder uses
+    rope = rope_parameters(hf)  # the same reading the model builder uses
     arch["rope_theta"] = rope.pop("rope_theta")
     arch.update({f"rope_parameters.{k}": v for k, v in sorted(rope.items()) if k != "type"})
     return arch

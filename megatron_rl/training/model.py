@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from megatron_rl.training.parallel import ParallelConfig
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "padded_vocab_size",
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "padded_vocab_size", "rope_parameters",
+           "have_transformer_engine",
            "transformer_config_from_hf", "gpt_model_kwargs_from_hf", "build_gpt_model",
            "build_model_chunks", "unwrap_chunks", "model_sharded_state_dict", "save_model_checkpoint",
            "load_model_checkpoint"]
@@ -38,7 +39,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 VOCAB_DIVISIBLE_BY = 128
 
 
-def _have_te() -> bool:
+def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
@@ -75,7 +76,7 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, *,
     return -(-vocab_size // multiple) * multiple
 
 
-def _rope_parameters(hf) -> dict:
+def rope_parameters(hf) -> dict:
     """RoPE settings in either layout: transformers >= 5 (``rope_parameters`` holding
     ``rope_theta``) or older config.json files (top-level ``rope_theta``, ``rope_scaling``)."""
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
@@ -98,7 +99,7 @@ def _rope_model_kwargs(hf) -> dict:
       low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192, so other
       values are refused.
     """
-    p = _rope_parameters(hf)
+    p = rope_parameters(hf)
     kw: dict = {"rotary_base": p["rope_theta"]}
     kind = p["rope_type"]
     if kind == "default":
@@ -205,7 +206,7 @@ def transformer_config_from_hf(hf_config: Any, parallel: ParallelConfig, *,
         bias_activation_fusion=on_gpu,
         bias_dropout_fusion=on_gpu,
         masked_softmax_fusion=on_gpu,
-        apply_rope_fusion=on_gpu and _have_te(),
+        apply_rope_fusion=on_gpu and have_transformer_engine(),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -230,7 +231,7 @@ def _layer_spec(config):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    if _have_te():
+    if have_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec()
     if config.sequence_parallel:
         raise ValueError("sequence_parallel: needs Transformer Engine (the plain PyTorch "

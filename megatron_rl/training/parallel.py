@@ -13,6 +13,7 @@ Data parallel size is not configured: it is ``world_size / (tensor_parallel * pi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
 
-__all__ = ["ParallelConfig", "init_parallel", "destroy_parallel", "process_groups"]
+__all__ = ["ParallelConfig", "init_parallel", "destroy_parallel", "parallel_layout", "process_groups"]
 
 
 @dataclass(kw_only=True)
@@ -136,3 +137,14 @@ def destroy_parallel(*, destroy_default_group: bool = False) -> None:
     parallel_state.destroy_model_parallel()
     if destroy_default_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def parallel_layout(cfg: ParallelConfig, *, seed: int):
+    """``init_parallel`` on entry, ``destroy_parallel`` (default group kept) on exit: one layout
+    after another in the same processes, as tests and the conversion tools do."""
+    init_parallel(cfg, seed=seed)
+    try:
+        yield
+    finally:
+        destroy_parallel()

@@ -37,7 +37,7 @@ from megatron_rl.batching.collate import Microbatch, build_microbatches, collate
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
 from megatron_rl.training.config import TrainerConfig
-from megatron_rl.training.model import (_have_te, build_gpt_model, load_hf_config,
+from megatron_rl.training.model import (build_gpt_model, have_transformer_engine, load_hf_config,
                                         transformer_config_from_hf)
 from megatron_rl.training.parallel import destroy_parallel, init_parallel, process_groups
 from megatron_rl.training.steps import (LossMode, StepContext, finalize_grads_summed,
@@ -380,7 +380,7 @@ class PolicyTrainer:
             tp_group=self.pgs.tp if self.pgs.tp.size() > 1 else None, vocab_size=self.vocab_size,
             device=self.device, temperature=g.temperature if temperature is None else temperature,
             chunk_size=g.logprob_chunk_size or None, eps_low=g.eps_low, eps_high=g.eps_high,
-            thd=_have_te(),
+            thd=have_transformer_engine(),
             # Keep bf16 logits: token_logprobs upcasts chunk by chunk, never the whole tensor.
             fp32_output=False if self.params_dtype == torch.bfloat16 else None)
 

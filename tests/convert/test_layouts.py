@@ -111,19 +111,16 @@ def _all(rank: int, world_size: int, root: str, references: dict) -> list[dict]:
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU test by design, also where a GPU exists
     from megatron_rl.convert.checkpoint import hf_to_mcore
-    from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megatron_rl.training.parallel import ParallelConfig, parallel_layout
 
     results = []
     for family, (wtp, wpp) in WRITTEN_AT.items():
         hf_dir, out = Path(root) / family, Path(root) / f"{family}-mcore"
         hf_to_mcore(hf_dir, out, tensor_parallel=wtp, pipeline_parallel=wpp)  # collective
         for tp, pp in LAYOUTS:
-            init_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0)
-            try:
+            with parallel_layout(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0):
                 results.append(_check_layout(family, hf_dir, out / "model", tp, pp,
                                              references[family]))
-            finally:
-                destroy_parallel()
     return results
 
 

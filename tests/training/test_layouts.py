@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from tests.spawn import run_ranks
+from tests.training.compare import diff_failures
 
 BATCH, SEQ, VOCAB = 4, 8, 1000  # ids on every TP shard of the 1024-row padded vocabulary
 # Per tensor, max |layout - reference| <= REL_TOL * max |reference|. Reordered fp32 sums (split
@@ -236,19 +237,16 @@ def _all_layouts(rank: int, world_size: int, ckpt_root: str) -> list[dict]:
 
     # A CPU test by design (gloo ranks sharing the machine), also where a GPU is present.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megatron_rl.training.parallel import ParallelConfig, parallel_layout
 
-    init_parallel(ParallelConfig(), seed=1234)
-    refs = {v: _reference(v, f"{ckpt_root}/{v}") for v in ("untied", "tied")}
-    destroy_parallel()
+    with parallel_layout(ParallelConfig(), seed=1234):
+        refs = {v: _reference(v, f"{ckpt_root}/{v}") for v in ("untied", "tied")}
     results = []
     for layout in LAYOUTS:
-        init_parallel(ParallelConfig(tensor_parallel=layout[1], pipeline_parallel=layout[2],
-                                     virtual_pipeline=layout[3]), seed=1234)
-        try:
+        cfg = ParallelConfig(tensor_parallel=layout[1], pipeline_parallel=layout[2],
+                             virtual_pipeline=layout[3])
+        with parallel_layout(cfg, seed=1234):
             results.append(_run_layout(layout, refs[layout[4]], f"{ckpt_root}/{layout[4]}"))
-        finally:
-            destroy_parallel()
     return results
 
 
@@ -256,16 +254,11 @@ def _all_layouts(rank: int, world_size: int, ckpt_root: str) -> list[dict]:
 def test_logits_and_grads_match_tp1_pp1_at_every_layout():
     with tempfile.TemporaryDirectory() as ckpt_root:
         per_rank = run_ranks(_all_layouts, 4, args=(ckpt_root,), timeout=150)
-    compared = {layout[0]: 0 for layout in LAYOUTS}
-    bad = []
-    for rank, results in enumerate(per_rank):
-        for res in results:
-            compared[res["layout"]] += len(res["diffs"])
-            for what, (err, scale) in res["diffs"].items():
-                tol = 0.0 if what.startswith("init") else REL_TOL * scale  # init: bit-identical
-                if not (scale > 0 and err <= tol):
-                    bad.append(f"rank {rank} {res['layout']}: {what} off by {err:.3g} "
-                               f"(scale {scale:.3g})")
+    # init: bit-identical; everything else relative to the tensor's scale, which must be > 0.
+    bad, compared = diff_failures(
+        per_rank, lambda what, scale: 0.0 if what.startswith("init") else REL_TOL * scale,
+        require_scale=True)
     assert not bad, "\n".join(bad)
+    assert set(compared) == {layout[0] for layout in LAYOUTS}, compared
     # Each rank holds a nonempty set of parameters (+ logits on last stages): all compared.
     assert all(n >= 4 * 5 for n in compared.values()), compared

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from tests.spawn import run_ranks
+from tests.training.compare import diff_failures
 from tests.training.test_layouts import _global_names, _max_diff, _shard
 
 VOCAB = 1000  # real vocabulary; the model pads to 1024 (ids 1000..1023 on the last TP shard)
@@ -231,19 +232,16 @@ def _all_layouts(rank: int, world_size: int, ckpt_root: str) -> list[dict]:
     import os
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU test by design, also where a GPU is present
-    from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megatron_rl.training.parallel import ParallelConfig, parallel_layout
 
-    init_parallel(ParallelConfig(), seed=1234)
-    refs = _references(ckpt_root)
-    destroy_parallel()
+    with parallel_layout(ParallelConfig(), seed=1234):
+        refs = _references(ckpt_root)
     results = []
     for layout in LAYOUTS:
-        init_parallel(ParallelConfig(tensor_parallel=layout[1], pipeline_parallel=layout[2],
-                                     virtual_pipeline=layout[3]), seed=1234)
-        try:
+        cfg = ParallelConfig(tensor_parallel=layout[1], pipeline_parallel=layout[2],
+                             virtual_pipeline=layout[3])
+        with parallel_layout(cfg, seed=1234):
             results.append(_run_layout(layout, refs, ckpt_root))
-        finally:
-            destroy_parallel()
     return results
 
 
@@ -251,16 +249,9 @@ def _all_layouts(rank: int, world_size: int, ckpt_root: str) -> list[dict]:
 def test_trainer_matches_single_sequence_reference_at_every_layout():
     with tempfile.TemporaryDirectory() as ckpt_root:
         per_rank = run_ranks(_all_layouts, 4, args=(ckpt_root,), timeout=240)
-    compared = {layout[0]: 0 for layout in LAYOUTS}
-    bad = []
-    for rank, results in enumerate(per_rank):
-        for res in results:
-            compared[res["layout"]] += len(res["diffs"])
-            for what, (err, scale) in res["diffs"].items():
-                if not err <= REL_TOL * max(scale, 1e-6):
-                    bad.append(f"rank {rank} {res['layout']}: {what} off by {err:.3g} "
-                               f"(scale {scale:.3g})")
+    bad, compared = diff_failures(per_rank, lambda what, scale: REL_TOL * max(scale, 1e-6))
     assert not bad, "\n".join(bad)
+    assert set(compared) == {layout[0] for layout in LAYOUTS}, compared
     assert all(n >= 4 * 40 for n in compared.values()), compared
 
 
