@@ -5,19 +5,25 @@ PYTHON ?= python3
 # torch is installed only when it is not importable, so a CUDA build you already have is kept.
 # torch==2.13.0 is a CPU build on the project's CI machines (from their local wheel cache).
 TORCH_SPEC ?= torch==2.13.0
+# SGLang release the client speaks to (megatron_rl/generation/protocol.py SGLANG_VERSION).
+SGLANG_VERSION ?= 0.5.23
+SGLANG_SRC ?= .cache/sglang-$(SGLANG_VERSION)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
 
 .PHONY: install test quickstart bench clean
 
 install: .install.stamp
 
-.install.stamp: setup.py pyproject.toml
+.install.stamp: setup.py pyproject.toml Makefile
 	@# bubblewrap: the code sandbox's preferred isolation (it falls back to namespaces + rlimits).
 	@command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) ; } || \
 	  echo "note: bubblewrap not installed (sudo apt-get install bubblewrap); the sandbox falls back to namespaces + rlimits"
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
 	$(PIP) -e ".[test]"
+	@# SGLang's source, for the API contract test only: --no-deps into a private folder (it needs
+	@# a GPU to import; nothing imports it from there).
+	@[ -f $(SGLANG_SRC)/sglang/version.py ] || $(PIP) -q --no-deps --target $(SGLANG_SRC) "sglang==$(SGLANG_VERSION)"
 	@touch $@
 
 # The README's test command: every unmarked and `distributed` test; `gpu`/`sglang` skip without them.
@@ -33,4 +39,4 @@ quickstart: install
 bench: quickstart
 
 clean:
-	rm -rf .install.stamp build *.egg-info .pytest_cache .hypothesis
+	rm -rf .install.stamp .cache build *.egg-info .pytest_cache .hypothesis

@@ -19,9 +19,14 @@ import yaml
 # Verbs whose implementation has not landed yet, with the issue that brings each.
 _PENDING = {
     "train": ("run the asynchronous GRPO loop from a YAML recipe", 7),
-    "serve-engine": ("start the built-in PyTorch engine server (SGLang API subset)", 6),
     "curate": ("difficulty filtering and code-test curation of problem sets", 8),
     "eval": ("pass@k / maj@k evaluation through the generation fleet", 8),
+}
+
+# Verbs implemented by a module's ``main(argv) -> int``, which parses its own arguments.
+_PASSTHROUGH = {
+    "serve-engine": ("megatron_rl.generation.engine.server",
+                     "serve an HF model with the built-in engine (SGLang API subset)"),
 }
 
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
@@ -73,6 +78,14 @@ def _pending(verb: str, issue: int):
     return run
 
 
+def _passthrough(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(module).main(args.args) or 0)
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -92,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "Megatron-Core (hf-to-mcore, mcore-to-hf)"))
     reward_parser(sub.add_parser("reward", help="score a JSONL of completions (format, math, code, "
                                                 "length, language)"))
+    for verb, (module, text) in _PASSTHROUGH.items():
+        p = sub.add_parser(verb, help=text, add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_passthrough(module))
     for verb, (text, issue) in _PENDING.items():
         p = sub.add_parser(verb, help=f"{text} (not yet: issue #{issue})")
         p.add_argument("args", nargs=argparse.REMAINDER)
@@ -100,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _PASSTHROUGH:  # argparse's REMAINDER would swallow "--flag" badly
+        return _passthrough(_PASSTHROUGH[argv[0]][0])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -127,6 +127,7 @@ class Engine:
                                        else eos_token_ids)
         self.version = 0
         self.paused = False
+        self.prefill_tokens = 0  # prompt tokens run through the model (a recompute would add here)
         self._waiting: deque[_Request] = deque()
         self._running: dict[int, _Request] = {}  # slot -> request
         self._free: list[int] = list(range(self.config.max_slots - 1, -1, -1))  # pop() -> 0 first
@@ -245,6 +246,7 @@ class Engine:
             req.slot = self._free.pop()
             self._running[req.slot] = req
             ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.cache.k.device)
+            self.prefill_tokens += len(req.prompt_ids)
             logits = self.model(ids, torch.tensor([req.slot]), self.cache)[0, -1]
             self._accept(req, logits, finished)
         if self._running:

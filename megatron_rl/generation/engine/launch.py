@@ -1,0 +1,112 @@
+"""Start built-in engine servers as child processes and stop exactly those (by PID, never by name).
+
+    with EngineProcess(model_folder, max_slots=16, max_len=1024) as server:
+        fleet = FleetClient([server.url])
+
+The server binds a free port (``--port 0``) and reports it through an atomically written port
+file; :meth:`EngineProcess.start` waits until ``/health`` answers. Each server runs in its own
+session, so :meth:`stop` can end its whole process group; a server also dies with its parent
+(``PR_SET_PDEATHSIG`` on Linux), so a crashed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+__all__ = ["EngineProcess"]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EngineProcess:
+    """One ``megatron-rl serve-engine`` child process."""
+
+    def __init__(self, model: str | os.PathLike, *, max_slots: int = 16, max_len: int = 2048,
+                 threads: int = 1, host: str = "127.0.0.1", weight_version: int = 0,
+                 log_path: str | os.PathLike | None = None, extra_args: list[str] = ()):
+        self.model = str(model)
+        self.args = ["--max-slots", str(max_slots), "--max-len", str(max_len),
+                     "--threads", str(threads), "--host", host,
+                     "--weight-version", str(weight_version), *extra_args]
+        self.host = host
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self, timeout_s: float = 120.0) -> "EngineProcess":
+        tmp = tempfile.mkdtemp(prefix="megatron-rl-engine-")
+        port_file = Path(tmp) / "port"
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        env = dict(os.environ, OMP_NUM_THREADS=self.args[self.args.index("--threads") + 1])
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rl", "serve-engine", "--model", self.model,
+             "--port", "0", "--port-file", str(port_file), *self.args],
+            stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else log,
+            start_new_session=True, preexec_fn=_die_with_parent, env=env)
+        if log is not subprocess.DEVNULL:
+            log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve-engine exited with {self.proc.returncode} while "
+                                   f"starting ({self.model}; log: {self.log_path or 'none'})")
+            if port_file.exists():
+                self.port = int(port_file.read_text())
+                try:
+                    urllib.request.urlopen(f"{self.url}/health", timeout=5).read()
+                    port_file.unlink()
+                    os.rmdir(tmp)
+                    return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"serve-engine did not answer within {timeout_s:.0f}s")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (simulates a crashed node)."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after ``grace_s``."""
+        if not self.alive():
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> "EngineProcess":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

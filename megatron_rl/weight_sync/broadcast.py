@@ -1,0 +1,226 @@
+"""The trainer side of the weight update: HF-named tensors, bucketed, broadcast to the fleet.
+
+    sync = WeightBroadcaster(trainer.chunks, hf_config, fleet, WeightSyncConfig(backend="gloo"))
+    sync.connect()                        # every server joins the update group (rank 0: us)
+    stats = sync.sync(version=step)       # pause in place -> buckets -> continue
+
+Collective over the trainer's ranks: every rank calls :meth:`connect` and :meth:`sync`. Each
+pipeline stage turns its chunks into full HF tensors (:func:`~.chunks.chunk_to_hf`, all-gathering
+TP shards inside the stage); stages after the first send theirs to global rank 0 over the
+trainer's default group, one tensor at a time, so rank 0 never holds more than one bucket. Rank 0
+alone talks to the servers and owns the update group (``weight_sync/group.py``).
+
+One update, as Magistral does it: ``/pause_generation`` (``in_place``: running sequences keep
+their KV cache), ``/begin_weight_update``, then per bucket ``/update_weights_from_distributed``
+(``flush_cache: false``, ``weight_version``, ``flattened_bucket``) posted to every server while
+rank 0 broadcasts the bucket's bytes, ``/end_weight_update``, ``/continue_generation``. Tokens
+sampled after it carry the new version; tokens before it keep the old one.
+
+Tensors go in the model's dtype (``cast_dtype`` to change it, e.g. bf16 for a bf16 fleet).
+Megatron keeps norms in fp32 inside a bf16 model; those go as fp32 unless cast.
+
+A server that died leaves the update group unusable (a broadcast would wait for it):
+:meth:`sync` notices a fleet whose live membership changed, tears the group down and builds a
+new one, on the next port, with the servers still alive.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.weight_sync.chunks import chunk_to_hf
+from megatron_rl.weight_sync.hf_map import HFConverter
+
+__all__ = ["WeightSyncConfig", "WeightBroadcaster", "iter_model_hf"]
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    """How rank 0 reaches the fleet."""
+
+    backend: str = "nccl"  # nccl on GPUs, gloo on CPU
+    master_address: str = "127.0.0.1"  # an address of trainer rank 0 the servers can reach
+    master_port: int = 29650  # rendezvous port of the update group (+1 per rebuild)
+    group_name: str = "megatron_rl_weights"
+    bucket_mb: float = 512.0  # bytes per broadcast
+    cast_dtype: str | None = None  # e.g. "bfloat16"; None: the parameters' dtype
+    pause_mode: str = "in_place"  # in_place keeps the KV cache; abort ends running requests
+    timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend: must be nccl or gloo, got {self.backend!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb: must be > 0, got {self.bucket_mb}")
+        if self.cast_dtype is not None and not isinstance(getattr(torch, self.cast_dtype, None),
+                                                          torch.dtype):
+            raise ValueError(f"cast_dtype: not a torch dtype: {self.cast_dtype!r}")
+
+
+def _pp_info() -> tuple[int, int, Any, Any]:
+    """(pp rank, pp size, tp group or None, pp group) of this rank; TP=PP=1 without Megatron."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            tp = ps.get_tensor_model_parallel_group()
+            return (ps.get_pipeline_model_parallel_rank(),
+                    ps.get_pipeline_model_parallel_world_size(),
+                    tp if dist.get_world_size(tp) > 1 else None,
+                    ps.get_pipeline_model_parallel_group())
+    except ImportError:
+        pass
+    return 0, 1, None, None
+
+
+def iter_model_hf(chunks: list, converter: HFConverter) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every HF tensor of the whole model, on global rank 0 of the first data-parallel replica,
+    in model order (stage by stage). Collective over the model-parallel ranks of that replica;
+    other ranks get nothing. Ranks of other data-parallel replicas must not call it."""
+    pp_rank, pp_size, tp_group, pp_group = _pp_info()
+    me = dist.get_rank() if dist.is_initialized() else 0
+    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+    for stage in range(pp_size):
+        src = 0 if pp_group is None else dist.get_global_rank(pp_group, stage)
+        if stage == pp_rank:
+            for chunk in chunks:
+                for name, t in chunk_to_hf(chunk, converter, tp_group=tp_group):
+                    if stage == 0:
+                        if me == 0:
+                            yield name, t
+                    elif tp_rank == 0:
+                        # stage leader -> rank 0: metadata, then the bytes
+                        dist.send_object_list([name, list(t.shape), t.dtype], dst=0)
+                        dist.send(t.contiguous(), dst=0)
+            if stage > 0 and tp_rank == 0:
+                dist.send_object_list([None, None, None], dst=0)
+        elif me == 0:
+            while True:
+                meta = [None, None, None]
+                dist.recv_object_list(meta, src=src)
+                if meta[0] is None:
+                    break
+                t = torch.empty(meta[1], dtype=meta[2])
+                dist.recv(t, src=src)
+                yield meta[0], t
+
+
+class WeightBroadcaster:
+    """Bucketed broadcast of the trainer's weights to the fleet; see the module docstring."""
+
+    def __init__(self, chunks: list, hf_config: Any, fleet: Any, cfg: WeightSyncConfig, *,
+                 padded_vocab: int | None = None, tensor_parallel: int = 1):
+        self.chunks = chunks
+        self.converter = HFConverter.for_config(hf_config, tensor_parallel=tensor_parallel,
+                                                padded_vocab=padded_vocab)
+        self.fleet = fleet
+        self.cfg = cfg
+        self.group = None
+        self._members: tuple[str, ...] = ()
+        self._port = cfg.master_port
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ group
+
+    def connect(self) -> None:
+        """Build the update group with every live server (rank 0 only; other ranks no-op)."""
+        if self.rank != 0:
+            return
+        from megatron_rl.weight_sync.group import init_update_group
+
+        self.fleet.refresh()
+        live = {s.url for s in self.fleet.alive}
+        self.fleet.update_urls = [u for u in self.fleet.update_urls if u in live]
+        if not self.fleet.update_urls:
+            raise RuntimeError("weight sync: no live server to update")
+        futs = self.fleet.init_update_group_async(
+            master_address=self.cfg.master_address, master_port=self._port,
+            group_name=self.cfg.group_name, backend=self.cfg.backend)
+        self.group = init_update_group(
+            backend=self.cfg.backend, master_address=self.cfg.master_address,
+            master_port=self._port, rank=0, world_size=self.fleet.update_world_size(),
+            group_name=self.cfg.group_name, timeout_s=self.cfg.timeout_s)
+        for f in futs:
+            f.result()
+        self._members = tuple(self.fleet.update_urls)
+
+    def close(self) -> None:
+        if self.group is not None:
+            from megatron_rl.weight_sync.group import destroy_update_group
+
+            destroy_update_group(self.group)
+            self.group = None
+
+    def _rebuild_if_membership_changed(self) -> None:
+        live = {s.url for s in self.fleet.alive}
+        if self.group is not None and all(u in live for u in self._members):
+            return
+        self.close()
+        self._port += 1  # the old rendezvous store may still hold the port
+        self.connect()
+
+    # ------------------------------------------------------------------ sync
+
+    def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        limit = int(self.cfg.bucket_mb * 2**20)
+        cast = getattr(torch, self.cfg.cast_dtype) if self.cfg.cast_dtype else None
+        bucket, size = [], 0
+        for name, t in iter_model_hf(self.chunks, self.converter):
+            if self.rank != 0:
+                continue
+            t = t.detach().to("cpu" if self.cfg.backend == "gloo" else t.device)
+            if cast is not None and t.is_floating_point():
+                t = t.to(cast)
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > limit:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t.contiguous()))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Send the current weights as policy ``version``; returns timings (on rank 0)."""
+        from megatron_rl.generation.protocol import pack_bucket, update_weights_payload
+        from megatron_rl.weight_sync.group import broadcast
+
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            self.fleet.refresh()
+            self._rebuild_if_membership_changed()
+            self.fleet.pause(self.cfg.pause_mode)
+            self.fleet.begin_update()
+        t_paused = time.perf_counter()
+        nbytes, n_buckets, n_tensors = 0, 0, 0
+        try:
+            for bucket in self._buckets():
+                names, dtypes, shapes, flat = pack_bucket(bucket)
+                futs = self.fleet.update_weights_async(update_weights_payload(
+                    names=names, dtypes=dtypes, shapes=shapes, group_name=self.cfg.group_name,
+                    weight_version=version))
+                broadcast(flat, self.group, src=0)
+                for f in futs:
+                    f.result()
+                nbytes += flat.numel()
+                n_buckets += 1
+                n_tensors += len(names)
+        finally:
+            if self.rank == 0:
+                self.fleet.end_update()
+                self.fleet.resume()
+        seconds = time.perf_counter() - t0
+        stats = {"weight_sync/seconds": seconds, "weight_sync/pause_s": t_paused - t0,
+                 "weight_sync/bytes": float(nbytes), "weight_sync/buckets": float(n_buckets),
+                 "weight_sync/tensors": float(n_tensors),
+                 "weight_sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
+                 "weight_sync/version": float(version)}
+        if self.rank == 0:
+            self.history.append(stats)
+        return stats

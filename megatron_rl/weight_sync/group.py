@@ -1,0 +1,56 @@
+"""The weight-update process group between one trainer rank and the generation servers.
+
+It is a group of its own, outside the trainer's ``torch.distributed`` world and outside each
+server's, built exactly the way SGLang builds it (``init_custom_process_group`` in
+``sglang/srt/utils/common.py``, 0.5.23): a ``tcp://`` rendezvous whose store rank 0 (the trainer)
+hosts, a ``PrefixStore`` named after the group, and ``_new_process_group_helper``. Building it the
+same way is what lets our broadcaster talk to real SGLang servers and to the built-in engine
+alike: rank 0 is the trainer, a server with ``rank_offset`` r and ``tp`` workers takes ranks
+``r .. r + tp - 1``. Backends: ``nccl`` on GPUs, ``gloo`` on CPU.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_update_group", "destroy_update_group", "broadcast"]
+
+
+def init_update_group(*, backend: str, master_address: str, master_port: int, rank: int,
+                      world_size: int, group_name: str, timeout_s: float = 120.0) -> Any:
+    """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+                                                    _new_process_group_helper, _world, rendezvous)
+
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
+    if not group_name:
+        raise ValueError("group_name: must not be empty")
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
+                                              world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
+                                      group_name=group_name, backend_options=None,
+                                      timeout=timeout)
+    # Group ranks are the ranks given here (no default world to translate from).
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_update_group(group: Any) -> None:
+    """Tear the group down (no-op if it is already gone)."""
+    try:
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError, KeyError):
+        pass
+
+
+def broadcast(tensor: torch.Tensor, group: Any, src: int = 0) -> None:
+    """Broadcast ``tensor`` in place from group rank ``src`` to every rank of ``group``."""
+    dist.broadcast(tensor, src=src, group=group)
