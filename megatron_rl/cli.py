@@ -17,14 +17,15 @@ from pathlib import Path
 import yaml
 
 # Verbs whose implementation has not landed yet, with the issue that brings each.
-_PENDING = {
-    "train": ("run the asynchronous GRPO loop from a YAML recipe", 7),
-    "curate": ("difficulty filtering and code-test curation of problem sets", 8),
-    "eval": ("pass@k / maj@k evaluation through the generation fleet", 8),
-}
+_PENDING: dict[str, tuple[str, int]] = {}
 
 # Verbs implemented by a module's ``main(argv) -> int``, which parses its own arguments.
 _PASSTHROUGH = {
+    "train": ("megatron_rl.orchestration.run", "run the GRPO loop (async or sync) from a YAML recipe"),
+    "curate": ("megatron_rl.data.cli", "curate problem sets: math format, difficulty, code tests, "
+               "SFT traces, translation marks"),
+    "eval": ("megatron_rl.evaluation.cli", "pass@k / maj@k evaluation with a JSON + Markdown "
+             "report and plots"),
     "serve-engine": ("megatron_rl.generation.engine.server",
                      "serve an HF model with the built-in engine (SGLang API subset)"),
 }

@@ -26,8 +26,11 @@ import yaml
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.config_checks import ConfigFieldError
+from megatron_rl.orchestration.config import (DataConfig, FleetConfig, LoopConfig, ModelConfig,
+                                              RunDirConfig, StageConfig)
 from megatron_rl.rewards.compose import RewardConfig
 from megatron_rl.training.config import TrainerConfig
+from megatron_rl.weight_sync.broadcast import WeightSyncConfig
 
 __all__ = ["ConfigError", "ConfigFieldError", "RunConfig", "load_config", "config_from_dict",
            "config_to_dict", "parse_overrides"]
@@ -45,6 +48,13 @@ class RunConfig:
     batching: BatchingConfig = field(default_factory=BatchingConfig)  # microbatches, DP assignment
     reward: RewardConfig = field(default_factory=RewardConfig)  # reward weights, verifier limits
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # parallelism, optimizer, precision
+    model: ModelConfig = field(default_factory=ModelConfig)  # the initial policy (HF folder)
+    data: DataConfig = field(default_factory=DataConfig)  # problems, system prompt, difficulty
+    loop: LoopConfig = field(default_factory=LoopConfig)  # group size, n_batch, n_async, steps
+    fleet: FleetConfig = field(default_factory=FleetConfig)  # generation servers
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # trainer -> fleet
+    run: RunDirConfig = field(default_factory=RunDirConfig)  # run directory, checkpoints
+    curriculum: list[StageConfig] = field(default_factory=list)  # stages, in order
 
 
 def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
@@ -61,6 +71,10 @@ def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
                 key = f"{prefix}{k.value}"
                 lines[key] = k.start_mark.line + 1
                 walk(v, key + ".")
+        elif isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                lines[f"{prefix}{i}"] = v.start_mark.line + 1
+                walk(v, f"{prefix}{i}.")
 
     if node is not None:
         walk(node, "")
@@ -140,6 +154,14 @@ def config_from_dict(cls: type, data: dict[str, Any] | None, *, source: str = "<
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = config_from_dict(hint, value, source=source, lines=lines, prefix=path + ".")
+            continue
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
+        if item is not None and dataclasses.is_dataclass(item):
+            if not isinstance(value, list):
+                raise ConfigError(f"{_where(source, lines, path)}: {path}: expected a list, "
+                                  f"got {value!r}")
+            kwargs[key] = [config_from_dict(item, v, source=source, lines=lines,
+                                            prefix=f"{path}.{i}.") for i, v in enumerate(value)]
             continue
         try:
             kwargs[key] = _coerce(value, hint, key)

@@ -29,9 +29,17 @@ def test_help_lists_every_verb():
         assert verb in out
 
 
-def test_pending_verb_says_so_and_fails():
-    proc = run("eval", "suite.jsonl", check=False)
-    assert proc.returncode == 2 and "issue #8" in proc.stderr
+def test_train_names_a_bad_recipe_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loop:\n  group_size: 4\n  n_batch: 6\n")
+    proc = run("train", str(bad), check=False)
+    assert proc.returncode == 2
+    assert f"{bad}:3: loop.n_batch: must be a multiple of group_size (4)" in proc.stderr
+
+
+def test_train_needs_a_model(tmp_path):
+    proc = run("train", "examples/ablation_original_grpo.yaml", check=False)
+    assert proc.returncode == 2 and "model.hf: required" in proc.stderr
 
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in (ROOT / "examples").glob("*.yaml")))

@@ -7,7 +7,7 @@
     future = fleet.submit(request)               # or one at a time (the RL orchestrator does)
 
 **Routing.** Each request goes to the live server with the fewest requests in flight relative to
-its KV capacity (``max_total_num_tokens`` from ``/get_server_info``): the client's own
+its KV capacity (``max_total_num_tokens`` from ``/server_info``): the client's own
 least-loaded routing. With sglang-router in front of the servers, give the router's single URL
 instead; the router balances and the client sees one server (weight updates then go to the
 servers themselves: pass ``update_urls``).
@@ -115,10 +115,10 @@ class FleetClient:
     # ------------------------------------------------------------------ fleet state
 
     def refresh(self) -> None:
-        """Re-read every server's ``/get_server_info``; unreachable servers are marked dead."""
+        """Re-read every server's ``/server_info``; unreachable servers are marked dead."""
         for s in self.servers:
             try:
-                info = _post_json(s.url, "/get_server_info", None, method="GET",
+                info = _post_json(s.url, "/server_info", None, method="GET",
                                   timeout=self.control_timeout_s)
             except (ServerLost, ServerError):
                 s.alive = False
@@ -136,6 +136,13 @@ class FleetClient:
                 self.refresh()
                 return s.alive
         raise KeyError(f"{url}: not a server of this fleet")
+
+    def _answers(self, url: str) -> bool:
+        try:
+            _post_json(url, "/health", None, method="GET", timeout=5.0)
+            return True
+        except (ServerLost, ServerError):
+            return False
 
     @property
     def alive(self) -> list[ServerState]:
@@ -181,8 +188,9 @@ class FleetClient:
             body = _post_json(server.url, "/generate", generate_payload(req),
                               timeout=self.request_timeout_s, request_id=req.request_id)
         except ServerLost:
+            alive = self._answers(server.url)  # a reset connection is not always a dead server
             with self._lock:
-                server.alive = False
+                server.alive = alive
                 self.lost.append((req.request_id, server.url))
             raise
         finally:
@@ -271,8 +279,17 @@ class FleetClient:
                 for u in self.update_urls]
 
     def server_info(self, url: str) -> dict:
-        return _post_json(url, "/get_server_info", None, method="GET",
+        return _post_json(url, "/server_info", None, method="GET",
                           timeout=self.control_timeout_s)
+
+    def destroy_update_group(self, group_name: str) -> None:
+        """Ask every live update target to leave the group (best effort)."""
+        for u in self._live_update_urls():
+            try:
+                _post_json(u, "/destroy_weights_update_group", {"group_name": group_name},
+                           timeout=self.control_timeout_s)
+            except (ServerLost, ServerError):
+                pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

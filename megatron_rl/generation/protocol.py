@@ -19,7 +19,7 @@ Routes and payloads (all JSON):
 ``POST /end_weight_update``               ``{}``
 ``POST /destroy_weights_update_group``    ``{"group_name": ...}``
 ``POST /abort_request``                   ``{"rid": ...}`` or ``{"abort_all": true}``
-``GET  /get_server_info``                 ``max_total_num_tokens`` (KV capacity), ...
+``GET  /server_info``                     ``max_total_num_tokens`` (KV capacity), ...
 ``GET  /health``                          200 when the server is up
 ========================================  ==================================================
 
@@ -60,7 +60,7 @@ ROUTES = {
     "/end_weight_update": "POST",
     "/destroy_weights_update_group": "POST",
     "/abort_request": "POST",
-    "/get_server_info": "GET",
+    "/server_info": "GET",
     "/health": "GET",
 }
 

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
 from megatron_rl.weight_sync.chunks import chunk_to_hf
 from megatron_rl.weight_sync.hf_map import HFConverter
 
@@ -43,7 +44,7 @@ __all__ = ["WeightSyncConfig", "WeightBroadcaster", "iter_model_hf"]
 class WeightSyncConfig:
     """How rank 0 reaches the fleet."""
 
-    backend: str = "nccl"  # nccl on GPUs, gloo on CPU
+    backend: str = "auto"  # nccl, gloo, or auto: nccl with CUDA, else gloo
     master_address: str = "127.0.0.1"  # an address of trainer rank 0 the servers can reach
     master_port: int = 29650  # rendezvous port of the update group (+1 per rebuild)
     group_name: str = "megatron_rl_weights"
@@ -53,13 +54,15 @@ class WeightSyncConfig:
     timeout_s: float = 300.0
 
     def __post_init__(self):
-        if self.backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend: must be nccl or gloo, got {self.backend!r}")
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb: must be > 0, got {self.bucket_mb}")
+        check_choice("backend", self.backend, ("auto", "nccl", "gloo"))
+        if self.backend == "auto":
+            self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        check_choice("pause_mode", self.pause_mode, ("in_place", "abort"))
+        check_range("bucket_mb", self.bucket_mb, low=0.0, low_open=True)
+        check_range("master_port", self.master_port, low=1, high=65535)
         if self.cast_dtype is not None and not isinstance(getattr(torch, self.cast_dtype, None),
                                                           torch.dtype):
-            raise ValueError(f"cast_dtype: not a torch dtype: {self.cast_dtype!r}")
+            raise ConfigFieldError("cast_dtype", f"not a torch dtype: {self.cast_dtype!r}")
 
 
 def _pp_info() -> tuple[int, int, Any, Any]:
@@ -151,9 +154,11 @@ class WeightBroadcaster:
         self._members = tuple(self.fleet.update_urls)
 
     def close(self) -> None:
+        """Leave the update group (servers still alive are asked to leave it too)."""
         if self.group is not None:
             from megatron_rl.weight_sync.group import destroy_update_group
 
+            self.fleet.destroy_update_group(self.cfg.group_name)
             destroy_update_group(self.group)
             self.group = None
 

@@ -25,8 +25,11 @@ weight loads, abort) land *between* steps.
   running requests keep their KV cache either way).
 - ``/get_server_info``: ``max_total_num_tokens`` (KV capacity), ``max_running_requests``,
   ``context_length``, ``weight_version``, live counts in ``internal_states``.
-- Extension (not SGLang): ``GET /megatron_rl/weights_digest`` -> sha256 of every parameter's
+- Extensions (not SGLang): ``GET /megatron_rl/weights_digest`` -> sha256 of every parameter's
   bytes, so a test or an operator can prove a server holds exactly the trainer's weights.
+  ``POST /megatron_rl/receive_raw`` ``{"group_name": ..., "numel": N}`` receives one ``uint8``
+  broadcast of N bytes from rank 0 of that update group and discards it (no session, no lock):
+  the bare transport cost that ``tools/bench_weight_sync.py`` compares a weight update against.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ class EngineServer:
         self._stop = False
         self._rid_counter = 0
         self.stats = {"steps": 0, "busy_s": 0.0, "generated_tokens": 0, "weight_updates": 0}
+        # A deep listen backlog: an RL fleet opens hundreds of connections at once, and the
+        # default of 5 would refuse some (which a client must read as a dead server).
+        ThreadingHTTPServer.request_queue_size = 1024
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
@@ -347,6 +353,22 @@ class EngineServer:
             self.stats["weight_updates"] += 1
         return {"success": True, "message": "Succeeded to update parameter online."}
 
+    def receive_raw(self, body: dict) -> dict:
+        from megatron_rl.weight_sync.group import broadcast
+
+        group = self._groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            raise _BadRequest("group_name: call /init_weights_update_group first")
+        try:
+            numel = int(body["numel"])
+        except (KeyError, TypeError, ValueError):
+            raise _BadRequest("numel: required, an integer number of bytes") from None
+        if numel < 1:
+            raise _BadRequest(f"numel: must be >= 1, got {numel}")
+        broadcast(torch.empty(numel, dtype=torch.uint8, device=self.engine.cache.k.device),
+                  group, src=0)
+        return {"success": True, "message": f"received {numel} bytes"}
+
     def update_version(self, body: dict) -> dict:
         with self.cond:
             if body.get("abort_all_requests", True):
@@ -402,6 +424,7 @@ def _make_handler(server: EngineServer):
         "/update_weights_from_distributed": server.update_weights,
         "/update_weight_version": server.update_version,
         "/flush_cache": lambda body: {"success": True, "message": "no prefix cache to flush"},
+        "/megatron_rl/receive_raw": server.receive_raw,
     }
     get = {
         "/get_server_info": server.server_info,

@@ -1,0 +1,160 @@
+"""Configuration of a run: the loop, the data, the fleet, the model, the run directory and the
+curriculum. These are sections of :class:`megatron_rl.config.RunConfig` (``loop:``, ``data:``,
+``fleet:``, ``model:``, ``run:``, ``curriculum:``), next to ``algorithm``, ``batching``,
+``reward``, ``trainer`` and ``weight_sync``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
+
+__all__ = ["LoopConfig", "DataConfig", "FleetConfig", "ModelConfig", "RunDirConfig",
+           "StageConfig"]
+
+
+@dataclass(kw_only=True)
+class LoopConfig:
+    """The asynchronous GRPO loop (Magistral section 3): sizes are in *sequences*."""
+
+    mode: Literal["async", "sync"] = "async"  # async: generators never wait; sync: for comparison
+    group_size: int = 16  # G completions per prompt
+    n_batch: int = 256  # sequences per training step (whole groups: a multiple of group_size)
+    n_minibatch: int = 0  # sequences per optimizer step; 0 = n_batch (one step per batch)
+    n_async: int = 512  # most sequences generating at once across the fleet
+    max_async_ratio: float = 2.0  # n_async / n_batch is capped at this
+    queue_groups: int = 0  # bounded queue of verified groups; 0 = n_batch / group_size
+    max_staleness: int = -1  # drop groups with tokens this many versions old; -1 = 2 n_async/n_batch
+    max_steps: int = 100  # training steps (batches) of the run
+    top_p: float = 1.0  # nucleus sampling (temperature is algorithm.temperature)
+    expected_length: int = 0  # completion tokens assumed for KV sizing before any finishes; 0 = l_max/2
+    seed: int = 0  # prompt order and per-request sampling seeds
+
+    def __post_init__(self):
+        check_range("group_size", self.group_size, low=2)
+        check_range("n_batch", self.n_batch, low=self.group_size)
+        if self.n_batch % self.group_size:
+            raise ConfigFieldError("n_batch", f"must be a multiple of group_size "
+                                              f"({self.group_size}), got {self.n_batch}")
+        check_range("n_minibatch", self.n_minibatch, low=0, high=self.n_batch)
+        if self.n_minibatch and (self.n_batch % self.n_minibatch
+                                 or self.n_minibatch % self.group_size):
+            raise ConfigFieldError("n_minibatch", f"must divide n_batch ({self.n_batch}) and be a "
+                                                  f"multiple of group_size, got {self.n_minibatch}")
+        check_range("n_async", self.n_async, low=self.group_size)
+        check_range("max_async_ratio", self.max_async_ratio, low=0.0, low_open=True)
+        check_range("queue_groups", self.queue_groups, low=0)
+        check_range("max_staleness", self.max_staleness, low=-1)
+        check_range("max_steps", self.max_steps, low=0)
+        check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        check_range("expected_length", self.expected_length, low=0)
+
+    @property
+    def minibatch(self) -> int:
+        return self.n_minibatch or self.n_batch
+
+    def async_cap(self) -> int:
+        """``n_async`` with the ratio cap applied (whole groups)."""
+        cap = min(self.n_async, int(self.max_async_ratio * self.n_batch))
+        return max(self.group_size, cap - cap % self.group_size)
+
+    def staleness_bound(self) -> int:
+        if self.max_staleness >= 0:
+            return self.max_staleness
+        return max(1, 2 * -(-self.async_cap() // self.n_batch))
+
+    def queue_capacity(self) -> int:
+        return self.queue_groups or self.n_batch // self.group_size
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Problems (JSONL: id, problem, answer or tests, task, optional language/difficulty)."""
+
+    train: str = ""  # training problems
+    eval: str = ""  # held-out problems for pass@1 (optional)
+    system_prompt: str = "paper"  # "paper" (Magistral's), "none", or the text itself
+    min_difficulty: float | None = None  # keep problems with difficulty >= this (curriculum)
+    max_difficulty: float | None = None  # keep problems with difficulty <= this
+    drop_solved: bool = False  # a prompt whose whole group was correct is not sampled again
+    shuffle: bool = True  # new permutation every epoch (seeded)
+
+
+@dataclass(kw_only=True)
+class FleetConfig:
+    """Where generation runs: servers already up (``urls``), or built-in engines we start."""
+
+    urls: list = field(default_factory=list)  # SGLang / serve-engine servers (or one router)
+    update_urls: list = field(default_factory=list)  # weight-update targets; [] = urls
+    local_servers: int = 1  # built-in engine servers to start when urls is empty
+    max_slots: int = 16  # per local server: sequences decoded together
+    max_len: int = 2048  # per local server: prompt + completion tokens per slot
+    threads: int = 1  # per local server: torch threads
+    request_timeout_s: float = 0.0  # 0: none (long generations are normal)
+
+    def __post_init__(self):
+        check_range("local_servers", self.local_servers, low=0)
+        check_range("max_slots", self.max_slots, low=1)
+        check_range("max_len", self.max_len, low=2)
+        check_range("threads", self.threads, low=1)
+        if not self.urls and not self.local_servers:
+            raise ConfigFieldError("local_servers", "must be >= 1 when no urls are given")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The initial policy: an HF folder (config, safetensors, tokenizer)."""
+
+    hf: str = ""  # HF folder the trainer starts from and local servers load
+    tokenizer: str = ""  # tokenizer folder; "" = the hf folder
+
+
+@dataclass(kw_only=True)
+class RunDirConfig:
+    """The run directory: snapshot, metrics, samples, checkpoints."""
+
+    dir: str = "runs/default"
+    resume: Literal["auto", "never", "must"] = "auto"  # auto: resume if a checkpoint exists
+    checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
+    keep_last: int = 2  # checkpoints kept
+    save_samples: bool = True  # samples.jsonl (every scored completion, for SFT traces later)
+    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    eval_every: int = 0  # held-out pass@1 every this many steps (0: before and after only)
+    eval_samples: int = 0  # held-out problems evaluated (0: all)
+
+    def __post_init__(self):
+        check_range("checkpoint_every", self.checkpoint_every, low=0)
+        check_range("keep_last", self.keep_last, low=1)
+        check_range("eval_every", self.eval_every, low=0)
+
+
+@dataclass(kw_only=True)
+class StageConfig:
+    """A curriculum stage: starts at ``at_step``, or once ``metric`` crosses ``threshold``
+    (mean over the last ``window`` steps); every field left unset keeps its value."""
+
+    name: str = ""
+    at_step: int | None = None
+    metric: str | None = None  # e.g. "reward/correct" or "length/mean"
+    threshold: float | None = None
+    above: bool = True  # trigger when the metric is >= threshold (False: <=)
+    window: int = 3
+    l_max: int | None = None  # reward.l_max and the generation limit
+    l_cache: int | None = None
+    n_batch: int | None = None
+    n_minibatch: int | None = None
+    n_async: int | None = None
+    eps_high: float | None = None
+    min_difficulty: float | None = None
+    max_difficulty: float | None = None
+    drop_solved: bool | None = None
+
+    def __post_init__(self):
+        if (self.at_step is None) == (self.metric is None):
+            raise ConfigFieldError("at_step", "a stage needs exactly one trigger: at_step, or "
+                                              "metric + threshold")
+        if self.metric is not None and self.threshold is None:
+            raise ConfigFieldError("threshold", f"required with metric {self.metric!r}")
+        check_range("window", self.window, low=1)
+        check_choice("above", self.above, (True, False))

@@ -1,0 +1,361 @@
+"""The GRPO loop: asynchronous as in Magistral (generators never wait), or synchronous.
+
+**Async** (``loop.mode: async``). A generation thread keeps issuing groups of G requests while
+fewer than ``n_async`` sequences are generating (``n_async`` also capped at ``max_async_ratio *
+n_batch`` and at the fleet's KV capacity divided by the expected sequence length, recomputed from
+the lengths seen so far) and the bounded queue of verified groups is not full. Completions are
+scored as they finish; kept groups go to that queue (an assembler thread's blocking ``put``: a
+full queue stops generation from issuing more, so a slow trainer throttles the fleet). The
+trainer takes whole groups until it has ``n_batch`` sequences, drops groups older than the
+staleness bound (re-issued), trains ``n_batch / n_minibatch`` optimizer steps, and broadcasts the
+new weights to the fleet *in flight*: generation pauses in place, receives the buckets and goes
+on with its KV cache; later tokens carry the new version.
+
+**Sync** (``loop.mode: sync``). Generate until ``n_batch`` sequences of kept groups exist, train,
+update, repeat; the fleet idles while the trainer works. Surplus kept groups are re-issued next
+step (so a batch is always on-policy and the same run replays identically from a checkpoint).
+
+Collective over the trainer's ranks: rank 0 orchestrates (fleet, verifier pool, sampler,
+metrics, run directory) and sends each minibatch to the other ranks; every rank runs the
+optimizer steps, the weight broadcast and the checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.batching.builder import build_train_batch
+from megatron_rl.orchestration.rollouts import GroupRecord, Rollouts
+
+__all__ = ["Orchestrator", "StepResult", "staleness_stats"]
+
+
+def staleness_stats(versions: list[torch.Tensor], current: int) -> dict[str, float]:
+    """Per-token staleness (versions behind ``current``): mean, max and a histogram."""
+    if not versions:
+        return {}
+    lag = (current - torch.cat(versions)).clamp(min=0)
+    out = {"staleness/mean": float(lag.float().mean()), "staleness/max": float(lag.max())}
+    for k, n in zip(*torch.unique(lag, return_counts=True)):
+        out[f"staleness/hist/{int(k)}"] = float(n) / lag.numel()
+    return out
+
+
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]
+    groups: list[GroupRecord]
+
+
+class Orchestrator:
+    """Drives :class:`Rollouts` and the trainer; see the module docstring.
+
+    ``trainer``: a :class:`~megatron_rl.training.trainer.PolicyTrainer` (or anything with
+    ``rl_step(batch)`` and ``step``); ``broadcaster``: a
+    :class:`~megatron_rl.weight_sync.broadcast.WeightBroadcaster` (or None: no fleet update);
+    ``rollouts``: rank 0's :class:`Rollouts` (None on other ranks).
+    """
+
+    def __init__(self, cfg: Any, *, trainer: Any, broadcaster: Any, rollouts: Rollouts | None,
+                 rank: int = 0, world_size: int = 1, sync_weights: bool = True):
+        self.cfg = cfg  # RunConfig
+        self.trainer, self.broadcaster, self.rollouts = trainer, broadcaster, rollouts
+        self.rank, self.world_size = rank, world_size
+        self.sync_weights = sync_weights
+        self.loop = cfg.loop
+        self.queue: queue.Queue[GroupRecord] = queue.Queue(maxsize=self.loop.queue_capacity())
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.queue_blocked_s = 0.0
+        self.queue_blocks = 0
+        self._busy_since: float | None = None
+        self._busy_s = 0.0
+        self._t_start = time.monotonic()
+        self._last = {"t": time.monotonic(), "tokens": 0, "busy": 0.0, "completions": 0}
+        self.last_dropped: list[GroupRecord] = []
+
+    # ------------------------------------------------------------------ capacity
+
+    def async_cap(self) -> int:
+        """Sequences allowed to generate at once: the config cap and the fleet's KV capacity."""
+        cap = self.loop.async_cap()
+        r = self.rollouts
+        if r is not None:
+            prompt = max((len(v) for v in r._prompt_cache.values()), default=64)
+            expected = r.lengths_ema or self.loop.expected_length or r.max_new_tokens / 2
+            kv = r.fleet.capacity_tokens()
+            if kv > 0:
+                cap = min(cap, int(kv // max(1.0, prompt + expected)))
+        g = self.loop.group_size
+        return max(g, cap - cap % g)
+
+    # ------------------------------------------------------------------ async threads
+
+    def start(self) -> None:
+        """Rank 0 in async mode: start generating (returns at once)."""
+        if self.rollouts is None or self.loop.mode != "async" or self._threads:
+            return
+        for target, name in ((self._generate_forever, "generate"),
+                             (self._assemble_forever, "assemble")):
+            t = threading.Thread(target=target, name=f"rl-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.rollouts is not None:
+            with self.rollouts.cond:
+                self.rollouts.cond.notify_all()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []
+
+    def _mark_busy(self) -> None:
+        busy = self.rollouts.in_flight > 0
+        now = time.monotonic()
+        if busy and self._busy_since is None:
+            self._busy_since = now
+        elif not busy and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+
+    def busy_seconds(self) -> float:
+        extra = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+        return self._busy_s + extra
+
+    def _generate_forever(self) -> None:
+        r, g = self.rollouts, self.loop.group_size
+        while not self._stop.is_set():
+            with r.cond:
+                self._mark_busy()
+                if r.errors or r.in_flight + g > self.async_cap() or self.queue.full():
+                    r.cond.wait(0.02)
+                    continue
+            try:
+                r.issue_group()
+            except BaseException as e:  # noqa: BLE001 - surfaced by the trainer thread
+                r._fail(e)
+                return
+            with r.cond:
+                self._mark_busy()
+
+    def _assemble_forever(self) -> None:
+        r = self.rollouts
+        while not self._stop.is_set():
+            try:
+                rec = r.completed.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            t0 = time.monotonic()
+            blocked = False
+            while not self._stop.is_set():
+                try:
+                    self.queue.put(rec, timeout=0.05)
+                    break
+                except queue.Full:
+                    blocked = True
+            if blocked:
+                self.queue_blocks += 1
+                self.queue_blocked_s += time.monotonic() - t0
+            with r.cond:
+                r.cond.notify_all()
+
+    # ------------------------------------------------------------------ batches (rank 0)
+
+    def _take_async(self, n: int, version: int) -> tuple[list[GroupRecord], list[GroupRecord]]:
+        """Whole groups until ``n`` sequences; stale groups are set aside (re-issued)."""
+        bound = self.loop.staleness_bound()
+        taken, stale, count = [], [], 0
+        while count < n:
+            self.rollouts.check()
+            try:
+                rec = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if version - rec.min_version() > bound:
+                stale.append(rec)
+                continue
+            taken.append(rec)
+            count += len(rec.scored)
+        return taken, stale
+
+    def _take_sync(self, n: int) -> list[GroupRecord]:
+        """Generate until ``n`` sequences of kept groups exist (waves of at most the async cap);
+        the first ``n / G`` kept in issue order are the batch, the rest are re-issued."""
+        r, g = self.rollouts, self.loop.group_size
+        kept: list[GroupRecord] = []
+        while len(kept) * g < n:
+            wave = min(self.async_cap(), n - len(kept) * g)
+            recs = [r.issue_group() for _ in range(-(-wave // g))]
+            with r.cond:
+                self._mark_busy()
+                while r.in_flight > 0 or any(x.kept is None for x in recs):
+                    r.check()
+                    r.cond.wait(0.05)
+                    self._mark_busy()
+                self._mark_busy()
+            while True:
+                try:
+                    kept.append(r.completed.get_nowait())
+                except queue.Empty:
+                    break
+        kept.sort(key=lambda x: x.index)
+        take = n // g
+        for rec in kept[take:]:  # surplus: re-issued first next step, under the new weights
+            r.retire(rec)
+            r.sampler.reissue.appendleft(rec.key)
+        return kept[:take]
+
+    # ------------------------------------------------------------------ one step (collective)
+
+    def step(self) -> StepResult | None:
+        """One training step: a batch, its optimizer steps, the weight broadcast (collective)."""
+        n_batch, n_mini = self.loop.n_batch, self.loop.minibatch
+        version = int(self.trainer.step)
+        groups: list[GroupRecord] = []
+        stale: list[GroupRecord] = []
+        t0 = time.monotonic()
+        if self.rank == 0:
+            if self.loop.mode == "async":
+                groups, stale = self._take_async(n_batch, version)
+            else:
+                groups = self._take_sync(n_batch)
+            for rec in stale:
+                self.rollouts.retire(rec)
+                self.rollouts.sampler.reissue.append(rec.key)
+        t_wait = time.monotonic() - t0
+        per_mini = n_mini // self.loop.group_size
+        chunks = [groups[i:i + per_mini] for i in range(0, len(groups), per_mini)]
+        n_chunks = self._bcast(len(chunks))
+        metrics: Counter = Counter()
+        stats_list: list[dict[str, float]] = []
+        versions = [torch.tensor(s.completion.versions) for rec in groups for s in rec.scored]
+        for i in range(n_chunks):
+            batch = build_train_batch([g.to_group() for g in chunks[i]], self.cfg.algorithm) \
+                if self.rank == 0 else None
+            batch = self._bcast(batch)
+            stats_list.append(self.trainer.rl_step(batch))
+        t_train = time.monotonic() - t0 - t_wait
+        new_version = int(self.trainer.step)
+        sync_stats = {}
+        if self.sync_weights and self.broadcaster is not None:
+            sync_stats = self.broadcaster.sync(new_version)
+        if self.rank != 0:
+            return StepResult(new_version, {}, [])
+        for rec in groups:
+            self.rollouts.retire(rec)
+        metrics = self._metrics(groups, stale, stats_list, versions, version, new_version,
+                                t_wait, t_train, sync_stats)
+        return StepResult(new_version, metrics, groups)
+
+    def _bcast(self, obj):
+        if self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ------------------------------------------------------------------ metrics (rank 0)
+
+    def _metrics(self, groups, stale, stats_list, versions, version, new_version, t_wait,
+                 t_train, sync_stats) -> dict[str, float]:
+        r = self.rollouts
+        scored = [s for rec in groups for s in rec.scored]
+        m: dict[str, float] = {"step": float(new_version), "version/trained_from": float(version)}
+        if scored:
+            rewards = torch.tensor([s.reward for s in scored])
+            lengths = torch.tensor([float(len(s.completion.token_ids)) for s in scored])
+            m.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+                      "pass_rate": sum(bool(s.correct) for s in scored) / len(scored),
+                      "format_rate": sum(bool(s.format_ok) for s in scored) / len(scored),
+                      "length/mean": float(lengths.mean()), "length/max": float(lengths.max()),
+                      "length/truncated": sum(s.completion.finish_reason == "length"
+                                              for s in scored) / len(scored),
+                      "sequences": float(len(scored)), "groups/trained": float(len(groups))})
+            for part in ("format", "correct", "length", "language"):
+                m[f"reward/{part}"] = sum(s.parts.get(part, 0.0) for s in scored) / len(scored)
+        for key in ("loss", "grad_norm", "lr", "entropy_mean", "clip_low_frac", "clip_high_frac",
+                    "ratio_mean", "ratio_max", "approx_kl_mean", "tokens_per_s", "step_time_s"):
+            vals = [s[key] for s in stats_list if key in s]
+            if vals:
+                m[f"train/{key}"] = float(sum(vals) / len(vals)) if not key.endswith("_max") \
+                    else float(max(vals))
+        m["train/optimizer_steps"] = float(len([s for s in stats_list if not s.get("skipped")]))
+        m.update(staleness_stats(versions, version))
+        dropped = r.drain_dropped()
+        self.last_dropped = dropped
+        reasons = Counter(rec.drop_reason for rec in dropped)
+        reasons.update({"stale": len(stale)})
+        for reason, n in reasons.items():
+            m[f"groups/dropped/{reason}"] = float(n)
+        m["groups/dropped"] = float(sum(reasons.values()))
+        m["queue/depth"] = float(self.queue.qsize())
+        m["queue/blocked_s"] = self.queue_blocked_s
+        m["queue/blocks"] = float(self.queue_blocks)
+        m["in_flight"] = float(r.in_flight)
+        m["async_cap"] = float(self.async_cap())
+        now = time.monotonic()
+        dt = max(now - self._last["t"], 1e-9)
+        busy = self.busy_seconds()
+        m["generator/busy_fraction"] = min(1.0, (busy - self._last["busy"]) / dt)
+        m["throughput/generated_tokens_per_s"] = (r.stats["generated_tokens"]
+                                                  - self._last["tokens"]) / dt
+        m["throughput/completions_per_s"] = (r.stats["completions"]
+                                             - self._last["completions"]) / dt
+        m["throughput/train_tokens_per_s"] = sum(
+            len(s.completion.token_ids) + len(rec.prompt_ids)
+            for rec in groups for s in rec.scored) / max(t_train, 1e-9)
+        m["time/wait_for_batch_s"] = t_wait
+        m["time/train_s"] = t_train
+        m["time/step_s"] = dt
+        m["requests/lost"] = float(r.stats["requests_lost"])
+        for k, v in sync_stats.items():
+            m[k] = float(v)
+        self._last = {"t": now, "tokens": r.stats["generated_tokens"], "busy": busy,
+                      "completions": r.stats["completions"]}
+        return m
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    """Append records (one JSON object per line) and flush to disk."""
+    if not records:
+        return
+    with open(path, "a") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def truncate_jsonl(path: Path, max_step: int) -> int:
+    """Keep only records with ``step <= max_step`` (atomic rewrite); returns lines dropped."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step", 0)
+        except ValueError:  # a line cut by the crash
+            dropped += 1
+            continue
+        if step is not None and step > max_step:
+            dropped += 1
+        else:
+            kept.append(line)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    return dropped
+

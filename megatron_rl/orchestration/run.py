@@ -1,0 +1,422 @@
+"""``megatron-rl train RECIPE.yaml [key=value ...]``: a whole run, set up, resumed and cleaned up.
+
+On one machine the command starts everything itself: ``fleet.local_servers`` built-in engine
+servers (child processes tracked by PID, in their own sessions, dying with the run), the verifier
+pool, and the trainer in this process. Under ``torchrun`` every rank runs this; rank 0
+orchestrates and talks to the fleet (``fleet.urls``: SGLang servers or a router).
+
+The run directory (``run.dir``)::
+
+    config.yaml        the resolved recipe (a snapshot; a resumed run checks it is compatible)
+    metrics.jsonl      one object per step (reward parts, pass rate, lengths, entropy, clip
+                       fractions, groups dropped and why, staleness, queue, throughput, sync)
+    samples.jsonl      every trained or dropped completion with its reward (data/rundir.py schema)
+    ledger.jsonl       per group: trained at step k, or dropped and why (prompt accounting)
+    eval.jsonl         held-out pass@1 before RL, every run.eval_every steps, and after
+    checkpoints/       trainer state + sampler cursor + prompts in flight + curriculum stage
+    plots/             reward, length, entropy ... vs step (PNG)
+    logs/              engine server logs
+    summary.json       pass@1 before/after, steps, wall time
+
+Resume (``run.resume: auto``): the latest complete checkpoint is loaded, the JSONL files are cut
+back to its step, the prompts in flight when it was taken are re-issued first, and the fleet gets
+the checkpoint's weights before generating anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megatron_rl.orchestration.loop import Orchestrator, truncate_jsonl, write_jsonl
+
+__all__ = ["run_training", "main"]
+
+_PLOTS = [("reward/mean", "reward"), ("pass_rate", "pass rate (train)"),
+          ("length/mean", "completion length"), ("train/entropy_mean", "entropy"),
+          ("train/clip_high_frac", "clip-high fraction"), ("staleness/mean", "staleness"),
+          ("generator/busy_fraction", "generator busy fraction"),
+          ("throughput/generated_tokens_per_s", "generated tokens/s")]
+
+
+def _system_prompt(value: str) -> str:
+    from megatron_rl.rewards.template import SYSTEM_PROMPT
+
+    return {"paper": SYSTEM_PROMPT, "none": ""}.get(value, value)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class _Curriculum:
+    """Applies :class:`StageConfig` stages in order (rank 0 decides, all ranks apply)."""
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+        self.stages = cfg.curriculum
+        self.index = 0  # stages applied so far
+
+    def due(self, step: int, history: list[dict]) -> bool:
+        if self.index >= len(self.stages):
+            return False
+        st = self.stages[self.index]
+        if st.at_step is not None:
+            return step >= st.at_step
+        vals = [h[st.metric] for h in history[-st.window:] if st.metric in h]
+        if len(vals) < st.window:
+            return False
+        mean = sum(vals) / len(vals)
+        return mean >= st.threshold if st.above else mean <= st.threshold
+
+    def apply(self, upto: int, orch: Orchestrator | None, sampler: Any) -> list[str]:
+        """Apply stages until ``upto`` are applied; return their names."""
+        names = []
+        while self.index < upto:
+            st = self.stages[self.index]
+            loop = {k: getattr(st, k) for k in ("n_batch", "n_minibatch", "n_async")
+                    if getattr(st, k) is not None}
+            if loop:
+                self.cfg.loop = dataclasses.replace(self.cfg.loop, **loop)
+                if orch is not None:
+                    orch.loop = self.cfg.loop
+                    orch.queue.maxsize = self.cfg.loop.queue_capacity()
+            rew = {k: getattr(st, k) for k in ("l_max", "l_cache") if getattr(st, k) is not None}
+            if rew:
+                self.cfg.reward = dataclasses.replace(self.cfg.reward, **rew)
+                if orch is not None and orch.rollouts is not None:
+                    orch.rollouts.reward = self.cfg.reward
+                    orch.rollouts.max_new_tokens = self.cfg.reward.l_max
+            if st.eps_high is not None:
+                self.cfg.algorithm.eps_high = st.eps_high  # the trainer holds the same object
+            if sampler is not None:
+                for k in ("min_difficulty", "max_difficulty", "drop_solved"):
+                    if getattr(st, k) is not None:
+                        setattr(sampler, k, getattr(st, k))
+            names.append(st.name or f"stage{self.index + 1}")
+            self.index += 1
+        return names
+
+
+def _load_hf_weights(trainer: Any, folder: str) -> None:
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.convert.hf_files import HFWeights
+    from megatron_rl.training.model import padded_vocab_size
+    from megatron_rl.weight_sync.chunks import load_hf_into_chunk
+    from megatron_rl.weight_sync.hf_map import HFConverter
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    conv = HFConverter.for_config(folder, tensor_parallel=tp,
+                                  padded_vocab=padded_vocab_size(trainer.vocab_size, tp))
+    weights = HFWeights(folder)
+    try:
+        for chunk in trainer.chunks:
+            load_hf_into_chunk(chunk, conv, weights, tp_rank=ps.get_tensor_model_parallel_rank(),
+                               tp_size=tp)
+    finally:
+        weights.close()
+    trainer.optimizer.reload_model_params()
+
+
+def _evaluate(fleet, pool, tok, problems, cfg, *, label: str, progress: bool) -> dict:
+    """Held-out pass@1 (mean correctness over ``max(1, eval k)`` samples per problem)."""
+    from megatron_rl.data.sampling import SamplingConfig, sample_and_score
+
+    sc = SamplingConfig(k=1, max_new_tokens=cfg.reward.l_max, temperature=cfg.algorithm.temperature,
+                        top_p=cfg.loop.top_p, seed=cfg.loop.seed + 7919,
+                        system_prompt=_system_prompt(cfg.data.system_prompt))
+    attempts = sample_and_score(problems, fleet, tok, sc, cfg.reward, pool=pool,
+                                progress=progress, desc=f"eval {label}")
+    flat = [a for v in attempts.values() for a in v]
+    return {"label": label, "pass@1": sum(a.correct for a in flat) / max(1, len(flat)),
+            "format_rate": sum(a.reason != "format_error" for a in flat) / max(1, len(flat)),
+            "length/mean": sum(a.num_tokens for a in flat) / max(1, len(flat)),
+            "problems": len(attempts)}
+
+
+def plot_metrics(metrics_path: Path, evals: list[dict], out_dir: Path) -> list[Path]:
+    """PNG plots of the run's metrics against step (and held-out pass@1 when evaluated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    keys = [(k, t) for k, t in _PLOTS if any(k in r for r in rows)]
+    if not rows or not keys:
+        return []
+    cols = 2
+    fig, axes = plt.subplots((len(keys) + 1 + cols - 1) // cols, cols, figsize=(10, 2.6 * ((len(keys) + 2) // cols)),
+                             squeeze=False)
+    for ax, (k, title) in zip(axes.flat, keys):
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", lw=1)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    ax = axes.flat[len(keys)]
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["pass@1"] for e in evals], marker="o")
+        ax.set_title("held-out pass@1", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for extra in list(axes.flat)[len(keys) + 1:]:
+        extra.axis("off")
+    fig.tight_layout()
+    path = out_dir / "training.png"
+    tmp = out_dir / f".training.{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return [path]
+
+
+def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = None) -> dict:
+    """Run (or resume) the recipe ``cfg`` (a :class:`~megatron_rl.config.RunConfig`); returns
+    the summary on rank 0. ``stop_after``: leave after this many steps of *this* invocation
+    (tests, benchmarks), checkpointing as usual."""
+    from tqdm import tqdm
+
+    from megatron_rl.config import config_to_dict
+    from megatron_rl.data.problems import read_problems
+    from megatron_rl.data.sampling import load_tokenizer
+    from megatron_rl.orchestration.rollouts import Rollouts
+    from megatron_rl.orchestration.sampler import PromptSampler
+    from megatron_rl.training.checkpoint import latest_checkpoint
+    from megatron_rl.training.trainer import PolicyTrainer
+    from megatron_rl.weight_sync.broadcast import WeightBroadcaster
+
+    if not cfg.model.hf:
+        raise ValueError("model.hf: required (an HF folder with config.json, weights, tokenizer)")
+    if not cfg.data.train:
+        raise ValueError("data.train: required (a JSONL of problems)")
+    run_dir = Path(cfg.run.dir)
+    ckpt_root = run_dir / "checkpoints"
+    t_start = time.monotonic()
+    with ExitStack() as stack:
+        tok = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
+        trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
+        stack.callback(trainer.close)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        rank0 = rank == 0
+        resume_from = latest_checkpoint(ckpt_root) if cfg.run.resume != "never" else None
+        if cfg.run.resume == "must" and resume_from is None:
+            raise FileNotFoundError(f"run.resume: must, but {ckpt_root} holds no checkpoint")
+        extra: dict = {}
+        if resume_from is not None:
+            extra = trainer.load_checkpoint(resume_from)
+        else:
+            _load_hf_weights(trainer, cfg.model.hf)
+        step0 = trainer.step
+        curriculum = _Curriculum(cfg)
+        curriculum.apply(int(extra.get("curriculum_index", 0)), None, None)
+
+        fleet = pool = sampler = rollouts = None
+        history: list[dict] = list(extra.get("history", []))
+        evals: list[dict] = []
+        if rank0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "logs").mkdir(exist_ok=True)
+            _atomic_text(run_dir / "config.yaml",
+                         yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+            for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
+                truncate_jsonl(run_dir / name, step0)
+            if (run_dir / "eval.jsonl").exists():
+                evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()
+                         if x.strip()]
+            from megatron_rl.generation.client import FleetClient
+            from megatron_rl.rewards.pool import VerifierPool
+
+            urls = list(cfg.fleet.urls)
+            if not urls:
+                from megatron_rl.generation.engine.launch import EngineProcess
+
+                for i in range(cfg.fleet.local_servers):
+                    srv = EngineProcess(cfg.model.hf, max_slots=cfg.fleet.max_slots,
+                                        max_len=cfg.fleet.max_len, threads=cfg.fleet.threads,
+                                        log_path=run_dir / "logs" / f"engine-{i}.log")
+                    stack.callback(srv.stop)
+                    urls.append(srv.start().url)
+                _atomic_text(run_dir / "logs" / "pids.json", json.dumps(
+                    {"trainer": os.getpid(), "engines": urls}))
+            fleet = FleetClient(urls, update_urls=cfg.fleet.update_urls or None,
+                                request_timeout_s=cfg.fleet.request_timeout_s or None)
+            stack.callback(fleet.close)
+            pool = stack.enter_context(VerifierPool(cfg.reward.workers))
+            problems = read_problems(cfg.data.train)
+            sampler = PromptSampler(problems, seed=cfg.loop.seed, shuffle=cfg.data.shuffle)
+            for k in ("min_difficulty", "max_difficulty", "drop_solved"):
+                setattr(sampler, k, getattr(cfg.data, k))
+            curriculum.apply(0, None, sampler)
+            if "sampler" in extra:
+                sampler.load_state_dict(extra["sampler"])
+        from megatron.core import parallel_state as ps
+
+        from megatron_rl.training.model import padded_vocab_size
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        broadcaster = None
+        if ps.get_data_parallel_rank() == 0:
+            broadcaster = WeightBroadcaster(trainer.chunks, cfg.model.hf, fleet, cfg.weight_sync,
+                                            padded_vocab=padded_vocab_size(trainer.vocab_size, tp),
+                                            tensor_parallel=tp)
+            broadcaster.connect()
+            stack.callback(broadcaster.close)
+            broadcaster.sync(trainer.step)  # the fleet starts from the trainer's weights
+        if rank0:
+            rollouts = Rollouts(fleet=fleet, pool=pool, sampler=sampler, tokenizer=tok,
+                                reward=cfg.reward, group_size=cfg.loop.group_size,
+                                temperature=cfg.algorithm.temperature, top_p=cfg.loop.top_p,
+                                max_new_tokens=cfg.reward.l_max, seed=cfg.loop.seed,
+                                system_prompt=_system_prompt(cfg.data.system_prompt),
+                                filter_tolerance=cfg.algorithm.filter_tolerance,
+                                version=lambda: int(trainer.step))
+        orch = Orchestrator(cfg, trainer=trainer, broadcaster=broadcaster, rollouts=rollouts,
+                            rank=rank, world_size=world)
+        stack.callback(orch.stop)
+        curriculum.apply(curriculum.index, orch, sampler)  # re-bind stage values to orch
+
+        eval_problems = None
+        if rank0 and cfg.data.eval:
+            eval_problems = read_problems(cfg.data.eval)
+            if cfg.run.eval_samples:
+                eval_problems = eval_problems[:cfg.run.eval_samples]
+
+        def evaluate(label: str) -> None:
+            if eval_problems is None:
+                return
+            res = _evaluate(fleet, pool, tok, eval_problems, cfg, label=label, progress=progress)
+            res["step"] = int(trainer.step)
+            evals.append(res)
+            write_jsonl(run_dir / "eval.jsonl", [res])
+            print(f"[eval {label}] step {res['step']}: held-out pass@1 {res['pass@1']:.3f} "
+                  f"(format {res['format_rate']:.2f}, length {res['length/mean']:.0f})",
+                  file=sys.stderr, flush=True)
+
+        if rank0 and step0 == 0 and not evals:
+            evaluate("before")
+        orch.start()
+        bar = tqdm(total=cfg.loop.max_steps, initial=step0, desc="RL steps", unit="step",
+                   file=sys.stderr, disable=not (progress and rank0), dynamic_ncols=True)
+        steps_here = 0
+        while trainer.step < cfg.loop.max_steps:
+            if stop_after is not None and steps_here >= stop_after:
+                break
+            upto = curriculum.index + 1 if (rank0 and curriculum.due(trainer.step, history)) \
+                else curriculum.index
+            upto = orch._bcast(upto)
+            for name in curriculum.apply(upto, orch, sampler):
+                if rank0:
+                    print(f"[curriculum] step {trainer.step}: entering {name}", file=sys.stderr)
+            result = orch.step()
+            steps_here += 1
+            if rank0:
+                m = result.metrics
+                m["curriculum/stage"] = float(curriculum.index)
+                m["time/elapsed_s"] = time.monotonic() - t_start
+                history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
+                history = history[-50:]
+                write_jsonl(run_dir / "metrics.jsonl", [m])
+                _write_samples(run_dir, cfg, result, orch, tok)
+                bar.update(1)
+                bar.set_postfix(reward=f"{m.get('reward/mean', 0):.2f}",
+                                pass_=f"{m.get('pass_rate', 0):.2f}",
+                                len=f"{m.get('length/mean', 0):.0f}",
+                                stale=f"{m.get('staleness/mean', 0):.1f}")
+            due = cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0
+            if due or trainer.step >= cfg.loop.max_steps:
+                _checkpoint(trainer, ckpt_root, cfg, rollouts, sampler, curriculum, history)
+            if rank0 and cfg.run.eval_every and trainer.step % cfg.run.eval_every == 0 \
+                    and trainer.step < cfg.loop.max_steps:
+                evaluate(f"step {trainer.step}")
+        bar.close()
+        orch.stop()
+        if not rank0:
+            return {}
+        if trainer.step >= cfg.loop.max_steps and (not evals or evals[-1]["label"] != "after"):
+            evaluate("after")
+        plots = plot_metrics(run_dir / "metrics.jsonl", evals, run_dir / "plots") \
+            if (run_dir / "metrics.jsonl").exists() else []
+        summary = {"steps": int(trainer.step), "wall_s": time.monotonic() - t_start,
+                   "resumed_from": str(resume_from) if resume_from else None,
+                   "pass@1_before": next((e["pass@1"] for e in evals if e["label"] == "before"),
+                                         None),
+                   "pass@1_after": next((e["pass@1"] for e in evals if e["label"] == "after"),
+                                        None),
+                   "plots": [str(p) for p in plots], "run_dir": str(run_dir)}
+        _atomic_text(run_dir / "summary.json", json.dumps(summary, indent=1))
+        return summary
+
+
+def _write_samples(run_dir: Path, cfg: Any, result: Any, orch: Orchestrator, tok: Any) -> None:
+    """samples.jsonl (trained + dropped completions) and ledger.jsonl (one line per group)."""
+    step = result.step
+    dropped = orch.last_dropped
+    ledger = [{"step": step, "prompt_id": g.problem.id, "epoch": g.epoch, "index": g.index,
+               "event": "trained", "issued_version": g.issued_version} for g in result.groups]
+    ledger += [{"step": step, "prompt_id": g.problem.id, "epoch": g.epoch, "index": g.index,
+                "event": "dropped", "reason": g.drop_reason} for g in dropped]
+    write_jsonl(run_dir / "ledger.jsonl", ledger)
+    if not cfg.run.save_samples:
+        return
+    rows = []
+    for g in (*result.groups, *dropped):
+        for s in g.scored:
+            c = s.completion
+            rows.append({"step": step, "prompt_id": g.problem.id, "problem": g.problem.problem,
+                         "task": g.problem.task, "prompt_ids": g.prompt_ids,
+                         "completion_ids": c.token_ids, "completion": c.text,
+                         "reward": s.reward, "parts": s.parts, "reason": s.reason,
+                         "correct": s.correct, "versions": c.versions})
+    write_jsonl(run_dir / "samples.jsonl", rows)
+
+
+def _checkpoint(trainer, root: Path, cfg, rollouts, sampler, curriculum, history) -> None:
+    extra = {"curriculum_index": curriculum.index, "history": history[-20:]}
+    if rollouts is not None:
+        extra["sampler"] = sampler.state_dict(pending=rollouts.pending_keys())
+        extra["stats"] = dict(rollouts.stats)
+    trainer.save_checkpoint(root, extra=extra, keep_last=cfg.run.keep_last)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``megatron-rl train RECIPE.yaml [section.key=value ...]``."""
+    from megatron_rl.config import ConfigError, load_config
+
+    p = argparse.ArgumentParser(prog="megatron-rl train", description=__doc__.split("\n")[0])
+    p.add_argument("recipe", help="YAML recipe (see examples/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loop.max_steps=10")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"megatron-rl train: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_training(cfg, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-rl train: {e}", file=sys.stderr)
+        return 2
+    if summary:
+        print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
