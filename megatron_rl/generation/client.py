@@ -282,6 +282,11 @@ class FleetClient:
         return _post_json(url, "/server_info", None, method="GET",
                           timeout=self.control_timeout_s)
 
+    def weights_digest(self, url: str) -> dict[str, str]:
+        """sha256 per parameter (built-in engine's ``/megatron_rl/weights_digest`` extension)."""
+        return _post_json(url, "/megatron_rl/weights_digest", None, method="GET",
+                          timeout=self.control_timeout_s)
+
     def destroy_update_group(self, group_name: str) -> None:
         """Ask every live update target to leave the group (best effort)."""
         for u in self._live_update_urls():

@@ -197,7 +197,9 @@ class Orchestrator:
         r, g = self.rollouts, self.loop.group_size
         kept: list[GroupRecord] = []
         while len(kept) * g < n:
-            wave = min(self.async_cap(), n - len(kept) * g)
+            # The configured cap only (not the KV estimate, which depends on lengths seen so
+            # far): a resumed run must issue the same waves as an uninterrupted one.
+            wave = min(self.loop.async_cap(), n - len(kept) * g)
             recs = [r.issue_group() for _ in range(-(-wave // g))]
             with r.cond:
                 self._mark_busy()

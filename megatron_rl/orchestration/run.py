@@ -243,6 +243,7 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
             from megatron_rl.rewards.pool import VerifierPool
 
             urls = list(cfg.fleet.urls)
+            engines = []
             if not urls:
                 from megatron_rl.generation.engine.launch import EngineProcess
 
@@ -252,8 +253,9 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
                                         log_path=run_dir / "logs" / f"engine-{i}.log")
                     stack.callback(srv.stop)
                     urls.append(srv.start().url)
-                _atomic_text(run_dir / "logs" / "pids.json", json.dumps(
-                    {"trainer": os.getpid(), "engines": urls}))
+                    engines.append({"url": srv.url, "pid": srv.pid})
+            _atomic_text(run_dir / "logs" / "pids.json", json.dumps(
+                {"trainer": os.getpid(), "engines": engines, "urls": urls}))
             fleet = FleetClient(urls, update_urls=cfg.fleet.update_urls or None,
                                 request_timeout_s=cfg.fleet.request_timeout_s or None)
             stack.callback(fleet.close)

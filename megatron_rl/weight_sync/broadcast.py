@@ -26,6 +26,7 @@ new one, on the next port, with the servers still alive.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -37,7 +38,7 @@ from megatron_rl.config_checks import ConfigFieldError, check_choice, check_rang
 from megatron_rl.weight_sync.chunks import chunk_to_hf
 from megatron_rl.weight_sync.hf_map import HFConverter
 
-__all__ = ["WeightSyncConfig", "WeightBroadcaster", "iter_model_hf"]
+__all__ = ["WeightSyncConfig", "WeightBroadcaster", "iter_model_hf", "tensor_digest"]
 
 
 @dataclass(kw_only=True)
@@ -52,6 +53,7 @@ class WeightSyncConfig:
     cast_dtype: str | None = None  # e.g. "bfloat16"; None: the parameters' dtype
     pause_mode: str = "in_place"  # in_place keeps the KV cache; abort ends running requests
     timeout_s: float = 300.0
+    verify: bool = False  # after each sync, check the servers' weight digests (built-in engine)
 
     def __post_init__(self):
         check_choice("backend", self.backend, ("auto", "nccl", "gloo"))
@@ -191,8 +193,21 @@ class WeightBroadcaster:
         if bucket:
             yield bucket
 
-    def sync(self, version: int) -> dict[str, float]:
-        """Send the current weights as policy ``version``; returns timings (on rank 0)."""
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank that takes part in the sync."""
+        group = _sync_group()
+        if group is None:
+            return flag
+        t = torch.tensor([int(flag)], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+        return bool(t.item())
+
+    def sync(self, version: int, *, _retry: bool = True) -> dict[str, float]:
+        """Send the current weights as policy ``version``; returns timings (on rank 0).
+
+        If a server dies during the update (its broadcast fails), the group is rebuilt with the
+        servers still alive and the update is sent again, once.
+        """
         from megatron_rl.generation.protocol import pack_bucket, update_weights_payload
         from megatron_rl.weight_sync.group import broadcast
 
@@ -204,28 +219,83 @@ class WeightBroadcaster:
             self.fleet.begin_update()
         t_paused = time.perf_counter()
         nbytes, n_buckets, n_tensors = 0, 0, 0
+        failure: BaseException | None = None
+        digests: dict[str, str] = {}
         try:
             for bucket in self._buckets():
+                if failure is not None:
+                    continue  # keep the collective gather in step; nothing more is sent
+                if self.cfg.verify:
+                    digests.update((n, tensor_digest(t)) for n, t in bucket)
                 names, dtypes, shapes, flat = pack_bucket(bucket)
                 futs = self.fleet.update_weights_async(update_weights_payload(
                     names=names, dtypes=dtypes, shapes=shapes, group_name=self.cfg.group_name,
                     weight_version=version))
-                broadcast(flat, self.group, src=0)
-                for f in futs:
-                    f.result()
+                try:
+                    broadcast(flat, self.group, src=0)
+                    for f in futs:
+                        f.result()
+                except Exception as e:  # noqa: BLE001 - a server died mid-update
+                    failure = e
+                    continue
                 nbytes += flat.numel()
                 n_buckets += 1
                 n_tensors += len(names)
         finally:
             if self.rank == 0:
-                self.fleet.end_update()
-                self.fleet.resume()
+                for call in (self.fleet.end_update, self.fleet.resume):
+                    try:
+                        call()
+                    except Exception as e:  # noqa: BLE001
+                        failure = failure or e
+        if self._agree(failure is not None):
+            if not _retry:
+                raise RuntimeError(f"weight sync failed twice: {failure}") from failure
+            if self.rank == 0:
+                self.fleet.refresh()
+                self.close()
+                self._port += 1
+                self.connect()
+            return self.sync(version, _retry=False)
         seconds = time.perf_counter() - t0
         stats = {"weight_sync/seconds": seconds, "weight_sync/pause_s": t_paused - t0,
                  "weight_sync/bytes": float(nbytes), "weight_sync/buckets": float(n_buckets),
                  "weight_sync/tensors": float(n_tensors),
                  "weight_sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
                  "weight_sync/version": float(version)}
+        if self.rank == 0 and self.cfg.verify:
+            stats["weight_sync/verified"] = float(self.verify(digests))
         if self.rank == 0:
             self.history.append(stats)
         return stats
+
+    def verify(self, digests: dict[str, str]) -> bool:
+        """Compare the servers' ``/megatron_rl/weights_digest`` (built-in engine only) with the
+        digests of what was sent; raises naming the first server and tensor that differ."""
+        for url in self.fleet.update_urls:
+            theirs = self.fleet.weights_digest(url)
+            bad = [n for n, d in digests.items() if theirs.get(n) != d]
+            if bad:
+                raise RuntimeError(f"weight sync: {url} holds different {bad[0]} "
+                                   f"({len(bad)} tensors differ)")
+        return True
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (what ``/megatron_rl/weights_digest`` reports per parameter)."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                          .tobytes()).hexdigest()
+
+
+def _sync_group():
+    """The ranks that call :meth:`WeightBroadcaster.sync` together (model-parallel ranks of the
+    first data-parallel replica), or None for a single rank."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            g = ps.get_model_parallel_group()
+            return g if dist.get_world_size(g) > 1 else None
+    except ImportError:
+        pass
+    return None

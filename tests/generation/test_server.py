@@ -56,7 +56,7 @@ def synced(trainer, server, tiny_llama):
 
 
 def _info(url: str) -> dict:
-    return json.load(urllib.request.urlopen(f"{url}/get_server_info"))
+    return json.load(urllib.request.urlopen(f"{url}/server_info"))
 
 
 def _post(url: str, route: str, body) -> tuple[int, dict]:
