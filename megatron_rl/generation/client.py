@@ -109,24 +109,44 @@ class FleetClient:
         self.initial_version = initial_version
         self.lost: list[tuple[str, str]] = []  # (request_id, server url), in order of loss
         self._lock = threading.Lock()
+        self._update_capacity = 0
+        self._update_tp: dict[str, int] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fleet")
         self.refresh()
 
     # ------------------------------------------------------------------ fleet state
 
     def refresh(self) -> None:
-        """Re-read every server's ``/server_info``; unreachable servers are marked dead."""
+        """Re-read every server's ``/server_info``; unreachable servers are marked dead.
+
+        A URL that answers but has no ``/server_info`` (a router) stays alive; its KV capacity
+        is then that of the update targets behind it."""
         for s in self.servers:
             try:
                 info = _post_json(s.url, "/server_info", None, method="GET",
                                   timeout=self.control_timeout_s)
-            except (ServerLost, ServerError):
+            except ServerLost:
                 s.alive = False
+                continue
+            except ServerError:
+                s.alive, s.info = self._answers(s.url), None
                 continue
             s.alive, s.info = True, info
             s.capacity_tokens = int(info.get("max_total_num_tokens") or 0)
             s.max_running = int(info.get("max_running_requests") or 0)
             s.tp_size = int(info.get("tp_size") or 1)
+        self._update_capacity = 0
+        routed = {s.url for s in self.servers}
+        for u in self.update_urls:
+            if u in routed:
+                continue
+            try:
+                info = _post_json(u, "/server_info", None, method="GET",
+                                  timeout=self.control_timeout_s)
+                self._update_capacity += int(info.get("max_total_num_tokens") or 0)
+                self._update_tp[u] = int(info.get("tp_size") or 1)
+            except (ServerLost, ServerError):
+                pass
 
     def revive(self, url: str) -> bool:
         """Put a (restarted) server back into routing if it answers; return whether it did."""
@@ -149,8 +169,9 @@ class FleetClient:
         return [s for s in self.servers if s.alive]
 
     def capacity_tokens(self) -> int:
-        """KV capacity of the live servers together, in tokens."""
-        return sum(s.capacity_tokens for s in self.alive)
+        """KV capacity of the live servers together (behind a router: of the update targets),
+        in tokens; 0 when unknown."""
+        return sum(s.capacity_tokens for s in self.alive) + self._update_capacity
 
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.servers)
@@ -246,9 +267,15 @@ class FleetClient:
         dead = {s.url for s in self.servers if not s.alive}
         return [u for u in self.update_urls if u not in dead]
 
+    def live_update_urls(self) -> list[str]:
+        """Update targets that answer (routed servers by their state, others by ``/health``)."""
+        routed = {s.url: s.alive for s in self.servers}
+        return [u for u in self.update_urls if routed.get(u, None) or
+                (u not in routed and self._answers(u))]
+
     def update_ranks(self) -> dict[str, int]:
         """Rank offset of each update target in the update group (rank 0 is the trainer)."""
-        tp = {s.url: s.tp_size for s in self.servers}
+        tp = {**self._update_tp, **{s.url: s.tp_size for s in self.servers}}
         ranks, nxt = {}, 1
         for u in self.update_urls:
             ranks[u] = nxt
@@ -256,7 +283,7 @@ class FleetClient:
         return ranks
 
     def update_world_size(self) -> int:
-        tp = {s.url: s.tp_size for s in self.servers}
+        tp = {**self._update_tp, **{s.url: s.tp_size for s in self.servers}}
         return 1 + sum(tp.get(u, 1) for u in self.update_urls)
 
     def init_update_group_async(self, *, master_address: str, master_port: int,

@@ -140,8 +140,7 @@ class WeightBroadcaster:
         from megatron_rl.weight_sync.group import init_update_group
 
         self.fleet.refresh()
-        live = {s.url for s in self.fleet.alive}
-        self.fleet.update_urls = [u for u in self.fleet.update_urls if u in live]
+        self.fleet.update_urls = self.fleet.live_update_urls()
         if not self.fleet.update_urls:
             raise RuntimeError("weight sync: no live server to update")
         futs = self.fleet.init_update_group_async(
@@ -165,7 +164,7 @@ class WeightBroadcaster:
             self.group = None
 
     def _rebuild_if_membership_changed(self) -> None:
-        live = {s.url for s in self.fleet.alive}
+        live = set(self.fleet.live_update_urls())
         if self.group is not None and all(u in live for u in self._members):
             return
         self.close()
