@@ -2,8 +2,9 @@
 
 One :meth:`Engine.step`:
 
-1. admits waiting requests (first come, first served) into free slots: each prompt is prefilled
-   alone (``[1, P]``) and its first token sampled from the last prompt position;
+1. admits waiting requests (first come, first served) into free slots: prompts of equal length
+   are prefilled together (``[n, P]``; a group's G samples share one forward) and each first
+   token is sampled from the last prompt position;
 2. runs one decode step for every running request (``[B, 1]``, each slot at its own length), and
    samples its next token;
 3. finishes requests that sampled a stop token (EOS from the config or the request's
@@ -38,7 +39,7 @@ import torch
 
 from megatron_rl.generation.engine.model import Decoder, KVCache
 
-__all__ = ["EngineConfig", "Engine", "Finished"]
+__all__ = ["EngineConfig", "Engine", "Finished", "sample_token", "sample_tokens"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -91,26 +92,55 @@ class _Request:
 
 def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
                  generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token from ``logits [V]`` (fp32); return ``(token, log_softmax(logits / T)[token])``.
+    """Draw one token from ``logits [V]``; return ``(token, log_softmax(logits / T)[token])``.
 
-    ``temperature == 0``: argmax, log-prob at temperature 1. Otherwise the token is drawn from the
-    smallest set of most likely tokens whose mass reaches ``top_p`` (renormalised), using one
-    ``torch.multinomial`` call on the request's own generator, so a seeded request draws the same
-    tokens whatever else shares its batch.
+    One row of :func:`sample_tokens` (see there).
+    """
+    (tok,), (lp,) = sample_tokens(logits[None], temperatures=[temperature], top_ps=[top_p],
+                                  generators=[generator])
+    return tok, lp
+
+
+def sample_tokens(logits: torch.Tensor, *, temperatures: Sequence[float],
+                  top_ps: Sequence[float], generators: Sequence[torch.Generator]
+                  ) -> tuple[list[int], list[float]]:
+    """Draw one token per row of ``logits [B, V]``; return tokens and their
+    ``log_softmax(logits / T)`` (full vocabulary).
+
+    ``T == 0``: argmax, log-prob at temperature 1. Otherwise the token is drawn from the smallest
+    set of most likely tokens whose mass reaches ``top_p`` (renormalised) by inverting the CDF at
+    one uniform number drawn from the row's own generator, so a seeded request draws the same
+    tokens whatever else shares its batch. The soft-max, top-p and CDF work is batched; only the
+    uniform draws are per row.
     """
     logits = logits.float()
-    if temperature == 0.0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits, -1)[token])
-    logp = torch.log_softmax(logits / temperature, -1)
-    probs = logp.exp()
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        # Keep a token if the mass strictly before it is below top_p: the first is always kept.
-        keep = (torch.cumsum(sorted_p, 0) - sorted_p) < top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(logp[token])
+    B = logits.shape[0]
+    temp = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32,
+                        device=logits.device)
+    logp = torch.log_softmax(logits / temp[:, None], -1)
+    tokens = torch.argmax(logits, -1)
+    sampled = [i for i, t in enumerate(temperatures) if t > 0]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        probs = logp[rows].exp()
+        nucleus = [i for i, r in enumerate(sampled) if top_ps[r] < 1.0]
+        if nucleus:
+            sub = torch.tensor(nucleus, device=logits.device)
+            sorted_p, order = torch.sort(probs[sub], dim=-1, descending=True)
+            tp = torch.tensor([top_ps[sampled[i]] for i in nucleus], dtype=probs.dtype,
+                              device=probs.device)
+            # Keep a token if the mass strictly before it is below top_p: the first is always kept.
+            keep = (torch.cumsum(sorted_p, -1) - sorted_p) < tp[:, None]
+            probs[sub] = torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p * keep)
+        cdf = torch.cumsum(probs, -1)
+        u = torch.cat([torch.rand(1, generator=generators[r], device=logits.device)
+                       for r in sampled]) * cdf[:, -1]
+        picks = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
+        # Never a zero-probability token (u at the very top, or rounding in the cumsum).
+        picks = torch.minimum(picks, (probs > 0).long().cumsum(-1).argmax(-1))
+        tokens[rows] = picks
+    lps = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), lps.tolist()
 
 
 class Engine:
@@ -241,40 +271,50 @@ class Engine:
         if self.paused:
             return []
         finished: list[Finished] = []
+        device = self.cache.k.device
+        admitted: list[_Request] = []
         while self._waiting and self._free:
             req = self._waiting.popleft()
             req.slot = self._free.pop()
             self._running[req.slot] = req
-            ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.cache.k.device)
-            self.prefill_tokens += len(req.prompt_ids)
-            logits = self.model(ids, torch.tensor([req.slot]), self.cache)[0, -1]
-            self._accept(req, logits, finished)
-        if self._running:
-            reqs = list(self._running.values())
-            # The last sampled token of each request is not yet in the cache: feed it now.
-            ids = torch.tensor([[r.token_ids[-1]] for r in reqs], dtype=torch.long,
-                               device=self.cache.k.device)
+            admitted.append(req)
+        # Prefill: prompts of equal length share one forward (a group's G samples do).
+        by_len: dict[int, list[_Request]] = {}
+        for req in admitted:
+            by_len.setdefault(len(req.prompt_ids), []).append(req)
+        for reqs in by_len.values():
+            ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long, device=device)
+            self.prefill_tokens += ids.numel()
             slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
-            logits = self.model(ids, slots, self.cache)[:, -1]
-            for req, row in zip(reqs, logits):
-                self._accept(req, row, finished)
+            self._accept(reqs, self.model(ids, slots, self.cache)[:, -1], finished)
+        decoding = list(self._running.values())  # the just-admitted ones too
+        if decoding:
+            # The last sampled token of each request is not yet in the cache: feed it now.
+            ids = torch.tensor([[r.token_ids[-1]] for r in decoding], dtype=torch.long,
+                               device=device)
+            slots = torch.tensor([r.slot for r in decoding], dtype=torch.long)
+            self._accept(decoding, self.model(ids, slots, self.cache)[:, -1], finished)
         return finished
 
-    def _accept(self, req: _Request, logits: torch.Tensor, finished: list[Finished]) -> None:
-        """Sample ``req``'s next token from ``logits [V]``; finish the request if it is done."""
-        token, logprob = sample_token(logits, temperature=req.temperature, top_p=req.top_p,
-                                      generator=req.generator)
-        req.token_ids.append(token)
-        req.logprobs.append(logprob)
-        req.versions.append(self.version)
-        if token in req.stop:
-            reason: FinishReason | None = "stop"
-        elif len(req.token_ids) >= req.max_new_tokens:
-            reason = "length"
-        else:
-            return
-        self._release(req)
-        finished.append(req.finished(reason))
+    def _accept(self, reqs: list[_Request], logits: torch.Tensor,
+                finished: list[Finished]) -> None:
+        """Sample each request's next token from its row of ``logits [B, V]``; finish the
+        requests that are done."""
+        tokens, logprobs = sample_tokens(logits, temperatures=[r.temperature for r in reqs],
+                                         top_ps=[r.top_p for r in reqs],
+                                         generators=[r.generator for r in reqs])
+        for req, token, logprob in zip(reqs, tokens, logprobs):
+            req.token_ids.append(token)
+            req.logprobs.append(logprob)
+            req.versions.append(self.version)
+            if token in req.stop:
+                reason: FinishReason | None = "stop"
+            elif len(req.token_ids) >= req.max_new_tokens:
+                reason = "length"
+            else:
+                continue
+            self._release(req)
+            finished.append(req.finished(reason))
 
     def generate_all(self) -> list[Finished]:
         """Step until no request waits or runs; return the finished requests in finishing order.

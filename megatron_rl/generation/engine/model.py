@@ -293,11 +293,10 @@ class Decoder(nn.Module):
         L = mask.shape[-1]
         keys = cache.k[layer][slots, :L].to(q.dtype)  # [B, L, kv_heads, head_dim]
         values = cache.v[layer][slots, :L].to(q.dtype)
-        groups = cfg.num_heads // cfg.num_kv_heads
-        keys = keys.repeat_interleave(groups, dim=2)
-        values = values.repeat_interleave(groups, dim=2)
+        # Grouped-query attention inside SDPA: no copy of the keys/values per query head.
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=mask)
+                                             values.transpose(1, 2), attn_mask=mask,
+                                             enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
 
     def forward(self, input_ids: torch.Tensor, slots: torch.Tensor,

@@ -493,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--weight-version", type=int, default=0, help="version of the loaded weights")
     p.add_argument("--port-file", help="write the bound port here (atomic) once serving")
+    p.add_argument("--timing-model", metavar="FILE.json",
+                   help="no model compute: steps sleep for this cost model and write its token "
+                        "script (generation/engine/timing.py); --model gives EOS and vocab only")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     if args.threads:
@@ -501,8 +504,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve-engine: {args.model}: no config.json (an HF model folder is expected)",
               file=sys.stderr)
         return 2
-    engine = Engine.from_pretrained(args.model, EngineConfig(max_slots=args.max_slots,
-                                                             max_len=args.max_len))
+    if args.timing_model:
+        from megatron_rl.generation.engine.timing import TimingEngine
+
+        with open(os.path.join(args.model, "config.json")) as f:
+            hf = json.load(f)
+        eos = hf.get("eos_token_id")
+        engine = TimingEngine.from_json(
+            args.timing_model, EngineConfig(max_slots=args.max_slots, max_len=args.max_len),
+            eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],
+            vocab_size=hf.get("vocab_size"))
+    else:
+        engine = Engine.from_pretrained(args.model, EngineConfig(max_slots=args.max_slots,
+                                                                 max_len=args.max_len))
     engine.set_version(args.weight_version)
     server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model)
     if args.port_file:

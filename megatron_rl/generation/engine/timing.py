@@ -1,0 +1,265 @@
+"""A stand-in for :class:`~megatron_rl.generation.engine.Engine` whose steps *sleep* for a cost
+model's time and whose tokens come from a script: the real server, routes and scheduling, with no
+model compute.
+
+    megatron-rl serve-engine --model HF_FOLDER --timing-model timing.json
+
+``timing.json``::
+
+    {"decode_s": 0.01, "decode_s_per_seq": 0.0001, "prefill_s_per_token": 1e-5,
+     "script": [[12, 7, 7, 7, 30, 2], [12, 7, 30, 2], ...]}
+
+Why: on a 2-core machine a real engine and a real trainer fight for the same cores, so a loop
+benchmark would measure that contention rather than the scheduling it is after (how long the
+generators wait in the synchronous loop, how the asynchronous loop keeps them busy).
+``tools/bench_async.py`` runs the real orchestrator against servers in this mode.
+
+**Cost.** One :meth:`TimingEngine.step` admits waiting requests into free slots (first come, first
+served; each admitted request samples its first token, as the real engine's prefill does), then
+decodes one token for every running request, and sleeps
+
+    decode_s + decode_s_per_seq * running + prefill_s_per_token * admitted prompt tokens
+
+seconds (while the server holds its engine lock, as a real step computes under it).
+
+**Tokens.** A request with sampling seed ``s`` writes ``script[s % len(script)]`` token by token
+(no seed: the requests' arrival order picks the entry), so the rewards a verifier gives are real
+and as varied as the script. As in the real engine it stops after a stop token (the request's
+``stop_token_ids`` or the model's EOS; the stop token is part of the output, ``finish_reason``
+"stop") or at ``max_new_tokens`` ("length"); an entry that ends earlier without a stop token ends
+the request there ("stop"). Every token's log-prob is ``logprob`` (a constant) and its version the
+engine's version when it was written. Pause, resume, abort and versions behave as the real
+engine's; there are no weights (:meth:`_NoModel.named_weights` is empty).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from megatron_rl.generation.engine.engine import EngineConfig, Finished, FinishReason
+
+__all__ = ["TimingConfig", "TimingEngine"]
+
+
+@dataclass(kw_only=True)
+class TimingConfig:
+    """The cost model and the token script of a :class:`TimingEngine`."""
+
+    decode_s: float = 0.01  # fixed cost of one step (seconds)
+    decode_s_per_seq: float = 0.0  # plus this per running sequence
+    prefill_s_per_token: float = 0.0  # plus this per prompt token admitted in the step
+    logprob: float = -1.0  # log-prob reported for every token
+    script: list[list[int]] = field(default_factory=list)  # completions, picked by seed
+
+    def __post_init__(self):
+        for name in ("decode_s", "decode_s_per_seq", "prefill_s_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not self.script or any(not isinstance(s, list) or not s for s in self.script):
+            raise ValueError("script: need a non-empty list of non-empty token-id lists")
+        self.script = [[int(t) for t in s] for s in self.script]
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "TimingConfig":
+        with open(path) as f:
+            obj = json.load(f)
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}: a JSON object is expected")
+        unknown = set(obj) - {"decode_s", "decode_s_per_seq", "prefill_s_per_token", "logprob",
+                              "script"}
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
+        return cls(**obj)
+
+    def step_seconds(self, running: int, prefill_tokens: int) -> float:
+        return (self.decode_s + self.decode_s_per_seq * running
+                + self.prefill_s_per_token * prefill_tokens)
+
+
+class _NoCache:
+    """What the server reads of the KV cache: the device its receive buffers go to."""
+
+    k = torch.empty(0)
+
+
+class _NoModel:
+    """No weights: a weight update names none of this model's (empty) parameters."""
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {}
+
+
+@dataclass(kw_only=True)
+class _Scripted:
+    request_id: str
+    prompt_ids: list[int]
+    script: list[int]
+    max_new_tokens: int
+    stop: frozenset[int]
+    slot: int = -1
+    token_ids: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class TimingEngine:
+    """The :class:`~megatron_rl.generation.engine.Engine` interface the server uses, timed by a
+    cost model and written from a script; see the module docstring."""
+
+    def __init__(self, timing: TimingConfig, config: EngineConfig | None = None, *,
+                 eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
+                 sleep=time.sleep):
+        self.timing = timing
+        self.config = config or EngineConfig()
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.vocab_size = vocab_size
+        self.model, self.cache = _NoModel(), _NoCache()
+        self.version = 0
+        self.paused = False
+        self.prefill_tokens = 0
+        self.modeled_s = 0.0  # seconds slept so far
+        self._sleep = sleep
+        self._arrivals = 0
+        self._waiting: deque[_Scripted] = deque()
+        self._running: dict[int, _Scripted] = {}
+        self._free: list[int] = list(range(self.config.max_slots - 1, -1, -1))
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike, config: EngineConfig | None = None,
+                  **kwargs) -> "TimingEngine":
+        return cls(TimingConfig.from_json(path), config, **kwargs)
+
+    # ------------------------------------------------------------------ state (as Engine)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.config.max_slots * self.config.max_len
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def set_version(self, version: int) -> None:
+        self.version = int(version)
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
+                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                    stop_token_ids: Iterable[int] = ()) -> None:
+        """Queue a request; refused (``ValueError``) where the real engine refuses it."""
+        if self._find(request_id) is not None:
+            raise ValueError(f"request_id: {request_id!r} is already queued or running")
+        ids = [int(t) for t in input_ids]
+        if not ids or min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
+            raise ValueError(f"input_ids: need 1 or more ids in [0, {self.vocab_size}), got "
+                             f"{len(ids)} ids")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+        if len(ids) + max_new_tokens > self.config.max_len:
+            raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds "
+                             f"max_len {self.config.max_len}")
+        if temperature < 0:
+            raise ValueError(f"temperature: must be >= 0, got {temperature}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        pick = int(seed) if seed is not None else self._arrivals
+        self._arrivals += 1
+        script = self.timing.script
+        self._waiting.append(_Scripted(
+            request_id=request_id, prompt_ids=ids, script=script[pick % len(script)],
+            max_new_tokens=int(max_new_tokens),
+            stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids))
+
+    def abort(self, request_id: str) -> Finished | None:
+        req = self._find(request_id)
+        if req is None:
+            return None
+        if req.slot >= 0:
+            self._release(req)
+        else:
+            self._waiting.remove(req)
+        return self._finished(req, "abort")
+
+    def _find(self, request_id: str) -> _Scripted | None:
+        for req in (*self._waiting, *self._running.values()):
+            if req.request_id == request_id:
+                return req
+        return None
+
+    def _release(self, req: _Scripted) -> None:
+        del self._running[req.slot]
+        self._free.append(req.slot)
+        req.slot = -1
+
+    def _finished(self, req: _Scripted, reason: FinishReason) -> Finished:
+        n = len(req.token_ids)
+        return Finished(request_id=req.request_id, prompt_ids=req.prompt_ids,
+                        token_ids=req.token_ids, logprobs=[self.timing.logprob] * n,
+                        versions=req.versions, finish_reason=reason)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[Finished]:
+        """Admit, then write one token for every running request; sleep the modeled time."""
+        if self.paused:
+            return []
+        finished: list[Finished] = []
+        admitted_tokens = 0
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            req.slot = self._free.pop()
+            self._running[req.slot] = req
+            admitted_tokens += len(req.prompt_ids)
+            self._write(req, finished)  # the prefill's token
+        running = len(self._running)
+        for req in list(self._running.values()):
+            self._write(req, finished)
+        self.prefill_tokens += admitted_tokens
+        seconds = self.timing.step_seconds(running, admitted_tokens)
+        self.modeled_s += seconds
+        self._sleep(seconds)
+        return finished
+
+    def _write(self, req: _Scripted, finished: list[Finished]) -> None:
+        token = req.script[len(req.token_ids)]
+        req.token_ids.append(token)
+        req.versions.append(self.version)
+        if token in req.stop:
+            reason: FinishReason = "stop"
+        elif len(req.token_ids) >= req.max_new_tokens:
+            reason = "length"
+        elif len(req.token_ids) == len(req.script):
+            reason = "stop"  # the entry ends without a stop token: it ends the request
+        else:
+            return
+        self._release(req)
+        finished.append(self._finished(req, reason))
+
+    def generate_all(self) -> list[Finished]:
+        """Step until no request waits or runs (raises ``RuntimeError`` while paused)."""
+        if self.paused:
+            raise RuntimeError("generate_all: the engine is paused")
+        out: list[Finished] = []
+        while self.has_work():
+            out.extend(self.step())
+        return out

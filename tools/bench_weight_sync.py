@@ -1,0 +1,176 @@
+"""Weight-update time: ``WeightBroadcaster.sync()`` against one raw broadcast of the same bytes.
+
+    megatron-rl bench weight-sync [--hidden 512] [--layers 4] [--vocab 4096] [--bucket-mb 16]
+                                  [--servers 1] [--repeats 5]
+
+Builds a random Llama-style model (fp32, saved with ``save_pretrained``), a ``PolicyTrainer`` on
+one gloo rank in this process, and ``--servers`` built-in engine servers (``EngineProcess``) from
+the same folder; a ``WeightBroadcaster`` joins them into one update group (gloo over loopback).
+Then, in this one run and over that one group:
+
+- ``sync()``: the whole update as the RL loop runs it -- pause, HF conversion of the Megatron
+  tensors, packing into ``--bucket-mb`` buckets, per bucket one ``/update_weights_from_distributed``
+  to every server and a broadcast, the servers' copy into their model, resume;
+- baseline: one broadcast of a single flat ``uint8`` tensor of the same number of bytes, which
+  the servers receive through ``POST /megatron_rl/receive_raw`` and discard: the transport alone.
+
+Each is run once untimed (first use of the group's connections), then ``--repeats`` times,
+alternating; the median is reported. After the timed syncs, every server's
+``/megatron_rl/weights_digest`` is checked against the trainer's HF tensors. The last line is one
+JSON object; ``broadcast_over_raw`` = sync seconds / raw broadcast seconds (1.0 would be a free
+update).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import socket
+import statistics
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def make_model(folder: str, args: argparse.Namespace) -> int:
+    """Save a random fp32 Llama (no EOS) to ``folder``; returns its parameter count."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden, intermediate_size=args.ffn or 11 * args.hidden // 4,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, vocab_size=args.vocab, max_position_embeddings=256,
+        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, route: str, body: dict) -> dict:
+    req = urllib.request.Request(f"{url}{route}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.load(r)
+
+
+def raw_broadcast(urls: list[str], group, group_name: str, flat: torch.Tensor,
+                  pool: ThreadPoolExecutor) -> float:
+    """Seconds for one broadcast of ``flat`` that every server receives and discards."""
+    from megatron_rl.weight_sync.group import broadcast
+
+    start = time.perf_counter()
+    futs = [pool.submit(_post, u, "/megatron_rl/receive_raw",
+                        {"group_name": group_name, "numel": flat.numel()}) for u in urls]
+    broadcast(flat, group, src=0)
+    for f in futs:
+        f.result()
+    return time.perf_counter() - start
+
+
+def _servers_hold(urls: list[str], trainer, converter) -> bool:
+    """Whether every server's weights are the trainer's HF tensors, bit for bit."""
+    from megatron_rl.weight_sync.broadcast import iter_model_hf
+
+    want = {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                              .tobytes()).hexdigest()
+            for n, t in iter_model_hf(trainer.chunks, converter)}
+    return all(json.load(urllib.request.urlopen(f"{u}/megatron_rl/weights_digest")) == want
+               for u in urls)
+
+
+def run(args: argparse.Namespace, folder: str) -> dict:
+    from megatron_rl.algorithms.config import GRPOConfig
+    from megatron_rl.batching.config import BatchingConfig
+    from megatron_rl.generation.client import FleetClient
+    from megatron_rl.generation.engine.launch import EngineProcess
+    from megatron_rl.training.config import TrainerConfig
+    from megatron_rl.training.trainer import PolicyTrainer
+    from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
+
+    params = make_model(folder, args)
+    trainer = PolicyTrainer(folder, TrainerConfig(), GRPOConfig(), BatchingConfig())
+    servers = [EngineProcess(folder, max_slots=1, max_len=64) for _ in range(args.servers)]
+    try:
+        for s in servers:
+            s.start()
+        urls = [s.url for s in servers]
+        fleet = FleetClient(urls)
+        cfg = WeightSyncConfig(backend="gloo", master_port=_free_port(), bucket_mb=args.bucket_mb,
+                               group_name="bench_weight_sync")
+        bc = WeightBroadcaster(trainer.chunks, folder, fleet, cfg)
+        bc.connect()
+        first = bc.sync(version=1)  # untimed: first use of the group's connections
+        nbytes = int(first["weight_sync/bytes"])
+        flat = torch.zeros(nbytes, dtype=torch.uint8)
+        syncs, raws = [], []
+        with ThreadPoolExecutor(len(urls)) as pool:
+            raw_broadcast(urls, bc.group, cfg.group_name, flat, pool)  # untimed
+            # Alternated, so that a busy spell of a shared machine hits both alike.
+            for i in range(args.repeats):
+                syncs.append(bc.sync(version=2 + i))
+                raws.append(raw_broadcast(urls, bc.group, cfg.group_name, flat, pool))
+        same = _servers_hold(urls, trainer, bc.converter)
+        bc.close()
+        fleet.close()
+    finally:
+        for s in servers:
+            s.stop()
+        trainer.close()
+    sync_s = statistics.median(s["weight_sync/seconds"] for s in syncs)
+    pause_s = statistics.median(s["weight_sync/pause_s"] for s in syncs)
+    raw_s = statistics.median(raws)
+    gb = nbytes / 1e9
+    print(f"model: Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
+          f"{params / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB fp32 (HF tensors); "
+          f"{args.servers} built-in server(s), gloo over loopback; buckets of "
+          f"{args.bucket_mb:g} MB ({int(first['weight_sync/buckets'])} per sync); median of "
+          f"{args.repeats}; servers "
+          f"hold the trainer's weights after the syncs: {'yes' if same else 'NO'}")
+    print(f"{'step':44} {'seconds':>8} {'GB/s':>7} {'÷ raw':>7}")
+    for label, seconds in [("raw broadcast, one uint8 tensor (baseline)", raw_s),
+                           ("WeightBroadcaster.sync(), whole model", sync_s)]:
+        print(f"{label:44} {seconds:8.3f} {gb / seconds:7.3f} {seconds / raw_s:7.2f}")
+    print(f"{'  of which pause + begin (HTTP round trips)':44} {pause_s:8.3f} {'':>7} "
+          f"{pause_s / raw_s:7.2f}")
+    if not same:
+        raise SystemExit("bench weight-sync: a server's weights differ from the trainer's")
+    return {"broadcast_over_raw": round(sync_s / raw_s, 4), "sync_s": round(sync_s, 5),
+            "sync_gbps": round(gb / sync_s, 4), "raw_s": round(raw_s, 5),
+            "raw_gbps": round(gb / raw_s, 4), "bytes": nbytes,
+            "buckets": int(first["weight_sync/buckets"]), "bucket_mb": args.bucket_mb,
+            "pause_s": round(pause_s, 5), "servers": args.servers, "params": params}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=0, help="MLP width (0: 11/4 x hidden)")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--bucket-mb", type=float, default=16.0, help="bytes per sync broadcast")
+    ap.add_argument("--servers", type=int, default=1, help="built-in engine servers to update")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")
+    args = ap.parse_args(argv)
+    if args.servers < 1 or args.repeats < 1:
+        ap.error("--servers and --repeats must be >= 1")
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as folder:
+        out = run(args, folder)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
