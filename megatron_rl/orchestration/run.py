@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", help="YAML recipe (see examples/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loop.max_steps=10")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:

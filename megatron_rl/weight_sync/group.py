@@ -24,16 +24,18 @@ def init_update_group(*, backend: str, master_address: str, master_port: int, ra
                       world_size: int, group_name: str, timeout_s: float = 120.0) -> Any:
     """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore,
-                                                    _new_process_group_helper, _world, rendezvous)
+                                                    _new_process_group_helper, _world)
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
     if not group_name:
         raise ValueError("group_name: must not be empty")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank,
-                                              world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # What SGLang's tcp:// rendezvous builds, made directly: under torchrun the rendezvous would
+    # reuse the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE) and rank 0 would wait for
+    # a master that never comes. Here rank 0 always hosts the group's own store.
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
                                       group_name=group_name, backend_options=None,

@@ -6,7 +6,9 @@
 The server binds a free port (``--port 0``) and reports it through an atomically written port
 file; :meth:`EngineProcess.start` waits until ``/health`` answers. Each server runs in its own
 session, so :meth:`stop` can end its whole process group; a server also dies with its parent
-(``PR_SET_PDEATHSIG`` on Linux), so a crashed launcher leaves no orphans.
+(``PR_SET_PDEATHSIG`` on Linux), so a crashed launcher leaves no orphans. Linux ties that signal
+to the *thread* that started the child: start servers from a thread that outlives them (the
+main thread), not from a pool worker that exits.
 """
 
 from __future__ import annotations

@@ -1,0 +1,214 @@
+"""k completions per problem through any :class:`~megatron_rl.generation.api.Generator`, scored by
+the real reward: the shared first half of difficulty filtering and evaluation.
+
+Prompts are the training prompts: :func:`megatron_rl.rewards.template.build_messages` (Magistral's
+system prompt plus the task instruction) rendered by the tokenizer's chat template. Completions are
+scored as they come back from the generator, in a :class:`VerifierPool`, so verification overlaps
+generation. Every request carries a seed derived from ``(seed, problem id, sample index)``: the
+same call on the same generator samples the same completions.
+
+    gen = open_generator(model="ckpt/")                  # or servers=["http://h:30000"]
+    attempts = sample_and_score(problems, gen, tokenizer, SamplingConfig(k=16), RewardConfig())
+    attempts["p1"][0].correct, attempts["p1"][0].answer  # per problem, in sample order
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+from megatron_rl.config_checks import check_range
+from megatron_rl.data.problems import Problem
+from megatron_rl.rewards.code import ensure_pch
+from megatron_rl.rewards.compose import RewardConfig, RewardInput, hard_timeout_s, score
+from megatron_rl.rewards.format import check_format, last_boxed
+from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+from megatron_rl.rewards.template import SYSTEM_PROMPT, build_messages
+
+__all__ = ["SamplingConfig", "Attempt", "render_prompt", "decode_completion", "extract_answer", "stop_token_ids",
+           "open_generator", "close_generator", "load_tokenizer", "sample_and_score"]
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """How completions are sampled."""
+
+    k: int = 16  # completions per problem
+    max_new_tokens: int = 4096  # completion budget per sample
+    temperature: float = 1.0  # 0: greedy (then all k samples are equal)
+    top_p: float = 1.0
+    seed: int = 0  # base of the per-request seeds
+    system_prompt: str = SYSTEM_PROMPT  # the training prompt's; "" for none
+
+    def __post_init__(self):
+        check_range("k", self.k, low=1)
+        check_range("max_new_tokens", self.max_new_tokens, low=1)
+        check_range("temperature", self.temperature, low=0.0)
+        check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+
+
+@dataclass(kw_only=True)
+class Attempt:
+    """One sampled and scored completion."""
+
+    index: int  # sample index within the problem, 0..k-1
+    completion: str
+    num_tokens: int
+    finish_reason: str  # stop / length / abort
+    reward: float
+    reason: str  # one of megatron_rl.rewards.result.REASONS
+    correct: bool
+    answer: str | None = None  # math: last \boxed{} of the answer part (None: format failed)
+    parts: dict[str, float] | None = None
+    prompt_ids: list[int] | None = None  # kept only when asked (keep_tokens=True)
+    completion_ids: list[int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def extract_answer(completion: str, task: str) -> str | None:
+    """The final answer a math completion gives (last ``\\boxed{}`` of the answer part), or None
+    when the format check fails; always None for code (programs are not voted on)."""
+    if task != "math":
+        return None
+    parsed, _ = check_format(completion, "math")
+    return None if parsed is None else last_boxed(parsed.answer)
+
+
+def render_prompt(tokenizer, problem: str, task: str, *, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
+    """Token ids of the training prompt for ``problem``: system prompt + problem + instruction,
+    through the tokenizer's chat template with the generation prompt appended."""
+    messages = build_messages(problem, task, system_prompt=system_prompt)
+    if not system_prompt:
+        messages = messages[1:]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The template already holds any BOS it wants; tokenizing it must not add another.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """The tokenizer's EOS as a stop token (the engine also stops at the model config's EOS)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return () if eos is None else (int(eos),)
+
+
+def decode_completion(tokenizer, token_ids) -> str:
+    """The completion's text as the verifiers read it: every token kept (a model's ``<think>``
+    may be a special token), except a final EOS, which ends the turn and is not text."""
+    ids = list(token_ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if ids and eos is not None and ids[-1] == eos:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(folder: str):
+    """A local Hugging Face tokenizer (no downloads)."""
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"{folder}: no such tokenizer folder")
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def open_generator(*, model: str | None = None, servers: Sequence[str] | None = None,
+                   max_len: int = 8192, max_slots: int = 16, eos_token_ids=None):
+    """A :class:`LocalGenerator` over the HF folder ``model``, or a fleet client over ``servers``."""
+    if (model is None) == (not servers):
+        raise ValueError("give exactly one of a model folder (--model) or server URLs (--servers)")
+    if model is not None:
+        from megatron_rl.generation.api import LocalGenerator
+
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise FileNotFoundError(f"{model}: not a Hugging Face model folder (no config.json)")
+        return LocalGenerator.from_pretrained(model, max_slots=max_slots, max_len=max_len,
+                                              eos_token_ids=eos_token_ids)
+    from megatron_rl.generation.client import FleetClient  # HTTP machinery: imported on use
+
+    return FleetClient(list(servers))
+
+
+def close_generator(generator) -> None:
+    """Release what a generator holds (the fleet client's connections); a no-op otherwise."""
+    close = getattr(generator, "close", None)
+    if callable(close):
+        close()
+
+
+def _reward_input(p: Problem, completion: str, num_tokens: int) -> RewardInput:
+    return RewardInput(problem=p.problem, completion=completion, task=p.task, answer=p.answer,
+                       tests=p.tests, language=p.language, group_id=p.id, num_tokens=num_tokens)
+
+
+def _check_scorable(problems: Sequence[Problem]) -> None:
+    for p in problems:
+        if p.task == "math" and p.answer is None:
+            raise ValueError(f"problem {p.id!r}: a math problem needs a reference 'answer' to be scored")
+        if p.task == "code" and not p.tests:
+            raise ValueError(f"problem {p.id!r}: a code problem needs 'tests' to be scored")
+
+
+def sample_and_score(problems: Sequence[Problem], generator, tokenizer, cfg: SamplingConfig,
+                     reward_cfg: RewardConfig, *, pool: VerifierPool | None = None,
+                     progress: bool = True, keep_tokens: bool = False,
+                     desc: str = "sampling") -> dict[str, list[Attempt]]:
+    """``cfg.k`` completions of every problem, scored; ``{problem id: [Attempt] in sample order}``.
+
+    A verifier that fails (hard time-out, crash) scores its sample 0 with that reason, as in
+    training. ``pool`` is reused when given, else one of ``reward_cfg.workers`` is started.
+    """
+    from tqdm import tqdm
+
+    from megatron_rl.generation.api import GenRequest
+
+    _check_scorable(problems)
+    if any(p.task == "code" and p.language in (None, "cpp") for p in problems):
+        ensure_pch(reward_cfg.code)  # once, outside the per-sample hard time limits
+    prompts = [render_prompt(tokenizer, p.problem, p.task, system_prompt=cfg.system_prompt)
+               for p in problems]
+    stops = stop_token_ids(tokenizer)
+
+    def requests():
+        for i, p in enumerate(problems):
+            for j in range(cfg.k):
+                yield GenRequest(request_id=f"{i}/{j}", input_ids=prompts[i],
+                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, stop_token_ids=stops,
+                                 seed=zlib.crc32(f"{cfg.seed}:{p.id}:{j}".encode()))
+
+    own = pool is None
+    pool = pool or VerifierPool(reward_cfg.workers)
+    pending: list[tuple[int, int, Any, str, Any]] = []
+    bar = tqdm(total=len(problems) * cfg.k, desc=desc, unit="sample", file=sys.stderr,
+               disable=not progress)
+    try:
+        for res in generator.generate(requests()):
+            i, j = (int(x) for x in res.request_id.split("/"))
+            text = decode_completion(tokenizer, res.token_ids)
+            inp = _reward_input(problems[i], text, len(res.token_ids))
+            future = pool.submit(score, inp, reward_cfg, timeout_s=hard_timeout_s(inp, reward_cfg))
+            pending.append((i, j, res, text, future))
+            bar.update(1)
+        out: dict[str, list[Attempt]] = {p.id: [] for p in problems}
+        for i, j, res, text, future in sorted(pending, key=lambda t: (t[0], t[1])):
+            p = problems[i]
+            try:
+                r = future.result()
+                reward, reason, correct, parts = r.reward, r.reason, r.correct, r.parts
+            except PoolTaskError as e:
+                reward, reason, correct, parts = 0.0, e.reason, False, {}
+            out[p.id].append(Attempt(
+                index=j, completion=text, num_tokens=len(res.token_ids),
+                finish_reason=res.finish_reason, reward=reward, reason=reason, correct=correct,
+                answer=extract_answer(text, p.task), parts=parts,
+                prompt_ids=list(res.prompt_ids) if keep_tokens else None,
+                completion_ids=list(res.token_ids) if keep_tokens else None))
+        return out
+    finally:
+        bar.close()
+        if own:
+            pool.close()

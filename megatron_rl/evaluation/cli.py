@@ -1,0 +1,137 @@
+"""``megatron-rl eval``: k samples per problem through a model or the fleet, scored by the real
+reward; pass@1 (averaged over k), unbiased pass@k, maj@k, per-task and per-language results and
+length statistics, as JSON + Markdown + PNG.
+
+    megatron-rl eval --model ckpt-hf/ --data aime.jsonl --k 16 --out eval/aime
+    megatron-rl eval --servers http://gen0:30000,http://gen1:30000 --tokenizer ckpt-hf/ \\
+        --data gpqa.csv --format gpqa --k 8 --max-new-tokens 32768 --out eval/gpqa reward.workers=8
+    python -m megatron_rl.evaluation.cli ...   (the same)
+
+``--data`` takes this project's problem files or benchmark formats (``--format``: aime, gpqa,
+lcb; auto-detected by default; see :mod:`megatron_rl.data.benchmarks`). Prompts are the training
+prompts (system prompt and task instruction through the tokenizer's chat template). Trailing
+``reward.KEY=VALUE`` arguments override the reward settings (as in a recipe). Outputs in ``--out``:
+see :mod:`megatron_rl.evaluation.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from megatron_rl.data.benchmarks import FORMATS, load_benchmark
+from megatron_rl.data.problems import DataError
+from megatron_rl.data.sampling import (SamplingConfig, close_generator, load_tokenizer,
+                                       open_generator, render_prompt, sample_and_score)
+from megatron_rl.evaluation.metrics import default_ks
+from megatron_rl.evaluation.report import evaluate, write_report
+from megatron_rl.rewards.pool import VerifierPool
+
+__all__ = ["main", "build_parser", "add_generator_args", "reward_config"]
+
+
+def add_generator_args(p: argparse.ArgumentParser) -> None:
+    """--model / --servers / --tokenizer and the engine's sizes (shared with ``curate``)."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="Hugging Face model folder, run in this process")
+    src.add_argument("--servers", help="comma-separated URLs of generation servers (the fleet)")
+    p.add_argument("--tokenizer", help="tokenizer folder (default: the --model folder)")
+    p.add_argument("--max-slots", type=int, default=16,
+                   help="--model only: sequences decoded together (default 16)")
+
+
+def reward_config(recipe: str | None, overrides: list[str], workers: int | None):
+    """The reward settings: a recipe's ``reward`` section and ``reward.KEY=VALUE`` overrides."""
+    from megatron_rl.config import ConfigError, load_config
+
+    bad = [o for o in overrides if not o.startswith("reward.")]
+    if bad:
+        raise ValueError(f"only reward.KEY=VALUE overrides apply here, got {' '.join(bad)}")
+    try:
+        cfg = load_config(recipe, overrides).reward
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+    if workers:
+        cfg.workers = workers
+    return cfg
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__.split("\n\n")[0])
+    add_generator_args(p)
+    p.add_argument("--data", required=True, help="problems or benchmark file (JSONL, CSV, Parquet, hf:NAME)")
+    p.add_argument("--format", default="auto", choices=FORMATS, help="input format (default: auto)")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--k", type=int, default=16, help="samples per problem (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=4096, help="completion budget (default 4096)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="base of the per-request sampling seeds")
+    p.add_argument("--limit", type=int, help="evaluate only the first N problems")
+    p.add_argument("--workers", type=int, help="verifier processes (default: reward.workers)")
+    p.add_argument("--recipe", help="YAML recipe whose reward section is used")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("overrides", nargs="*", help="reward.KEY=VALUE overrides, e.g. reward.l_max=32768")
+    p.set_defaults(func=_entry)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    reward_cfg = reward_config(args.recipe, args.overrides, args.workers)
+    sampling = SamplingConfig(k=args.k, max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    problems, load_report = load_benchmark(args.data, args.format, seed=args.seed)
+    if args.limit is not None:
+        problems = problems[:args.limit]
+    if not problems:
+        raise DataError(f"{args.data}: no problems to evaluate")
+    if load_report.dropped:
+        load_report.print()
+    if args.tokenizer is None and args.model is None:
+        raise ValueError("--servers needs --tokenizer (the served model's tokenizer folder)")
+    tokenizer = load_tokenizer(args.tokenizer or args.model)
+    longest = max(len(render_prompt(tokenizer, p.problem, p.task)) for p in problems)
+    generator = open_generator(model=args.model,
+                               servers=args.servers.split(",") if args.servers else None,
+                               max_len=longest + args.max_new_tokens, max_slots=args.max_slots)
+    start = time.monotonic()
+    ks = default_ks(args.k)
+    try:
+        with VerifierPool(reward_cfg.workers) as pool:
+            attempts = sample_and_score(problems, generator, tokenizer, sampling, reward_cfg,
+                                        pool=pool, progress=not args.quiet)
+            results = evaluate(problems, attempts, ks, pool=pool, math_cfg=reward_cfg.math,
+                               progress=not args.quiet)
+    finally:
+        close_generator(generator)
+    settings = {"model": args.model or args.servers, "data": args.data, "k": args.k,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "seed": args.seed, "problems": len(problems),
+                "seconds": round(time.monotonic() - start, 1)}
+    summary = write_report(args.out, problems, attempts, results, ks, settings)
+    overall = summary["overall"]
+    maj = "–" if overall["maj"] is None else f"{100 * overall['maj']:.1f}"
+    print(f"eval: {len(problems)} problems x {args.k} samples: pass@1 "
+          f"{100 * overall['pass_at']['1']:.1f}, pass@{args.k} {100 * overall['pass_at'][str(args.k)]:.1f}, "
+          f"maj@{args.k} {maj}, mean length {overall['length']['all']['mean']:.0f} tokens; "
+          f"report in {args.out}/report.md")
+    return 0
+
+
+def _entry(args: argparse.Namespace) -> int:
+    try:
+        return run(args)
+    except (DataError, ValueError, OSError) as e:  # OSError: missing files, unreachable servers
+        print(f"megatron-rl eval: {e}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (without the leading ``eval``) and run; 2 with a one-line error on bad input."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

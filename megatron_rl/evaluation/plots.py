@@ -1,0 +1,139 @@
+"""Every PNG the curation, evaluation and analysis tools draw (matplotlib, Agg backend: no display
+needed). Each function takes plain numbers and a path, and writes the file atomically."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping, Sequence
+
+from megatron_rl.data.problems import atomic_path
+
+__all__ = ["pass_rate_histogram", "pass_at_k_curve", "length_histogram", "language_bars",
+           "reward_length_plot", "trajectory_plot"]
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("plots need matplotlib (pip install matplotlib)") from None
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | os.PathLike) -> None:
+    plt = _pyplot()
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+
+
+def pass_rate_histogram(rates: Sequence[float], path, *, low: float, high: float,
+                        samples: int | None = None, title: str = "Pass rate per problem") -> None:
+    """Histogram of per-problem pass rates with the kept interval (low, high) shaded. With a
+    common sample count k, one bar per possible rate 0/k .. k/k."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bins = ([(i - 0.5) / samples for i in range(samples + 2)] if samples
+            else [i / 20 for i in range(21)])
+    ax.hist(list(rates), bins=bins, color="#4477aa", edgecolor="white")
+    ax.axvspan(low, high, color="#66aa55", alpha=0.12, label=f"kept: {low:g} < rate < {high:g}")
+    ax.set_xlabel("pass rate" + (f" (of {samples} samples)" if samples else ""))
+    ax.set_ylabel("problems")
+    ax.set_title(f"{title} ({len(rates)} problems)")
+    ax.legend(loc="upper center")
+    _save(fig, path)
+
+
+def pass_at_k_curve(ks: Sequence[int], curves: Mapping[str, Sequence[float]], path, *,
+                    title: str = "pass@k") -> None:
+    """pass@k against k (log2 axis), one line per label (e.g. per task or language)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, values in curves.items():
+        ax.plot(list(ks), list(values), marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ks), [str(k) for k in ks])
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("k")
+    ax.set_ylabel("pass@k")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+
+
+def length_histogram(correct: Sequence[int], wrong: Sequence[int], path, *,
+                     title: str = "Completion length") -> None:
+    """Completion lengths (tokens) of correct and incorrect samples, overlaid."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    both = list(correct) + list(wrong)
+    top = max(both) if both else 1
+    bins = [top * i / 30 for i in range(31)] if top > 0 else [0, 1]
+    ax.hist([list(correct), list(wrong)], bins=bins, label=[f"correct ({len(correct)})",
+                                                            f"incorrect ({len(wrong)})"],
+            color=["#66aa55", "#cc6677"], stacked=True)
+    ax.set_xlabel("completion tokens")
+    ax.set_ylabel("samples")
+    ax.set_title(title)
+    ax.legend()
+    _save(fig, path)
+
+
+def language_bars(values: Mapping[str, float], path, *, metric: str = "pass@1",
+                  title: str = "Results per language") -> None:
+    """One bar per language."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(values) + 2), 4))
+    names = list(values)
+    ax.bar(names, [values[n] for n in names], color="#4477aa")
+    ax.set_ylim(0, 1.02)
+    ax.set_ylabel(metric)
+    ax.set_title(title)
+    _save(fig, path)
+
+
+def reward_length_plot(lengths: Sequence[float], rewards: Sequence[float], steps: Sequence[int],
+                       a: float, b: float, path, *, r2: float) -> None:
+    """Reward (without the length penalty) against mean completion length, coloured by step, with
+    the fit ``reward = a + b ln(length)`` (Magistral, Figure 9)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    sc = ax.scatter(list(lengths), list(rewards), c=list(steps), cmap="viridis", s=18)
+    fig.colorbar(sc, ax=ax, label="step")
+    lo, hi = min(lengths), max(lengths)
+    xs = [lo * (hi / lo) ** (i / 100) for i in range(101)] if lo > 0 else []
+    if xs:
+        ax.plot(xs, [a + b * math.log(x) for x in xs], color="#cc3311",
+                label=f"{a:.3f} + {b:.3f} ln(length),  R² = {r2:.3f}")
+        ax.legend()
+    ax.set_xscale("log")
+    ax.set_xlabel("mean completion length (tokens)")
+    ax.set_ylabel("reward without length penalty")
+    ax.set_title("Reward against completion length")
+    _save(fig, path)
+
+
+def trajectory_plot(coords: Sequence[Sequence[float]], labels: Sequence[str],
+                    explained: Sequence[float], path) -> None:
+    """Checkpoints in the plane of the first two principal components, joined in order
+    (Magistral, Figure 8)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 5))
+    xs = [c[0] for c in coords]
+    ys = [c[1] if len(c) > 1 else 0.0 for c in coords]
+    ax.plot(xs, ys, color="#999999", zorder=1)
+    sc = ax.scatter(xs, ys, c=list(range(len(xs))), cmap="viridis", zorder=2)
+    for x, y, label in zip(xs, ys, labels):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel(f"PC1 ({100 * explained[0]:.1f}% of variance)")
+    ax.set_ylabel(f"PC2 ({100 * explained[1]:.1f}% of variance)" if len(explained) > 1 else "PC2")
+    ax.set_title("Weight trajectory across checkpoints")
+    fig.colorbar(sc, ax=ax, label="checkpoint order")
+    _save(fig, path)

@@ -1,0 +1,93 @@
+"""A tiny character-level tokenizer with a chat template, and tiny Llama models saved with
+``save_pretrained`` (nothing downloaded), for the curation and evaluation tests.
+
+:func:`answering_model` sets a one-layer Llama's weights by hand so that it is a *bigram* model
+that writes ``<think>hm</think>\\boxed{4}`` (probability ``p_four``) or ``...\\boxed{5}`` after the
+generation prompt, then EOS: the attention and MLP outputs are zero (``o_proj``, ``down_proj``),
+the embedding is a scaled one-hot code, so the last hidden state is the current token's code and
+``lm_head`` is a transition table. It runs through the real engine, chat template and verifiers
+like any checkpoint, and gets a known share of answers right.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from pathlib import Path
+
+import torch
+import transformers
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+THINK = ["<think>", "</think>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def make_tokenizer(folder: str | Path | None = None) -> transformers.PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus specials and ``<think>``/``</think>``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {t: i for i, t in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        additional_special_tokens=SPECIALS[3:])
+    fast.add_tokens(THINK)  # not special: they stay in decoded text
+    fast.chat_template = CHAT_TEMPLATE
+    if folder is not None:
+        fast.save_pretrained(folder)
+    return fast
+
+
+def _config(vocab: int, hidden: int, eos: int) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
+        eos_token_id=eos, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+
+
+def random_model(folder: str | Path, seed: int = 0) -> transformers.PreTrainedTokenizerFast:
+    """A random one-layer Llama and the tokenizer, both saved in ``folder``."""
+    tok = make_tokenizer()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(_config(len(tok), 64, tok.eos_token_id))
+    model.float().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok
+
+
+def answering_model(folder: str | Path, p_four: float = 0.75,
+                    logit: float = 30.0) -> transformers.PreTrainedTokenizerFast:
+    """The bigram model of the module docstring and its tokenizer, saved in ``folder``."""
+    tok = make_tokenizer()
+    vocab = len(tok)
+    hidden = 1 << (vocab - 1).bit_length()  # >= vocab: room for a one-hot code per token
+    model = transformers.AutoModelForCausalLM.from_config(_config(vocab, hidden, tok.eos_token_id))
+    ids = tok.convert_tokens_to_ids
+    chain = ["<|assistant|>", "<think>", "h", "m", "</think>", "\\", "b", "o", "x", "e", "d", "{"]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()  # the layer adds nothing: the last hidden state is the token's embedding
+        emb = model.model.embed_tokens.weight
+        emb.zero_()
+        emb[:, :vocab] = torch.eye(vocab)
+        # RMSNorm maps a one-hot row to sqrt(hidden) * one-hot; scale the table to undo it.
+        head = model.lm_head.weight
+        head.zero_()
+        scale = logit / math.sqrt(hidden)
+        for cur, nxt in zip(chain, chain[1:]):
+            head[ids(nxt), ids(cur)] = scale
+        head[ids("4"), ids("{")] = scale
+        head[ids("5"), ids("{")] = scale + math.log((1 - p_four) / p_four) / math.sqrt(hidden)
+        for digit in "45":
+            head[ids("}"), ids(digit)] = scale
+        head[tok.eos_token_id, ids("}")] = scale
+    model.float().save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok
