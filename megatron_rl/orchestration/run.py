@@ -111,27 +111,6 @@ class _Curriculum:
         return names
 
 
-def _load_hf_weights(trainer: Any, folder: str) -> None:
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.convert.hf_files import HFWeights
-    from megatron_rl.training.model import padded_vocab_size
-    from megatron_rl.weight_sync.chunks import load_hf_into_chunk
-    from megatron_rl.weight_sync.hf_map import HFConverter
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    conv = HFConverter.for_config(folder, tensor_parallel=tp,
-                                  padded_vocab=padded_vocab_size(trainer.vocab_size, tp))
-    weights = HFWeights(folder)
-    try:
-        for chunk in trainer.chunks:
-            load_hf_into_chunk(chunk, conv, weights, tp_rank=ps.get_tensor_model_parallel_rank(),
-                               tp_size=tp)
-    finally:
-        weights.close()
-    trainer.optimizer.reload_model_params()
-
-
 def _evaluate(fleet, pool, tok, problems, cfg, *, label: str, progress: bool) -> dict:
     """Held-out pass@1 (mean correctness over ``max(1, eval k)`` samples per problem)."""
     from megatron_rl.data.sampling import SamplingConfig, sample_and_score
@@ -221,7 +200,7 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
         if resume_from is not None:
             extra = trainer.load_checkpoint(resume_from)
         else:
-            _load_hf_weights(trainer, cfg.model.hf)
+            trainer.load_hf(cfg.model.hf)
         step0 = trainer.step
         curriculum = _Curriculum(cfg)
         curriculum.apply(int(extra.get("curriculum_index", 0)), None, None)
@@ -232,6 +211,8 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
         if rank0:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "logs").mkdir(exist_ok=True)
+            if resume_from is not None:
+                _check_resume_config(run_dir / "config.yaml", config_to_dict(cfg))
             _atomic_text(run_dir / "config.yaml",
                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
             for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
@@ -316,6 +297,9 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
         bar = tqdm(total=cfg.loop.max_steps, initial=step0, desc="RL steps", unit="step",
                    file=sys.stderr, disable=not (progress and rank0), dynamic_ncols=True)
         steps_here = 0
+        tb = _tensorboard(run_dir / "tb") if rank0 and cfg.run.tensorboard else None
+        if tb is not None:
+            stack.callback(tb.close)
         while trainer.step < cfg.loop.max_steps:
             if stop_after is not None and steps_here >= stop_after:
                 break
@@ -334,6 +318,9 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
                 history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
                 history = history[-50:]
                 write_jsonl(run_dir / "metrics.jsonl", [m])
+                if tb is not None:
+                    for k, v in m.items():
+                        tb.add_scalar(k, v, int(m["step"]))
                 _write_samples(run_dir, cfg, result, orch, tok)
                 bar.update(1)
                 bar.set_postfix(reward=f"{m.get('reward/mean', 0):.2f}",
@@ -348,6 +335,8 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
                 evaluate(f"step {trainer.step}")
         bar.close()
         orch.stop()
+        # The final policy as an HF folder (eval, serving, SFT traces, the next stage).
+        trainer.export_hf(run_dir / "hf", like=cfg.model.hf)
         if not rank0:
             return {}
         if trainer.step >= cfg.loop.max_steps and (not evals or evals[-1]["label"] != "after"):
@@ -363,6 +352,43 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
                    "plots": [str(p) for p in plots], "run_dir": str(run_dir)}
         _atomic_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
+
+
+# Fields a resumed run may not change: the checkpoint's prompts, seeds and groups depend on them.
+_FIXED_ON_RESUME = ("model.hf", "data.train", "loop.group_size", "loop.seed", "data.shuffle")
+
+
+def _check_resume_config(path: Path, new: dict) -> None:
+    """Refuse a resume whose recipe changed what the checkpoint's state depends on; say which
+    other fields changed."""
+    if not path.exists():
+        return
+    old = yaml.safe_load(path.read_text()) or {}
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old), flat(new)
+    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    fixed = [k for k in changed if k in _FIXED_ON_RESUME]
+    if fixed:
+        raise ValueError(f"{path}: resuming with a different {fixed[0]} ({a.get(fixed[0])!r} -> "
+                         f"{b.get(fixed[0])!r}); use a new run.dir or run.resume=never")
+    if changed:
+        print(f"[resume] recipe fields changed since the checkpoint: {', '.join(changed)}",
+              file=sys.stderr)
+
+
+def _tensorboard(folder: Path):
+    """A TensorBoard writer when tensorboard is installed (pip install 'megatron-rl[tensorboard]')."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(folder))
 
 
 def _write_samples(run_dir: Path, cfg: Any, result: Any, orch: Orchestrator, tok: Any) -> None:

@@ -250,6 +250,59 @@ class PolicyTrainer:
         _, extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         return extra
 
+    def load_hf(self, folder) -> None:
+        """Copy an HF folder's weights into this rank's shards of every chunk (any TP/PP), and
+        refresh the optimizer's main copies (collective only in that every rank reads)."""
+        from megatron_rl.convert.hf_files import HFWeights
+        from megatron_rl.weight_sync.chunks import load_hf_into_chunk
+
+        weights = HFWeights(folder)
+        try:
+            for chunk in self.chunks:
+                load_hf_into_chunk(chunk, self.hf_converter(folder), weights,
+                                   tp_rank=self.pgs.tp.rank(), tp_size=self.pgs.tp.size())
+        finally:
+            weights.close()
+        self.optimizer.reload_model_params()
+
+    def hf_converter(self, hf_config):
+        """The HF <-> Megatron name map for this model (its padded vocabulary and TP)."""
+        from megatron_rl.training.model import padded_vocab_size
+        from megatron_rl.weight_sync.hf_map import HFConverter
+
+        tp = self.pgs.tp.size()
+        return HFConverter.for_config(hf_config, tensor_parallel=tp,
+                                      padded_vocab=padded_vocab_size(self.vocab_size, tp))
+
+    def export_hf(self, out, *, like, dtype: torch.dtype | None = None,
+                  max_shard: str = "2GB"):
+        """Write the current weights as an HF folder ``out`` (config and tokenizer files from
+        the HF folder ``like``), atomically; collective over the model-parallel ranks of the
+        first data-parallel replica (call it on every rank). Returns ``out`` on rank 0."""
+        import json
+
+        from megatron_rl.convert.hf_files import (ShardWriter, atomic_output_dir,
+                                                  copy_side_files, parse_size)
+        from megatron_rl.weight_sync.broadcast import iter_model_hf
+
+        if self.pgs.dp.rank() != 0:
+            return None
+        tensors = iter_model_hf(self.chunks, self.hf_converter(like))
+        if dist.get_rank() != 0:
+            for _ in tensors:  # take part in the gathers
+                pass
+            return None
+        config = load_hf_config(like)
+        with atomic_output_dir(out, overwrite=True) as tmp:
+            writer = ShardWriter(tmp, parse_size(max_shard))
+            for name, t in tensors:
+                writer.add(name, t if dtype is None else t.to(dtype))
+            writer.close()
+            (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2,
+                                                        sort_keys=True) + "\n")
+            copy_side_files(like, tmp)
+        return out
+
     def close(self) -> None:
         """Tear down the parallel state if this trainer set it up."""
         if self._owns_parallel:

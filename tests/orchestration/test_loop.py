@@ -55,6 +55,10 @@ def test_async_run_bounds_staleness_trains_each_group_once_and_syncs_weights(tmp
     assert (run / "plots" / "training.png").stat().st_size > 10_000
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4
+    # The final policy is exported as an HF folder the engine (and transformers) can load.
+    from megatron_rl.generation.engine import Decoder
+
+    Decoder.from_pretrained(run / "hf")
 
 
 def _trained_keys(run) -> list[tuple[int, str, int]]:
