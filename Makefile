@@ -30,13 +30,16 @@ install: .install.stamp
 test: install
 	$(PYTHON) -m pytest
 
-# The main job on the embedded default. Until the RL loop lands (issue #7) this runs the
-# foundation's benchmarks: greedy microbatch collation and chunked log-prob memory.
+# The main job on the embedded default: a tiny model taught the answer format (SFT), then
+# GRPO with the full reward; prints held-out pass@1 before and after RL, writes plots.
+QUICKSTART_OUT ?= runs/quickstart
 quickstart: install
-	$(PYTHON) -m megatron_rl bench collation
-	$(PYTHON) -m megatron_rl bench logprobs
+	$(PYTHON) -m megatron_rl quickstart --out $(QUICKSTART_OUT)
 
-bench: quickstart
+# Every benchmark program (each prints a table and a JSON line of ratios).
+bench: install
+	for b in collation logprobs verifiers train-step convert weight-sync generation async; do \
+	  $(PYTHON) -m megatron_rl bench $$b || exit 1; done
 
 clean:
 	rm -rf .install.stamp .cache build *.egg-info .pytest_cache .hypothesis

@@ -21,6 +21,8 @@ _PENDING: dict[str, tuple[str, int]] = {}
 
 # Verbs implemented by a module's ``main(argv) -> int``, which parses its own arguments.
 _PASSTHROUGH = {
+    "quickstart": ("megatron_rl.quickstart.pipeline", "the CPU quick start: SFT warm-up of a tiny "
+                   "model, then GRPO, pass@1 before/after and plots"),
     "train": ("megatron_rl.orchestration.run", "run the GRPO loop (async or sync) from a YAML recipe"),
     "curate": ("megatron_rl.data.cli", "curate problem sets: math format, difficulty, code tests, "
                "SFT traces, translation marks"),

@@ -122,11 +122,13 @@ class RunDirConfig:
     tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
     eval_every: int = 0  # held-out pass@1 every this many steps (0: before and after only)
     eval_samples: int = 0  # held-out problems evaluated (0: all)
+    eval_k: int = 1  # samples per held-out problem (pass@1 is their mean)
 
     def __post_init__(self):
         check_range("checkpoint_every", self.checkpoint_every, low=0)
         check_range("keep_last", self.keep_last, low=1)
         check_range("eval_every", self.eval_every, low=0)
+        check_range("eval_k", self.eval_k, low=1)
 
 
 @dataclass(kw_only=True)

@@ -112,10 +112,10 @@ class _Curriculum:
 
 
 def _evaluate(fleet, pool, tok, problems, cfg, *, label: str, progress: bool) -> dict:
-    """Held-out pass@1 (mean correctness over ``max(1, eval k)`` samples per problem)."""
+    """Held-out pass@1: mean correctness over ``run.eval_k`` samples per problem."""
     from megatron_rl.data.sampling import SamplingConfig, sample_and_score
 
-    sc = SamplingConfig(k=1, max_new_tokens=cfg.reward.l_max, temperature=cfg.algorithm.temperature,
+    sc = SamplingConfig(k=cfg.run.eval_k, max_new_tokens=cfg.reward.l_max, temperature=cfg.algorithm.temperature,
                         top_p=cfg.loop.top_p, seed=cfg.loop.seed + 7919,
                         system_prompt=_system_prompt(cfg.data.system_prompt))
     attempts = sample_and_score(problems, fleet, tok, sc, cfg.reward, pool=pool,
@@ -187,6 +187,8 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
     run_dir = Path(cfg.run.dir)
     ckpt_root = run_dir / "checkpoints"
     t_start = time.monotonic()
+    if cfg.trainer.cpu_threads and not torch.cuda.is_available():
+        torch.set_num_threads(cfg.trainer.cpu_threads)
     with ExitStack() as stack:
         tok = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
         trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)

@@ -57,6 +57,9 @@ class TrainerConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 on GPU, fp32 on CPU
     seed: int = 1234  # weight init and dropout RNG, used when the trainer sets up parallel state
     recompute: bool = False  # full activation recomputation of every layer (memory for time)
+    # torch intra-op threads of a CPU trainer (0: torch's default). On a small machine shared
+    # with engine servers and verifiers, 1 avoids OpenMP threads spinning on busy cores.
+    cpu_threads: int = 0
 
     def __post_init__(self):
         check_choice("distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off"))

@@ -125,6 +125,14 @@ class PolicyTrainer:
                        if torch.cuda.is_available() else torch.device("cpu"))
         p = cfg.parallel
         self._uniform_shapes = bool(p.virtual_pipeline) and p.pipeline_parallel == 2
+        if batching.layout == "packed" and not have_transformer_engine() \
+                and batching.token_budget > 4096:
+            import warnings
+
+            warnings.warn(f"batching: packed rows of up to {batching.token_budget} tokens without "
+                          "Transformer Engine attend through a dense [T, T] mask per row (O(T^2) "
+                          "time and memory); on CPU prefer layout 'padded' or a token_budget of a "
+                          "few thousand", stacklevel=2)
         self.model = self._build_model(hf)
         self.optimizer, self.scheduler = self._build_optimizer()
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
