@@ -121,6 +121,11 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
             raise ConfigFieldError(name, f"expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigFieldError(name, f"expected a number, got {value!r}")
         return float(value)

@@ -1,0 +1,228 @@
+"""SFT warm-up: teach the tiny model the paper's output format and short worked solutions.
+
+    result = run_sft(init_dir, train_problems, "out/sft", SFTConfig(steps=400))
+    result.folder     # HF folder of the trained weights (the built-in engine loads it)
+
+A trace is the format the reward checks, kept as short as the reasoning allows (every token is
+CPU time in SFT, in generation and in every RL step)::
+
+    <think>First multiply: 4 * 7 = 28. Then add: 15 + 28 = 43.</think>The answer is \\boxed{43}.
+
+followed by EOS. The thinking is the problem's worked steps, in English words around the numbers
+so the language check finds English in both sections (the bonus the reward gives).
+
+**A teacher of mixed quality.** A fraction ``SFTConfig.direct_fraction`` of the traces the model
+sees skip the working and state the answer at once (:func:`format_trace` with ``direct=True``)::
+
+    <think>I know this one: 43.</think>The answer is \\boxed{43}.
+
+The model imitates that mix: at temperature 1 it starts about that share of its answers without
+working, and then rarely gets a multi-step problem right (it cannot do ``a * b + c * d`` in one
+token). That is the room GRPO is given, on purpose: whether to work a problem out is decided at
+one token and pays on every problem, so the reward pushes every group the same way, and a few
+minutes of RL on two CPU cores raise pass@1 visibly (and the completion length with it, the
+effect the Magistral paper reports at scale). The arithmetic facts themselves are learned too
+slowly from a scalar reward for a CPU demonstration. ``direct_fraction=0`` gives plain SFT.
+
+Training is :meth:`PolicyTrainer.sft_step` (mean NLL of the trace tokens; prompt tokens carry no
+loss) on one CPU rank: the trainer sets up a one-rank gloo group itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_rl.config_checks import ConfigFieldError, check_range
+from megatron_rl.quickstart.problems import Problem
+from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, prompt_ids, text_ids
+from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
+
+__all__ = ["SFTConfig", "SFTResult", "ThreadGovernor", "format_trace", "sft_pairs", "make_trainer",
+           "run_sft"]
+
+
+@dataclass(kw_only=True)
+class SFTConfig:
+    """The SFT warm-up's schedule."""
+
+    steps: int = 400  # optimizer steps
+    batch_size: int = 64  # sequences per step
+    lr: float = 3e-3  # peak learning rate (tiny model from scratch: large)
+    min_lr: float = 3e-4  # reached at the last step (cosine decay)
+    warmup_steps: int = 20  # linear warm-up
+    direct_fraction: float = 0.5  # share of traces that state the answer without working
+    seed: int = 0  # order of the training problems and which traces are direct
+    threads: int = 0  # torch intra-op threads; 0 = chosen by measured step time (ThreadGovernor)
+    token_budget: int = 8192  # tokens per microbatch (all of a step fits in one here)
+
+    def __post_init__(self):
+        check_range("steps", self.steps, low=1)
+        check_range("batch_size", self.batch_size, low=1)
+        check_range("lr", self.lr, low=0.0, low_open=True)
+        check_range("min_lr", self.min_lr, low=0.0, high=self.lr)
+        check_range("warmup_steps", self.warmup_steps, low=0)
+        if self.warmup_steps >= self.steps:
+            raise ConfigFieldError("warmup_steps", f"must be < steps ({self.steps}), got "
+                                   f"{self.warmup_steps}")
+        check_range("direct_fraction", self.direct_fraction, low=0.0, high=1.0)
+        check_range("threads", self.threads, low=0)
+        check_range("token_budget", self.token_budget, low=16)
+
+
+@dataclass
+class SFTResult:
+    folder: Path  # HF folder of the trained model
+    losses: list[float] = field(default_factory=list)  # per step
+    seconds: float = 0.0  # wall time of the training loop and the export
+
+
+def format_trace(problem: Problem, *, direct: bool = False) -> str:
+    """The target completion for ``problem`` (without EOS, which is a token, not text): the
+    worked steps, or with ``direct`` the bare answer, as thinking."""
+    thinking = f"I know this one: {problem.answer}." if direct else " ".join(problem.steps)
+    return f"{THINK_OPEN}{thinking}{THINK_CLOSE}The answer is \\boxed{{{problem.answer}}}."
+
+
+def sft_pairs(tokenizer, problems: list[Problem], *, direct: bool = False,
+              system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> list[tuple[list[int], list[int]]]:
+    """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``."""
+    eos = tokenizer.eos_token_id
+    return [(prompt_ids(tokenizer, p.problem, system_prompt=system_prompt),
+             text_ids(tokenizer, format_trace(p, direct=direct)) + [eos]) for p in problems]
+
+
+def make_trainer(folder: str | os.PathLike, *, lr: float, min_lr: float = 0.0,
+                 warmup_steps: int = 0, decay_steps: int = 0, token_budget: int = 8192,
+                 grpo=None, seed: int = 1234):
+    """A one-rank fp32 :class:`PolicyTrainer` holding the weights of the HF folder ``folder``.
+
+    Cosine decay to ``min_lr`` at ``decay_steps`` when given, else a constant ``lr`` after the
+    warm-up. ``grpo``: the :class:`GRPOConfig` for RL steps (default: the paper's).
+    """
+    from megatron_rl.algorithms.config import GRPOConfig
+    from megatron_rl.batching.config import BatchingConfig
+    from megatron_rl.quickstart.model import load_hf_weights
+    from megatron_rl.training.config import OptimConfig, TrainerConfig
+    from megatron_rl.training.trainer import PolicyTrainer
+
+    style = "cosine" if decay_steps else "constant"
+    optim = OptimConfig(lr=lr, min_lr=min_lr if decay_steps else 0.0, warmup_steps=warmup_steps,
+                        decay_steps=decay_steps, decay_style=style, clip_grad=1.0)
+    # Padded rows, not packed ones: without Transformer Engine a packed row is attended with a
+    # dense [row, row] mask, quadratic in the whole microbatch (measured: 7 s for a step of 64
+    # sequences packed into one row, against ~0.2 s padded).
+    batching = BatchingConfig(token_budget=token_budget, layout="padded")
+    trainer = PolicyTrainer(str(folder), TrainerConfig(optim=optim, precision="fp32", seed=seed),
+                            grpo or GRPOConfig(), batching)
+    load_hf_weights(trainer, folder)
+    return trainer
+
+
+class ThreadGovernor:
+    """Chooses torch's intra-op thread count by measured step time, and re-checks it as load moves.
+
+    On a small machine shared with other work, more threads are not reliably faster: on the
+    2-core machine this was tuned on, an SFT step took 0.25 s with 2 threads and 0.46 s with 1
+    when the machine was idle, but 2-4 s with 2 threads and 0.6 s with 1 while another process
+    kept a core busy (OpenMP threads wait at every barrier for the one that is descheduled).
+    So each choice runs ``trials`` steps (the minimum time counts), the fastest is used, and the
+    check is repeated every ``every`` steps, or at once when a step takes ``slack`` times the
+    time measured for the choice in use. The thread count changes reduction order only: results
+    differ in the last bits of fp32, not in behaviour.
+    """
+
+    def __init__(self, choices: tuple[int, ...] | None = None, *, every: int = 50,
+                 trials: int = 2, slack: float = 1.5):
+        cores = os.cpu_count() or 1
+        self.choices = tuple(sorted(set(choices or (1, cores))))
+        self.every, self.trials, self.slack = every, trials, slack
+        self.best = self.choices[0]
+        self._times: dict[int, float] = {}
+        self._probe: list[int] = []  # choices still to run in the current check, one per step
+        self._checking = False
+        self._since_check = every  # so the first step starts a check
+        self._current = self.best
+
+    def before_step(self) -> None:
+        """Set the thread count for the next step."""
+        if not self._checking and self._since_check >= self.every:
+            self._probe = [c for c in self.choices for _ in range(self.trials)]
+            self._times.clear()
+            self._checking = True
+        self._current = self._probe.pop(0) if self._checking else self.best
+        torch.set_num_threads(self._current)
+
+    def after_step(self, seconds: float) -> None:
+        """Record the step's time: finish a check, or start one when the step was slow."""
+        c = self._current
+        if self._checking:
+            self._times[c] = min(seconds, self._times.get(c, float("inf")))
+            if not self._probe:
+                self.best = min(self._times, key=self._times.get)
+                self._checking, self._since_check = False, 0
+            return
+        self._since_check += 1
+        if seconds > self.slack * self._times[c]:
+            self._since_check = self.every
+
+
+def _batches(worked: list, direct: list, batch_size: int, direct_fraction: float, seed: int):
+    """Endless shuffled epochs over the problems, ``batch_size`` at a time; each draw takes the
+    problem's direct trace with probability ``direct_fraction``, else its worked one."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            extra = list(range(len(worked)))
+            rng.shuffle(extra)
+            order.extend(extra)
+        yield [(direct if rng.random() < direct_fraction else worked)[i]
+               for i in order[:batch_size]]
+        del order[:batch_size]
+
+
+def run_sft(init_folder: str | os.PathLike, problems: list[Problem], out: str | os.PathLike,
+            cfg: SFTConfig | None = None, *, progress: bool = True) -> SFTResult:
+    """Train on the traces of ``problems`` from the HF folder ``init_folder``; export to ``out``."""
+    from tqdm import tqdm
+
+    from megatron_rl.batching.sft import build_sft_batch
+    from megatron_rl.quickstart.model import export_hf_folder
+    from megatron_rl.quickstart.tokenizer import load_tokenizer
+
+    cfg = cfg or SFTConfig()
+    if not problems:
+        raise ValueError("run_sft: no training problems")
+    tokenizer = load_tokenizer(init_folder)
+    worked = sft_pairs(tokenizer, problems)
+    direct = sft_pairs(tokenizer, problems, direct=True) if cfg.direct_fraction else worked
+    threads = torch.get_num_threads()
+    governor = ThreadGovernor((cfg.threads,) if cfg.threads else None)
+    start = time.perf_counter()
+    trainer = make_trainer(init_folder, lr=cfg.lr, min_lr=cfg.min_lr,
+                           warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
+                           token_budget=cfg.token_budget)
+    try:
+        losses = []
+        bar = tqdm(total=cfg.steps, desc="sft", unit="step", disable=not progress)
+        for step, batch in zip(range(cfg.steps), _batches(worked, direct, cfg.batch_size,
+                                                                cfg.direct_fraction, cfg.seed)):
+            governor.before_step()
+            metrics = trainer.sft_step(build_sft_batch(batch))
+            governor.after_step(metrics["step_time_s"])
+            losses.append(metrics["loss"])
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.1e}",
+                            threads=governor.best)
+        bar.close()
+        folder = export_hf_folder(trainer, out, like=init_folder)
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+    return SFTResult(folder=Path(folder), losses=losses, seconds=time.perf_counter() - start)

@@ -1,0 +1,120 @@
+"""A small BPE tokenizer trained here on the quick start's own texts, saved for transformers.
+
+    folder = build_tokenizer(corpus_texts, "out/tokenizer")
+    tok = transformers.AutoTokenizer.from_pretrained(folder)          # offline, no hub
+    ids = prompt_ids(tok, "What is 3 + 4?")                            # chat-templated prompt
+
+Design, for a model that must learn arithmetic in a few CPU minutes:
+
+- **Digits are single tokens, always the same ten ids** (the pre-tokenizer isolates every digit
+  and gives the space before a number to the preceding word or symbol: ``" = "``, ``"4"``,
+  ``"8"`` for `` = 48``), so a number is spelled out digit by digit with one id per digit value
+  and the arithmetic facts are learnable maps between those ids. Words, operators and punctuation
+  merge freely (BPE), so the fixed phrases of the traces cost one token per word.
+- **Byte-level alphabet restricted to printable ASCII and newline**: decoding is an exact inverse
+  of encoding for every text of the quick start, and the vocabulary stays at a few hundred ids
+  (a full 256-byte alphabet would add ids the model can only learn to avoid).
+- ``<think>`` and ``</think>`` are single *added* tokens, not special ones: ``decode(...,
+  skip_special_tokens=True)`` keeps them, because the reward's format check reads them. The
+  special tokens are ``<|pad|>``, ``<|end|>`` (EOS: ends every turn and every completion),
+  ``<|unk|>`` and the role markers.
+- **Chat template**: ``<|system|>...<|end|><|user|>...<|end|><|assistant|>``.
+
+**System prompt.** The quick start uses :data:`QUICKSTART_SYSTEM_PROMPT`, one line, instead of the
+paper's ~200-word prompt (:data:`megatron_rl.rewards.template.SYSTEM_PROMPT`). A prompt carries no
+information the model can use: every sequence repeats it. With this tokenizer the paper's prompt
+is ~270 tokens against ~40 for the rest of a sequence, so it would multiply the cost of every
+training step and of every prefill by about seven on a 2-core CPU, for nothing the toy model can
+learn from. Real runs keep the paper's prompt (``build_messages`` defaults to it).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN, build_messages
+
+__all__ = ["QUICKSTART_SYSTEM_PROMPT", "CHAT_TEMPLATE", "PAD", "EOS", "UNK", "ROLE_TOKENS",
+           "build_tokenizer", "load_tokenizer", "render_prompt", "prompt_ids", "text_ids"]
+
+QUICKSTART_SYSTEM_PROMPT = "Think inside <think> </think>, then answer."
+
+PAD, EOS, UNK = "<|pad|>", "<|end|>", "<|unk|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+# GPT-2's split, changed so that a digit is always a token of its own and never carries a space:
+# `` 48`` would otherwise start with a different id than ``48`` (``Ġ4`` vs ``4``), and the model
+# would have to learn every arithmetic fact twice. A word or symbol run takes the one space that
+# separates it from a following digit instead (``" = "``, ``"Add "``).
+_SPLIT = r"\p{N}| ?\p{L}+(?: (?=\p{N}))?| ?[^\s\p{L}\p{N}]+(?: (?=\p{N}))?|\s+(?!\S)|\s+"
+_ALPHABET = [chr(c) for c in range(32, 127)] + ["\n"]
+
+
+def _byte_level_chars(chars: list[str]) -> list[str]:
+    """The byte-level pre-tokenizer's spelling of each character (space -> ``Ġ``, ...)."""
+    from tokenizers import pre_tokenizers
+
+    bl = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return [bl.pre_tokenize_str(c)[0][0] for c in chars]
+
+
+def build_tokenizer(texts: Iterable[str], folder: str | os.PathLike, *,
+                    vocab_size: int = 320) -> Path:
+    """Train the BPE on ``texts`` (prompts and traces), save it to ``folder`` with its
+    ``tokenizer_config.json`` and chat template; return the folder. ``vocab_size`` is an upper
+    bound: merges stop when every pre-token of the corpus is one token."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [PAD, EOS, UNK, *ROLE_TOKENS]
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=_byte_level_chars(_ALPHABET),
+                                  limit_alphabet=len(_ALPHABET), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.add_tokens([AddedToken(THINK_OPEN, special=False, normalized=False),
+                    AddedToken(THINK_CLOSE, special=False, normalized=False)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS,
+                                   unk_token=UNK, additional_special_tokens=list(ROLE_TOKENS),
+                                   model_max_length=4096)
+    fast.chat_template = CHAT_TEMPLATE
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """``AutoTokenizer`` from the folder, offline."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def render_prompt(tokenizer, problem: str, *, system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> str:
+    """The chat-templated prompt text for a math problem, ending with the assistant marker."""
+    messages = build_messages(problem, "math", system_prompt=system_prompt)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` (no special tokens added around it)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prompt_ids(tokenizer, problem: str, *,
+               system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> list[int]:
+    """Token ids of :func:`render_prompt`."""
+    return text_ids(tokenizer, render_prompt(tokenizer, problem, system_prompt=system_prompt))
