@@ -90,6 +90,24 @@ class _Request:
                         versions=self.versions, finish_reason=reason)
 
 
+def check_request(input_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
+                  top_p: float, vocab_size: int | None, max_len: int) -> list[int]:
+    """The prompt as ints; ``ValueError`` naming the field for a request no engine can run."""
+    ids = [int(t) for t in input_ids]
+    if not ids or min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
+        raise ValueError(f"input_ids: need 1 or more ids in [0, {vocab_size}), got {len(ids)} ids")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    if len(ids) + max_new_tokens > max_len:
+        raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds "
+                         f"max_len {max_len}")
+    if temperature < 0:
+        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    return ids
+
+
 def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
                  generator: torch.Generator) -> tuple[int, float]:
     """Draw one token from ``logits [V]``; return ``(token, log_softmax(logits / T)[token])``.
@@ -213,19 +231,9 @@ class Engine:
         """
         if self._find(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already queued or running")
-        ids = [int(t) for t in input_ids]
-        vocab = self.model.cfg.vocab_size
-        if not ids or min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"input_ids: need 1 or more ids in [0, {vocab}), got {len(ids)} ids")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-        if len(ids) + max_new_tokens > self.config.max_len:
-            raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds "
-                             f"max_len {self.config.max_len}")
-        if temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        ids = check_request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, vocab_size=self.model.cfg.vocab_size,
+                            max_len=self.config.max_len)
         gen = torch.Generator(device=self.cache.k.device)
         if seed is None:
             gen.seed()  # fresh non-deterministic seed, independent of the global RNG

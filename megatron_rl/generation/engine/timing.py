@@ -43,7 +43,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megatron_rl.generation.engine.engine import EngineConfig, Finished, FinishReason
+from megatron_rl.generation.engine.engine import (EngineConfig, Finished, FinishReason,
+                                                 check_request)
 
 __all__ = ["TimingConfig", "TimingEngine"]
 
@@ -169,19 +170,8 @@ class TimingEngine:
         """Queue a request; refused (``ValueError``) where the real engine refuses it."""
         if self._find(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already queued or running")
-        ids = [int(t) for t in input_ids]
-        if not ids or min(ids) < 0 or (self.vocab_size is not None and max(ids) >= self.vocab_size):
-            raise ValueError(f"input_ids: need 1 or more ids in [0, {self.vocab_size}), got "
-                             f"{len(ids)} ids")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-        if len(ids) + max_new_tokens > self.config.max_len:
-            raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds "
-                             f"max_len {self.config.max_len}")
-        if temperature < 0:
-            raise ValueError(f"temperature: must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+        ids = check_request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, vocab_size=self.vocab_size, max_len=self.config.max_len)
         pick = int(seed) if seed is not None else self._arrivals
         self._arrivals += 1
         script = self.timing.script
