@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -29,7 +30,9 @@ def _entry(fn, rank, world_size, init_file, results, args):
             # Every rank leaves its last collective before any tears the group down: a rank that
             # destroys its gloo pairs early resets the connections of a slower peer.
             dist.barrier()
-            results.put((rank, "ok", value))
+            # Pickled by value here: through the queue, torch would share a tensor's storage by
+            # a file descriptor that the parent can only fetch while this process still lives.
+            results.put((rank, "ok", pickle.dumps(value)))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 -- report everything to the parent
@@ -53,6 +56,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
             rank, status, value = results.get(timeout=timeout)
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
+            else:
+                value = pickle.loads(value)
             out[rank] = value
     except queue.Empty:
         errors.append(f"timed out after {timeout}s; ranks that answered: {sorted(out)}")
