@@ -188,7 +188,6 @@ def sft_on_script(w: Workload, root: Path, args: argparse.Namespace) -> Path:
     format with the script's lengths and answers; returns the HF folder."""
     from megatron_rl.batching.sft import build_sft_batch
     from megatron_rl.data.sampling import render_prompt
-    from megatron_rl.quickstart.model import export_hf_folder
     from megatron_rl.quickstart.sft import make_trainer
     from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT
 
@@ -205,7 +204,7 @@ def sft_on_script(w: Workload, root: Path, args: argparse.Namespace) -> Path:
             loss = trainer.sft_step(build_sft_batch(pairs))["loss"]
         print(f"[real] sft: {args.sft_steps} steps, last loss {loss:.3f}, "
               f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        return export_hf_folder(trainer, root / "sft", like=w.init)
+        return Path(trainer.export_hf(root / "sft", like=w.init))
     finally:
         trainer.close()
 
@@ -229,9 +228,7 @@ class RealParts:
     def reset(self) -> None:
         """Same start for each mode: the SFT weights at version 0 in trainer and fleet (the
         optimizer's moments carry over from the previous mode)."""
-        from megatron_rl.quickstart.model import load_hf_weights
-
-        load_hf_weights(self.trainer, self.folder)
+        self.trainer.load_hf(self.folder)
         self.trainer.step = 0
         self.broadcaster.sync(0)
 

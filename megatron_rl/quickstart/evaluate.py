@@ -4,11 +4,13 @@
                       tokenizer, held_out, EvalConfig(temperature=1.0, samples=2))
     report.pass_at_1, report.format_ok, report.mean_length
 
-pass@1 is the mean over problems of the fraction of a problem's ``samples`` completions whose
-answer is correct (the ``correct`` flag of :func:`megatron_rl.rewards.compose.score`: format
-passed and math-verify equal to the reference). With several samples per problem it is the
-unbiased pass@1 estimate and has less sampling noise than one draw. Sampling seeds are fixed per
-(problem, sample), so an evaluation is repeatable for the same weights.
+The sampling and scoring are :func:`megatron_rl.data.sampling.sample_and_score`, the code the RL
+loop's held-out evaluation and ``megatron-rl eval`` use (same prompt rendering, decoding and
+verifier pool); this module adds the quick start's figures (pass@1 per difficulty level, a few
+examples). pass@1 is the mean over problems of the fraction of a problem's ``samples``
+completions that are correct (format passed and math-verify equal to the reference); with several
+samples it is the unbiased pass@1 estimate, with less sampling noise than one draw. Sampling seeds
+are fixed per (problem, sample), so an evaluation is repeatable for the same weights.
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatron_rl.config_checks import check_range
-from megatron_rl.generation.api import GenRequest
 from megatron_rl.quickstart.problems import Problem
-from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, prompt_ids
+from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT
 
 __all__ = ["EvalConfig", "EvalReport", "evaluate"]
 
@@ -42,6 +43,8 @@ class EvalConfig:
 
 @dataclass
 class EvalReport:
+    """Aggregate figures of one evaluation."""
+
     pass_at_1: float  # mean correct fraction per problem
     format_ok: float  # fraction of completions passing the format check
     mean_length: float  # completion tokens, EOS included
@@ -59,45 +62,35 @@ class EvalReport:
 
 def evaluate(generator, tokenizer, problems: list[Problem], cfg: EvalConfig | None = None, *,
              pool=None, reward_cfg=None, system_prompt: str = QUICKSTART_SYSTEM_PROMPT,
-             keep_examples: int = 4) -> EvalReport:
+             keep_examples: int = 4, progress: bool = False) -> EvalReport:
     """Generate ``cfg.samples`` completions per problem with ``generator`` (the
     :class:`~megatron_rl.generation.api.Generator` contract), score them with the full reward
     (``pool``: a :class:`VerifierPool` to reuse, else one is started), and aggregate."""
-    from megatron_rl.rewards.compose import RewardConfig, RewardInput, score_many
+    from megatron_rl.data.problems import Problem as DataProblem
+    from megatron_rl.data.sampling import SamplingConfig, sample_and_score
+    from megatron_rl.rewards.compose import RewardConfig
 
     cfg = cfg or EvalConfig()
-    reward_cfg = reward_cfg or RewardConfig()
     if not problems:
         raise ValueError("evaluate: no problems")
-    requests = []
-    for i, p in enumerate(problems):
-        ids = prompt_ids(tokenizer, p.problem, system_prompt=system_prompt)
-        for k in range(cfg.samples):
-            requests.append(GenRequest(request_id=f"{i}/{k}", input_ids=ids,
-                                       max_new_tokens=cfg.max_new_tokens,
-                                       temperature=cfg.temperature,
-                                       seed=cfg.seed * 1_000_003 + i * cfg.samples + k))
-    results = sorted(generator.generate(requests),
-                     key=lambda r: tuple(int(x) for x in r.request_id.split("/")))
-    inputs = []
-    for r in results:
-        p = problems[int(r.request_id.split("/")[0])]
-        inputs.append(RewardInput(problem=p.problem, task="math", answer=p.answer,
-                                  completion=tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                                  num_tokens=len(r.token_ids)))
-    scored = score_many(inputs, reward_cfg, pool)
-    per_problem: dict[int, list[float]] = defaultdict(list)
-    for r, s in zip(results, scored):
-        per_problem[int(r.request_id.split("/")[0])].append(float(bool(s.correct)))
+    sampling = SamplingConfig(k=cfg.samples, max_new_tokens=cfg.max_new_tokens,
+                              temperature=cfg.temperature, seed=cfg.seed,
+                              system_prompt=system_prompt)
+    attempts = sample_and_score([DataProblem(id=p.id, problem=p.problem, task=p.task,
+                                             answer=p.answer) for p in problems],
+                                generator, tokenizer, sampling, reward_cfg or RewardConfig(),
+                                pool=pool, progress=progress, desc="eval")
+    flat = [a for p in problems for a in attempts[p.id]]
+    per_problem = [statistics.fmean(float(a.correct) for a in attempts[p.id]) for p in problems]
     levels: dict[int, list[float]] = defaultdict(list)
-    for i, oks in per_problem.items():
-        levels[problems[i].difficulty].append(statistics.fmean(oks))
-    examples = [(inp.problem, inp.completion, bool(s.correct))
-                for inp, s in list(zip(inputs, scored))[:keep_examples]]
+    for p, ok in zip(problems, per_problem):
+        levels[p.difficulty].append(ok)
+    examples = [(p.problem, a.completion, bool(a.correct))
+                for p in problems for a in attempts[p.id]][:keep_examples]
     return EvalReport(
-        pass_at_1=statistics.fmean(statistics.fmean(v) for v in per_problem.values()),
-        format_ok=statistics.fmean(float(bool(s.format_ok)) for s in scored),
-        mean_length=statistics.fmean(len(r.token_ids) for r in results),
-        reward=statistics.fmean(s.reward for s in scored), completions=len(results),
+        pass_at_1=statistics.fmean(per_problem),
+        format_ok=statistics.fmean(float(a.reason != "format_error") for a in flat),
+        mean_length=statistics.fmean(a.num_tokens for a in flat),
+        reward=statistics.fmean(a.reward for a in flat), completions=len(flat),
         by_difficulty={k: statistics.fmean(v) for k, v in sorted(levels.items())},
         examples=examples)

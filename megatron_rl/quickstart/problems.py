@@ -1,6 +1,6 @@
 """Verifiable math problems for the CPU quick start: integer arithmetic and linear equations.
 
-    problems = generate_problems(ProblemConfig(count=4000, seed=0))
+    problems = generate_problems(ProblemConfig(seed=0))
     train, held_out = split_problems(problems, held_out_fraction=0.1)
     write_jsonl(train, "train.jsonl")      # fields: id, problem, answer, task, difficulty
 
@@ -21,8 +21,12 @@ Kinds and difficulty levels (the knob is ``ProblemConfig.difficulty_weights``):
 
 Operands are single digits (``a`` of a linear equation 2..9): what makes a level hard is how many
 facts of the multiplication and addition tables a solution chains, and carries and signs, not
-the size of the numbers. A model of a few hundred thousand parameters learns the tables within
-the quick start's few CPU minutes; it does not learn multi-digit arithmetic in that time.
+the size of the numbers. Measured with the quick start's 0.6 M-parameter model after 300 SFT
+steps: held-out pass@1 0.19 with these problems, 0.08 with two-digit operands.
+
+``count`` draws give about 8 800 distinct problems: the warm-up's 600 x 64 sequences are then
+~5 epochs. With ~2 600 problems (13 epochs) the model memorised them (greedy pass@1 0.47 on
+training problems, 0.30 held out), and RL raised the training problems' pass rate only.
 
 Problems are generated from ``random.Random(seed)`` alone, so a seed names a problem set. The
 train / held-out split is decided by a hash of the problem *text* (not by position or seed), so
@@ -71,7 +75,7 @@ class Problem:
 class ProblemConfig:
     """What problems to draw and how many."""
 
-    count: int = 30000  # problems to draw; about 8 800 distinct texts remain (see generate_problems)
+    count: int = 30000  # draws; ~8 800 distinct problems remain (few epochs: no memorising)
     seed: int = 0  # names the problem set: same seed, same problems
     linear_fraction: float = 0.4  # share of linear equations; the rest is arithmetic
     # Relative weight of levels 1, 2, 3 (need not sum to 1): the difficulty knob.

@@ -1,6 +1,6 @@
 """SFT warm-up: teach the tiny model the paper's output format and short worked solutions.
 
-    result = run_sft(init_dir, train_problems, "out/sft", SFTConfig(steps=400))
+    result = run_sft(init_dir, train_problems, "out/sft", SFTConfig(steps=600))
     result.folder     # HF folder of the trained weights (the built-in engine loads it)
 
 A trace is the format the reward checks, kept as short as the reasoning allows (every token is
@@ -11,18 +11,22 @@ CPU time in SFT, in generation and in every RL step)::
 followed by EOS. The thinking is the problem's worked steps, in English words around the numbers
 so the language check finds English in both sections (the bonus the reward gives).
 
-**A teacher of mixed quality.** A fraction ``SFTConfig.direct_fraction`` of the traces the model
-sees skip the working and state the answer at once (:func:`format_trace` with ``direct=True``)::
+**A teacher that slips.** A fraction ``SFTConfig.slip_rate`` of the traces the model sees get
+the last computation wrong by one digit, and box that wrong result (:func:`format_trace` with
+``slip``), a new slip drawn every time a problem comes round::
 
-    <think>I know this one: 43.</think>The answer is \\boxed{43}.
+    <think>First multiply: 4 * 7 = 28. Then add: 15 + 28 = 48.</think>The answer is \\boxed{48}.
 
-The model imitates that mix: at temperature 1 it starts about that share of its answers without
-working, and then rarely gets a multi-step problem right (it cannot do ``a * b + c * d`` in one
-token). That is the room GRPO is given, on purpose: whether to work a problem out is decided at
-one token and pays on every problem, so the reward pushes every group the same way, and a few
-minutes of RL on two CPU cores raise pass@1 visibly (and the completion length with it, the
-effect the Magistral paper reports at scale). The arithmetic facts themselves are learned too
-slowly from a scalar reward for a CPU demonstration. ``direct_fraction=0`` gives plain SFT.
+This is the room GRPO is given, on purpose. The model imitates the teacher: the right digit
+stays the most likely one, so greedy decoding is hardly hurt, but sampled at temperature 1 it
+slips about as often as the teacher did. Not slipping is one behaviour shared by every problem,
+so the reward pushes every group the same way. Measured on 2 CPU cores with the defaults
+(600 steps, 30% slips): held-out pass@1 0.14 at temperature 1 and 0.29 greedy after SFT, and
+0.24-0.26 at temperature 1 after 7 minutes of synchronous GRPO (~400 steps of 16 prompts x 8
+samples, lr 5e-5 to 1e-4). Without slips the SFT model is nearly as good sampled as greedy
+(0.24 vs 0.31), and what RL must then teach -- the arithmetic facts themselves -- it learns from
+a scalar reward too slowly for a CPU demonstration: +3 to +5 points in 7 minutes. Real SFT data
+(distilled or human traces) has slips too. ``slip_rate=0`` gives plain SFT.
 
 Training is :meth:`PolicyTrainer.sft_step` (mean NLL of the trace tokens; prompt tokens carry no
 loss) on one CPU rank: the trainer sets up a one-rank gloo group itself.
@@ -43,21 +47,21 @@ from megatron_rl.quickstart.problems import Problem
 from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, prompt_ids, text_ids
 from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
 
-__all__ = ["SFTConfig", "SFTResult", "ThreadGovernor", "format_trace", "sft_pairs", "make_trainer",
-           "run_sft"]
+__all__ = ["SFTConfig", "SFTResult", "ThreadGovernor", "format_trace", "slipped_answer",
+           "sft_pairs", "make_trainer", "run_sft"]
 
 
 @dataclass(kw_only=True)
 class SFTConfig:
     """The SFT warm-up's schedule."""
 
-    steps: int = 400  # optimizer steps
+    steps: int = 600  # optimizer steps (~2.5 min on 2 idle cores)
     batch_size: int = 64  # sequences per step
     lr: float = 3e-3  # peak learning rate (tiny model from scratch: large)
     min_lr: float = 3e-4  # reached at the last step (cosine decay)
     warmup_steps: int = 20  # linear warm-up
-    direct_fraction: float = 0.5  # share of traces that state the answer without working
-    seed: int = 0  # order of the training problems and which traces are direct
+    slip_rate: float = 0.3  # share of traces whose last result is one digit off (see above)
+    seed: int = 0  # order of the training problems and the slips
     threads: int = 0  # torch intra-op threads; 0 = chosen by measured step time (ThreadGovernor)
     token_budget: int = 8192  # tokens per microbatch (all of a step fits in one here)
 
@@ -70,7 +74,7 @@ class SFTConfig:
         if self.warmup_steps >= self.steps:
             raise ConfigFieldError("warmup_steps", f"must be < steps ({self.steps}), got "
                                    f"{self.warmup_steps}")
-        check_range("direct_fraction", self.direct_fraction, low=0.0, high=1.0)
+        check_range("slip_rate", self.slip_rate, low=0.0, high=1.0)
         check_range("threads", self.threads, low=0)
         check_range("token_budget", self.token_budget, low=16)
 
@@ -82,19 +86,48 @@ class SFTResult:
     seconds: float = 0.0  # wall time of the training loop and the export
 
 
-def format_trace(problem: Problem, *, direct: bool = False) -> str:
-    """The target completion for ``problem`` (without EOS, which is a token, not text): the
-    worked steps, or with ``direct`` the bare answer, as thinking."""
-    thinking = f"I know this one: {problem.answer}." if direct else " ".join(problem.steps)
-    return f"{THINK_OPEN}{thinking}{THINK_CLOSE}The answer is \\boxed{{{problem.answer}}}."
+def format_trace(problem: Problem, *, slip: str | None = None) -> str:
+    """The target completion for ``problem`` (without EOS, which is a token, not text).
+
+    ``slip``: a wrong value (see :func:`slipped_answer`) written as the result of the last step
+    and boxed, instead of the answer.
+    """
+    steps = list(problem.steps)
+    answer = problem.answer
+    if slip is not None:
+        if not steps[-1].endswith(f" {answer}."):
+            raise ValueError(f"{problem.id}: the last step does not end with the answer: "
+                             f"{steps[-1]!r}")
+        steps[-1] = f"{steps[-1][:-len(answer) - 1]}{slip}."
+        answer = slip
+    return f"{THINK_OPEN}{' '.join(steps)}{THINK_CLOSE}The answer is \\boxed{{{answer}}}."
 
 
-def sft_pairs(tokenizer, problems: list[Problem], *, direct: bool = False,
+def slipped_answer(answer: str, rng: random.Random) -> str:
+    """``answer`` (an integer) with one digit changed to another: never a leading zero, never
+    ``-0``, never the answer itself."""
+    sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
+    i = rng.randrange(len(digits))
+    banned = {digits[i]}
+    if i == 0 and (len(digits) > 1 or sign):
+        banned.add("0")
+    new = rng.choice([d for d in "0123456789" if d not in banned])
+    return f"{sign}{digits[:i]}{new}{digits[i + 1:]}"
+
+
+def sft_pairs(tokenizer, problems: list[Problem], *, slip_rate: float = 0.0,
+              rng: random.Random | None = None,
               system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``."""
+    """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``; each trace
+    slips with probability ``slip_rate`` (drawn from ``rng``)."""
+    rng = rng or random.Random(0)
     eos = tokenizer.eos_token_id
-    return [(prompt_ids(tokenizer, p.problem, system_prompt=system_prompt),
-             text_ids(tokenizer, format_trace(p, direct=direct)) + [eos]) for p in problems]
+    pairs = []
+    for p in problems:
+        slip = slipped_answer(p.answer, rng) if rng.random() < slip_rate else None
+        pairs.append((prompt_ids(tokenizer, p.problem, system_prompt=system_prompt),
+                      text_ids(tokenizer, format_trace(p, slip=slip)) + [eos]))
+    return pairs
 
 
 def make_trainer(folder: str | os.PathLike, *, lr: float, min_lr: float = 0.0,
@@ -107,7 +140,6 @@ def make_trainer(folder: str | os.PathLike, *, lr: float, min_lr: float = 0.0,
     """
     from megatron_rl.algorithms.config import GRPOConfig
     from megatron_rl.batching.config import BatchingConfig
-    from megatron_rl.quickstart.model import load_hf_weights
     from megatron_rl.training.config import OptimConfig, TrainerConfig
     from megatron_rl.training.trainer import PolicyTrainer
 
@@ -115,12 +147,12 @@ def make_trainer(folder: str | os.PathLike, *, lr: float, min_lr: float = 0.0,
     optim = OptimConfig(lr=lr, min_lr=min_lr if decay_steps else 0.0, warmup_steps=warmup_steps,
                         decay_steps=decay_steps, decay_style=style, clip_grad=1.0)
     # Padded rows, not packed ones: without Transformer Engine a packed row is attended with a
-    # dense [row, row] mask, quadratic in the whole microbatch (measured: 7 s for a step of 64
-    # sequences packed into one row, against ~0.2 s padded).
+    # dense [row, row] mask, quadratic in the whole microbatch (measured, one thread: 7 s for a
+    # step of 64 sequences packed into one row, 0.5 s for the same sequences padded).
     batching = BatchingConfig(token_budget=token_budget, layout="padded")
-    trainer = PolicyTrainer(str(folder), TrainerConfig(optim=optim, precision="fp32", seed=seed),
-                            grpo or GRPOConfig(), batching)
-    load_hf_weights(trainer, folder)
+    cfg = TrainerConfig(optim=optim, precision="fp32", distributed_optimizer="off", seed=seed)
+    trainer = PolicyTrainer(str(folder), cfg, grpo or GRPOConfig(), batching)
+    trainer.load_hf(folder)
     return trainer
 
 
@@ -172,18 +204,16 @@ class ThreadGovernor:
             self._since_check = self.every
 
 
-def _batches(worked: list, direct: list, batch_size: int, direct_fraction: float, seed: int):
-    """Endless shuffled epochs over the problems, ``batch_size`` at a time; each draw takes the
-    problem's direct trace with probability ``direct_fraction``, else its worked one."""
+def _batches(problems: list[Problem], batch_size: int, seed: int):
+    """Endless shuffled epochs over ``problems``, ``batch_size`` at a time."""
     rng = random.Random(seed)
     order: list[int] = []
     while True:
         if len(order) < batch_size:
-            extra = list(range(len(worked)))
+            extra = list(range(len(problems)))
             rng.shuffle(extra)
             order.extend(extra)
-        yield [(direct if rng.random() < direct_fraction else worked)[i]
-               for i in order[:batch_size]]
+        yield [problems[i] for i in order[:batch_size]]
         del order[:batch_size]
 
 
@@ -193,15 +223,13 @@ def run_sft(init_folder: str | os.PathLike, problems: list[Problem], out: str | 
     from tqdm import tqdm
 
     from megatron_rl.batching.sft import build_sft_batch
-    from megatron_rl.quickstart.model import export_hf_folder
     from megatron_rl.quickstart.tokenizer import load_tokenizer
 
     cfg = cfg or SFTConfig()
     if not problems:
         raise ValueError("run_sft: no training problems")
     tokenizer = load_tokenizer(init_folder)
-    worked = sft_pairs(tokenizer, problems)
-    direct = sft_pairs(tokenizer, problems, direct=True) if cfg.direct_fraction else worked
+    slips = random.Random(cfg.seed + 1)
     threads = torch.get_num_threads()
     governor = ThreadGovernor((cfg.threads,) if cfg.threads else None)
     start = time.perf_counter()
@@ -211,17 +239,17 @@ def run_sft(init_folder: str | os.PathLike, problems: list[Problem], out: str | 
     try:
         losses = []
         bar = tqdm(total=cfg.steps, desc="sft", unit="step", disable=not progress)
-        for step, batch in zip(range(cfg.steps), _batches(worked, direct, cfg.batch_size,
-                                                                cfg.direct_fraction, cfg.seed)):
+        for step, batch in zip(range(cfg.steps), _batches(problems, cfg.batch_size, cfg.seed)):
+            pairs = sft_pairs(tokenizer, batch, slip_rate=cfg.slip_rate, rng=slips)
             governor.before_step()
-            metrics = trainer.sft_step(build_sft_batch(batch))
+            metrics = trainer.sft_step(build_sft_batch(pairs))
             governor.after_step(metrics["step_time_s"])
             losses.append(metrics["loss"])
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.1e}",
                             threads=governor.best)
         bar.close()
-        folder = export_hf_folder(trainer, out, like=init_folder)
+        folder = Path(trainer.export_hf(out, like=init_folder))
     finally:
         trainer.close()
         torch.set_num_threads(threads)

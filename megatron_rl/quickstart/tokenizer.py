@@ -21,11 +21,12 @@ Design, for a model that must learn arithmetic in a few CPU minutes:
 - **Chat template**: ``<|system|>...<|end|><|user|>...<|end|><|assistant|>``.
 
 **System prompt.** The quick start uses :data:`QUICKSTART_SYSTEM_PROMPT`, one line, instead of the
-paper's ~200-word prompt (:data:`megatron_rl.rewards.template.SYSTEM_PROMPT`). A prompt carries no
-information the model can use: every sequence repeats it. With this tokenizer the paper's prompt
-is ~270 tokens against ~40 for the rest of a sequence, so it would multiply the cost of every
-training step and of every prefill by about seven on a 2-core CPU, for nothing the toy model can
-learn from. Real runs keep the paper's prompt (``build_messages`` defaults to it).
+paper's ~200-word prompt (:data:`megatron_rl.rewards.template.SYSTEM_PROMPT`). A fixed prompt
+carries nothing the model can use: every sequence repeats it. With this tokenizer (trained on
+the quick start's own texts, so the prompt's words are mostly spelled letter by letter) the
+paper's prompt makes a prompt ~615 tokens long instead of ~34, for a completion of ~33: every
+SFT step, every prefill and every RL step would cost about ten times as much on a 2-core CPU.
+Real runs keep the paper's prompt (``build_messages`` defaults to it).
 """
 
 from __future__ import annotations
