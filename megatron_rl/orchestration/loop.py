@@ -240,14 +240,14 @@ class Orchestrator:
         t_wait = time.monotonic() - t0
         per_mini = n_mini // self.loop.group_size
         chunks = [groups[i:i + per_mini] for i in range(0, len(groups), per_mini)]
-        n_chunks = self._bcast(len(chunks))
+        n_chunks = self.broadcast_object(len(chunks))
         metrics: Counter = Counter()
         stats_list: list[dict[str, float]] = []
         versions = [torch.tensor(s.completion.versions) for rec in groups for s in rec.scored]
         for i in range(n_chunks):
             batch = build_train_batch([g.to_group() for g in chunks[i]], self.cfg.algorithm) \
                 if self.rank == 0 else None
-            batch = self._bcast(batch)
+            batch = self.broadcast_object(batch)
             stats_list.append(self.trainer.rl_step(batch))
         t_train = time.monotonic() - t0 - t_wait
         new_version = int(self.trainer.step)
@@ -262,7 +262,8 @@ class Orchestrator:
                                 t_wait, t_train, sync_stats)
         return StepResult(new_version, metrics, groups)
 
-    def _bcast(self, obj):
+    def broadcast_object(self, obj):
+        """``obj`` from rank 0 on every trainer rank (pickled; a no-op on one rank)."""
         if self.world_size == 1:
             return obj
         box = [obj]

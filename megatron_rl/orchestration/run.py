@@ -144,7 +144,13 @@ def plot_metrics(metrics_path: Path, evals: list[dict], out_dir: Path) -> list[P
                              squeeze=False)
     for ax, (k, title) in zip(axes.flat, keys):
         pts = [(r["step"], r[k]) for r in rows if k in r]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", lw=1)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        ax.plot(xs, ys, marker=".", ms=2, lw=0.6, alpha=0.45, color="C0")
+        if len(ys) >= 10:  # per-step values are noisy: a trailing mean shows the trend
+            w = max(5, len(ys) // 20)
+            ax.plot(xs, [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1])
+                         for i in range(len(ys))], lw=1.8, color="C1", label=f"mean of {w}")
+            ax.legend(fontsize=7, loc="best")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
@@ -167,190 +173,266 @@ def plot_metrics(metrics_path: Path, evals: list[dict], out_dir: Path) -> list[P
 
 def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = None) -> dict:
     """Run (or resume) the recipe ``cfg`` (a :class:`~megatron_rl.config.RunConfig`); returns
-    the summary on rank 0. ``stop_after``: leave after this many steps of *this* invocation
-    (tests, benchmarks), checkpointing as usual."""
-    from tqdm import tqdm
-
-    from megatron_rl.config import config_to_dict
-    from megatron_rl.data.problems import read_problems
-    from megatron_rl.data.sampling import load_tokenizer
-    from megatron_rl.orchestration.rollouts import Rollouts
-    from megatron_rl.orchestration.sampler import PromptSampler
-    from megatron_rl.training.checkpoint import latest_checkpoint
-    from megatron_rl.training.trainer import PolicyTrainer
-    from megatron_rl.weight_sync.broadcast import WeightBroadcaster
-
+    the summary on rank 0 (``{}`` on the other ranks). ``stop_after``: leave after this many
+    steps of *this* invocation (tests, benchmarks), checkpointing as usual."""
     if not cfg.model.hf:
         raise ValueError("model.hf: required (an HF folder with config.json, weights, tokenizer)")
     if not cfg.data.train:
         raise ValueError("data.train: required (a JSONL of problems)")
-    run_dir = Path(cfg.run.dir)
-    ckpt_root = run_dir / "checkpoints"
-    t_start = time.monotonic()
     if cfg.trainer.cpu_threads and not torch.cuda.is_available():
         torch.set_num_threads(cfg.trainer.cpu_threads)
-    with ExitStack() as stack:
-        tok = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
-        trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
-        stack.callback(trainer.close)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        rank0 = rank == 0
-        resume_from = latest_checkpoint(ckpt_root) if cfg.run.resume != "never" else None
-        if cfg.run.resume == "must" and resume_from is None:
-            raise FileNotFoundError(f"run.resume: must, but {ckpt_root} holds no checkpoint")
-        extra: dict = {}
-        if resume_from is not None:
-            extra = trainer.load_checkpoint(resume_from)
+    with ExitStack() as stack:  # unwinds in reverse: orchestrator, broadcaster, pool, servers
+        run = _Run(cfg, stack, progress=progress)
+        run.set_up()
+        run.train(stop_after)
+        return run.finish()
+
+
+class _Run:
+    """One invocation of a run: what :func:`run_training` sets up, steps and tears down.
+
+    Every rank builds the trainer, the curriculum and the orchestrator; rank 0 also owns the run
+    directory, the fleet (starting local engine servers), the verifier pool, the prompt sampler
+    and the rollouts; data-parallel rank 0 of each stage holds a weight broadcaster. Everything
+    started is registered on ``stack`` so that an exception anywhere stops it.
+    """
+
+    def __init__(self, cfg: Any, stack: ExitStack, *, progress: bool):
+        self.cfg, self.stack, self.progress = cfg, stack, progress
+        self.run_dir = Path(cfg.run.dir)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.t_start = time.monotonic()
+        self.rank = self.world = 0
+        self.rank0 = False
+        self.trainer = self.broadcaster = self.orch = None
+        self.fleet = self.pool = self.sampler = self.rollouts = self.tok = None
+        self.resume_from: Path | None = None
+        self.extra: dict = {}  # the checkpoint's extra state (sampler, curriculum, history)
+        self.history: list[dict] = []  # recent metrics, for metric-triggered curriculum stages
+        self.evals: list[dict] = []
+        self.eval_problems = None
+        self.curriculum = _Curriculum(cfg)
+
+    # ------------------------------------------------------------------ set-up
+
+    def set_up(self) -> None:
+        from megatron_rl.data.sampling import load_tokenizer
+        from megatron_rl.training.checkpoint import latest_checkpoint
+        from megatron_rl.training.trainer import PolicyTrainer
+
+        cfg = self.cfg
+        self.tok = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
+        self.trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
+        self.stack.callback(self.trainer.close)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank0 = self.rank == 0
+        if cfg.run.resume != "never":
+            self.resume_from = latest_checkpoint(self.ckpt_root)
+        if cfg.run.resume == "must" and self.resume_from is None:
+            raise FileNotFoundError(f"run.resume: must, but {self.ckpt_root} holds no checkpoint")
+        if self.resume_from is not None:
+            self.extra = self.trainer.load_checkpoint(self.resume_from)
         else:
-            trainer.load_hf(cfg.model.hf)
-        step0 = trainer.step
-        curriculum = _Curriculum(cfg)
-        curriculum.apply(int(extra.get("curriculum_index", 0)), None, None)
+            self.trainer.load_hf(cfg.model.hf)
+        self.history = list(self.extra.get("history", []))
+        self.curriculum.apply(int(self.extra.get("curriculum_index", 0)), None, None)
+        if self.rank0:
+            self._prepare_run_dir()
+            self._start_services()
+        self._connect_broadcaster()
+        if self.rank0:
+            self.rollouts = self._make_rollouts()
+        self.orch = Orchestrator(cfg, trainer=self.trainer, broadcaster=self.broadcaster,
+                                 rollouts=self.rollouts, rank=self.rank, world_size=self.world)
+        self.stack.callback(self.orch.stop)
+        self.curriculum.apply(self.curriculum.index, self.orch, self.sampler)  # re-bind to orch
+        if self.rank0 and cfg.data.eval:
+            from megatron_rl.data.problems import read_problems
 
-        fleet = pool = sampler = rollouts = None
-        history: list[dict] = list(extra.get("history", []))
-        evals: list[dict] = []
-        if rank0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "logs").mkdir(exist_ok=True)
-            if resume_from is not None:
-                _check_resume_config(run_dir / "config.yaml", config_to_dict(cfg))
-            _atomic_text(run_dir / "config.yaml",
-                         yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-            for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
-                truncate_jsonl(run_dir / name, step0)
-            if (run_dir / "eval.jsonl").exists():
-                evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()
-                         if x.strip()]
-            from megatron_rl.generation.client import FleetClient
-            from megatron_rl.rewards.pool import VerifierPool
+            self.eval_problems = read_problems(cfg.data.eval)
+            if cfg.run.eval_samples:
+                self.eval_problems = self.eval_problems[:cfg.run.eval_samples]
 
-            urls = list(cfg.fleet.urls)
-            engines = []
-            if not urls:
-                from megatron_rl.generation.engine.launch import EngineProcess
+    def _prepare_run_dir(self) -> None:
+        """Config snapshot (checked against the old one on resume), JSONL files cut back to the
+        checkpoint's step, the evaluations made so far."""
+        from megatron_rl.config import config_to_dict
 
-                for i in range(cfg.fleet.local_servers):
-                    srv = EngineProcess(cfg.model.hf, max_slots=cfg.fleet.max_slots,
-                                        max_len=cfg.fleet.max_len, threads=cfg.fleet.threads,
-                                        log_path=run_dir / "logs" / f"engine-{i}.log")
-                    stack.callback(srv.stop)
-                    urls.append(srv.start().url)
-                    engines.append({"url": srv.url, "pid": srv.pid})
-            _atomic_text(run_dir / "logs" / "pids.json", json.dumps(
-                {"trainer": os.getpid(), "engines": engines, "urls": urls}))
-            fleet = FleetClient(urls, update_urls=cfg.fleet.update_urls or None,
-                                request_timeout_s=cfg.fleet.request_timeout_s or None)
-            stack.callback(fleet.close)
-            pool = stack.enter_context(VerifierPool(cfg.reward.workers))
-            problems = read_problems(cfg.data.train)
-            sampler = PromptSampler(problems, seed=cfg.loop.seed, shuffle=cfg.data.shuffle)
-            for k in ("min_difficulty", "max_difficulty", "drop_solved"):
-                setattr(sampler, k, getattr(cfg.data, k))
-            curriculum.apply(0, None, sampler)
-            if "sampler" in extra:
-                sampler.load_state_dict(extra["sampler"])
+        run_dir, step0 = self.run_dir, self.trainer.step
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "logs").mkdir(exist_ok=True)
+        snapshot = config_to_dict(self.cfg)
+        if self.resume_from is not None:
+            _check_resume_config(run_dir / "config.yaml", snapshot)
+        _atomic_text(run_dir / "config.yaml", yaml.safe_dump(snapshot, sort_keys=False))
+        for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
+            truncate_jsonl(run_dir / name, step0)
+        if (run_dir / "eval.jsonl").exists():
+            self.evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()
+                          if x.strip()]
+
+    def _start_services(self) -> None:
+        """Rank 0: local engine servers (unless ``fleet.urls``), the fleet client, the verifier
+        pool and the prompt sampler (at the checkpoint's cursor)."""
+        from megatron_rl.data.problems import read_problems
+        from megatron_rl.generation.client import FleetClient
+        from megatron_rl.orchestration.sampler import PromptSampler
+        from megatron_rl.rewards.pool import VerifierPool
+
+        cfg, stack = self.cfg, self.stack
+        urls, engines = list(cfg.fleet.urls), []
+        if not urls:
+            from megatron_rl.generation.engine.launch import EngineProcess
+
+            for i in range(cfg.fleet.local_servers):
+                srv = EngineProcess(cfg.model.hf, max_slots=cfg.fleet.max_slots,
+                                    max_len=cfg.fleet.max_len, threads=cfg.fleet.threads,
+                                    log_path=self.run_dir / "logs" / f"engine-{i}.log")
+                stack.callback(srv.stop)
+                urls.append(srv.start().url)
+                engines.append({"url": srv.url, "pid": srv.pid})
+        _atomic_text(self.run_dir / "logs" / "pids.json", json.dumps(
+            {"trainer": os.getpid(), "engines": engines, "urls": urls}))
+        self.fleet = FleetClient(urls, update_urls=cfg.fleet.update_urls or None,
+                                 request_timeout_s=cfg.fleet.request_timeout_s or None)
+        stack.callback(self.fleet.close)
+        self.pool = stack.enter_context(VerifierPool(cfg.reward.workers))
+        self.sampler = PromptSampler(read_problems(cfg.data.train), seed=cfg.loop.seed,
+                                     shuffle=cfg.data.shuffle)
+        for k in ("min_difficulty", "max_difficulty", "drop_solved"):
+            setattr(self.sampler, k, getattr(cfg.data, k))
+        self.curriculum.apply(0, None, self.sampler)
+        if "sampler" in self.extra:
+            self.sampler.load_state_dict(self.extra["sampler"])
+
+    def _connect_broadcaster(self) -> None:
+        """Data-parallel rank 0 of every stage joins the update group; the fleet then gets the
+        trainer's weights (the initial or the checkpoint's) before it generates anything."""
         from megatron.core import parallel_state as ps
 
         from megatron_rl.training.model import padded_vocab_size
+        from megatron_rl.weight_sync.broadcast import WeightBroadcaster
 
+        if ps.get_data_parallel_rank() != 0:
+            return
         tp = ps.get_tensor_model_parallel_world_size()
-        broadcaster = None
-        if ps.get_data_parallel_rank() == 0:
-            broadcaster = WeightBroadcaster(trainer.chunks, cfg.model.hf, fleet, cfg.weight_sync,
-                                            padded_vocab=padded_vocab_size(trainer.vocab_size, tp),
-                                            tensor_parallel=tp)
-            broadcaster.connect()
-            stack.callback(broadcaster.close)
-            broadcaster.sync(trainer.step)  # the fleet starts from the trainer's weights
-        if rank0:
-            rollouts = Rollouts(fleet=fleet, pool=pool, sampler=sampler, tokenizer=tok,
-                                reward=cfg.reward, group_size=cfg.loop.group_size,
-                                temperature=cfg.algorithm.temperature, top_p=cfg.loop.top_p,
-                                max_new_tokens=cfg.reward.l_max, seed=cfg.loop.seed,
-                                system_prompt=_system_prompt(cfg.data.system_prompt),
-                                filter_tolerance=cfg.algorithm.filter_tolerance,
-                                version=lambda: int(trainer.step))
-        orch = Orchestrator(cfg, trainer=trainer, broadcaster=broadcaster, rollouts=rollouts,
-                            rank=rank, world_size=world)
-        stack.callback(orch.stop)
-        curriculum.apply(curriculum.index, orch, sampler)  # re-bind stage values to orch
+        self.broadcaster = WeightBroadcaster(
+            self.trainer.chunks, self.cfg.model.hf, self.fleet, self.cfg.weight_sync,
+            padded_vocab=padded_vocab_size(self.trainer.vocab_size, tp), tensor_parallel=tp)
+        self.broadcaster.connect()
+        self.stack.callback(self.broadcaster.close)
+        self.broadcaster.sync(self.trainer.step)
 
-        eval_problems = None
-        if rank0 and cfg.data.eval:
-            eval_problems = read_problems(cfg.data.eval)
-            if cfg.run.eval_samples:
-                eval_problems = eval_problems[:cfg.run.eval_samples]
+    def _make_rollouts(self):
+        from megatron_rl.orchestration.rollouts import Rollouts
 
-        def evaluate(label: str) -> None:
-            if eval_problems is None:
-                return
-            res = _evaluate(fleet, pool, tok, eval_problems, cfg, label=label, progress=progress)
-            res["step"] = int(trainer.step)
-            evals.append(res)
-            write_jsonl(run_dir / "eval.jsonl", [res])
-            print(f"[eval {label}] step {res['step']}: held-out pass@1 {res['pass@1']:.3f} "
-                  f"(format {res['format_rate']:.2f}, length {res['length/mean']:.0f})",
-                  file=sys.stderr, flush=True)
+        cfg, trainer = self.cfg, self.trainer
+        return Rollouts(fleet=self.fleet, pool=self.pool, sampler=self.sampler, tokenizer=self.tok,
+                        reward=cfg.reward, group_size=cfg.loop.group_size,
+                        temperature=cfg.algorithm.temperature, top_p=cfg.loop.top_p,
+                        max_new_tokens=cfg.reward.l_max, seed=cfg.loop.seed,
+                        system_prompt=_system_prompt(cfg.data.system_prompt),
+                        filter_tolerance=cfg.algorithm.filter_tolerance,
+                        version=lambda: int(trainer.step))
 
-        if rank0 and step0 == 0 and not evals:
-            evaluate("before")
-        orch.start()
-        bar = tqdm(total=cfg.loop.max_steps, initial=step0, desc="RL steps", unit="step",
-                   file=sys.stderr, disable=not (progress and rank0), dynamic_ncols=True)
-        steps_here = 0
-        tb = _tensorboard(run_dir / "tb") if rank0 and cfg.run.tensorboard else None
+    # ------------------------------------------------------------------ the loop
+
+    def train(self, stop_after: int | None) -> None:
+        """Optimizer steps until ``loop.max_steps`` (or ``stop_after`` steps of this call), with
+        curriculum stages, metrics, samples, checkpoints and periodic evaluation."""
+        from tqdm import tqdm
+
+        cfg, trainer, rank0 = self.cfg, self.trainer, self.rank0
+        if rank0 and trainer.step == 0 and not self.evals:
+            self.evaluate("before")
+        self.orch.start()
+        bar = tqdm(total=cfg.loop.max_steps, initial=trainer.step, desc="RL steps", unit="step",
+                   file=sys.stderr, disable=not (self.progress and rank0), dynamic_ncols=True)
+        self.stack.callback(bar.close)
+        tb = _tensorboard(self.run_dir / "tb") if rank0 and cfg.run.tensorboard else None
         if tb is not None:
-            stack.callback(tb.close)
+            self.stack.callback(tb.close)
+        steps_here = 0
         while trainer.step < cfg.loop.max_steps:
             if stop_after is not None and steps_here >= stop_after:
                 break
-            upto = curriculum.index + 1 if (rank0 and curriculum.due(trainer.step, history)) \
-                else curriculum.index
-            upto = orch._bcast(upto)
-            for name in curriculum.apply(upto, orch, sampler):
-                if rank0:
-                    print(f"[curriculum] step {trainer.step}: entering {name}", file=sys.stderr)
-            result = orch.step()
+            self._advance_curriculum()
+            result = self.orch.step()
             steps_here += 1
             if rank0:
-                m = result.metrics
-                m["curriculum/stage"] = float(curriculum.index)
-                m["time/elapsed_s"] = time.monotonic() - t_start
-                history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
-                history = history[-50:]
-                write_jsonl(run_dir / "metrics.jsonl", [m])
-                if tb is not None:
-                    for k, v in m.items():
-                        tb.add_scalar(k, v, int(m["step"]))
-                _write_samples(run_dir, cfg, result, orch, tok)
+                self._record(result, tb)
                 bar.update(1)
+                m = result.metrics
                 bar.set_postfix(reward=f"{m.get('reward/mean', 0):.2f}",
                                 pass_=f"{m.get('pass_rate', 0):.2f}",
                                 len=f"{m.get('length/mean', 0):.0f}",
                                 stale=f"{m.get('staleness/mean', 0):.1f}")
             due = cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0
             if due or trainer.step >= cfg.loop.max_steps:
-                _checkpoint(trainer, ckpt_root, cfg, rollouts, sampler, curriculum, history)
+                _checkpoint(trainer, self.ckpt_root, cfg, self.rollouts, self.sampler,
+                            self.curriculum, self.history)
             if rank0 and cfg.run.eval_every and trainer.step % cfg.run.eval_every == 0 \
                     and trainer.step < cfg.loop.max_steps:
-                evaluate(f"step {trainer.step}")
+                self.evaluate(f"step {trainer.step}")
         bar.close()
-        orch.stop()
-        # The final policy as an HF folder (eval, serving, SFT traces, the next stage).
+        self.orch.stop()
+
+    def _advance_curriculum(self) -> None:
+        """Rank 0 decides whether the next stage is due; every rank applies it."""
+        cur = self.curriculum
+        due = self.rank0 and cur.due(self.trainer.step, self.history)
+        upto = self.orch.broadcast_object(cur.index + 1 if due else cur.index)
+        for name in cur.apply(upto, self.orch, self.sampler):
+            if self.rank0:
+                print(f"[curriculum] step {self.trainer.step}: entering {name}", file=sys.stderr)
+
+    def _record(self, result: Any, tb: Any) -> None:
+        """Rank 0: metrics.jsonl (+ TensorBoard), samples.jsonl and ledger.jsonl of a step."""
+        m = result.metrics
+        m["curriculum/stage"] = float(self.curriculum.index)
+        m["time/elapsed_s"] = time.monotonic() - self.t_start
+        self.history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
+        self.history = self.history[-50:]
+        write_jsonl(self.run_dir / "metrics.jsonl", [m])
+        if tb is not None:
+            for k, v in m.items():
+                tb.add_scalar(k, v, int(m["step"]))
+        _write_samples(self.run_dir, self.cfg, result, self.orch, self.tok)
+
+    def evaluate(self, label: str) -> None:
+        """Rank 0: held-out pass@1 now, appended to eval.jsonl."""
+        if self.eval_problems is None:
+            return
+        res = _evaluate(self.fleet, self.pool, self.tok, self.eval_problems, self.cfg,
+                        label=label, progress=self.progress)
+        res["step"] = int(self.trainer.step)
+        self.evals.append(res)
+        write_jsonl(self.run_dir / "eval.jsonl", [res])
+        print(f"[eval {label}] step {res['step']}: held-out pass@1 {res['pass@1']:.3f} "
+              f"(format {res['format_rate']:.2f}, length {res['length/mean']:.0f})",
+              file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ teardown
+
+    def finish(self) -> dict:
+        """The final policy as an HF folder (every rank takes part), then on rank 0 the final
+        evaluation, the plots and ``summary.json``."""
+        cfg, trainer, run_dir = self.cfg, self.trainer, self.run_dir
         trainer.export_hf(run_dir / "hf", like=cfg.model.hf)
-        if not rank0:
+        if not self.rank0:
             return {}
+        evals = self.evals
         if trainer.step >= cfg.loop.max_steps and (not evals or evals[-1]["label"] != "after"):
-            evaluate("after")
+            self.evaluate("after")
         plots = plot_metrics(run_dir / "metrics.jsonl", evals, run_dir / "plots") \
             if (run_dir / "metrics.jsonl").exists() else []
-        summary = {"steps": int(trainer.step), "wall_s": time.monotonic() - t_start,
-                   "resumed_from": str(resume_from) if resume_from else None,
-                   "pass@1_before": next((e["pass@1"] for e in evals if e["label"] == "before"),
-                                         None),
-                   "pass@1_after": next((e["pass@1"] for e in evals if e["label"] == "after"),
-                                        None),
+
+        def pass_at_1(label: str) -> float | None:
+            return next((e["pass@1"] for e in evals if e["label"] == label), None)
+
+        summary = {"steps": int(trainer.step), "wall_s": time.monotonic() - self.t_start,
+                   "resumed_from": str(self.resume_from) if self.resume_from else None,
+                   "pass@1_before": pass_at_1("before"), "pass@1_after": pass_at_1("after"),
                    "plots": [str(p) for p in plots], "run_dir": str(run_dir)}
         _atomic_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
