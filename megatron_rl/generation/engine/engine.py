@@ -33,13 +33,13 @@ from __future__ import annotations
 import os
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Literal, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import torch
 
 from megatron_rl.generation.engine.model import Decoder, KVCache
 
-__all__ = ["EngineConfig", "Engine", "Finished", "sample_token", "sample_tokens"]
+__all__ = ["EngineConfig", "SlotEngine", "Engine", "Finished", "sample_token", "sample_tokens"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -161,37 +161,29 @@ def sample_tokens(logits: torch.Tensor, *, temperatures: Sequence[float],
     return tokens.tolist(), lps.tolist()
 
 
-class Engine:
-    """Continuous batching over a fixed number of KV-cache slots; see the module docstring."""
+class SlotEngine:
+    """What every engine behind the server shares: requests wait in a queue for one of
+    ``config.max_slots`` slots, run until they end, and free their slot; a weight version is
+    stamped on every token; :meth:`pause` stops :meth:`step` in place. Subclasses hold the model
+    (:class:`Engine`) or a cost model (:class:`~megatron_rl.generation.engine.timing.TimingEngine`)
+    and implement :meth:`add_request` and :meth:`step`; their request records carry ``slot`` and
+    ``request_id`` and have a ``finished(reason)`` method."""
 
-    def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
-                 eos_token_ids: Iterable[int] | None = None):
-        self.model = model.eval()
+    def __init__(self, config: EngineConfig | None = None):
         self.config = config or EngineConfig()
-        self.cache = KVCache(model.cfg, slots=self.config.max_slots, max_len=self.config.max_len,
-                             dtype=model.model.norm.weight.dtype,
-                             device=model.model.norm.weight.device)
-        self.eos_token_ids = frozenset(model.cfg.eos_token_ids if eos_token_ids is None
-                                       else eos_token_ids)
         self.version = 0
         self.paused = False
         self.prefill_tokens = 0  # prompt tokens run through the model (a recompute would add here)
-        self._waiting: deque[_Request] = deque()
-        self._running: dict[int, _Request] = {}  # slot -> request
+        self._waiting: deque = deque()
+        self._running: dict[int, Any] = {}  # slot -> request
         self._free: list[int] = list(range(self.config.max_slots - 1, -1, -1))  # pop() -> 0 first
-
-    @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, config: EngineConfig | None = None,
-                        **kwargs) -> "Engine":
-        """An engine over the HF model folder ``folder`` (config.json + safetensors)."""
-        return cls(Decoder.from_pretrained(folder), config, **kwargs)
 
     # ------------------------------------------------------------------ state
 
     @property
     def capacity_tokens(self) -> int:
         """Tokens the KV cache holds: ``max_slots * max_len``."""
-        return self.cache.capacity_tokens
+        return self.config.max_slots * self.config.max_len
 
     @property
     def running(self) -> int:
@@ -221,28 +213,9 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
-                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                    stop_token_ids: Iterable[int] = ()) -> None:
-        """Queue a prompt ``input_ids`` (token ids). ``temperature=0`` decodes greedily.
-
-        Raises ``ValueError`` for a request that cannot run: duplicate id, empty prompt, prompt
-        plus ``max_new_tokens`` beyond ``max_len``, ids outside the vocabulary, bad sampling values.
-        """
+    def _check_new(self, request_id: str) -> None:
         if self._find(request_id) is not None:
             raise ValueError(f"request_id: {request_id!r} is already queued or running")
-        ids = check_request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, vocab_size=self.model.cfg.vocab_size,
-                            max_len=self.config.max_len)
-        gen = torch.Generator(device=self.cache.k.device)
-        if seed is None:
-            gen.seed()  # fresh non-deterministic seed, independent of the global RNG
-        else:
-            gen.manual_seed(int(seed))
-        self._waiting.append(_Request(
-            request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens,
-            temperature=float(temperature), top_p=float(top_p),
-            stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids, generator=gen))
 
     def abort(self, request_id: str) -> Finished | None:
         """Drop a waiting or running request, freeing its slot; return what it generated so far
@@ -256,17 +229,97 @@ class Engine:
             self._waiting.remove(req)
         return req.finished("abort")
 
-    def _find(self, request_id: str) -> _Request | None:
+    def _find(self, request_id: str):
         for req in (*self._waiting, *self._running.values()):
             if req.request_id == request_id:
                 return req
         return None
 
-    def _release(self, req: _Request) -> None:
+    def _admit(self) -> list:
+        """Give free slots to waiting requests, in arrival order; return the admitted ones."""
+        admitted = []
+        while self._waiting and self._free:
+            req = self._waiting.popleft()
+            req.slot = self._free.pop()
+            self._running[req.slot] = req
+            admitted.append(req)
+        return admitted
+
+    def _release(self, req) -> None:
         del self._running[req.slot]
-        self.cache.reset(req.slot)
+        self._clear_slot(req.slot)
         self._free.append(req.slot)
         req.slot = -1
+
+    def _clear_slot(self, slot: int) -> None:
+        """Forget what the slot holds (the KV cache); nothing to do without one."""
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[Finished]:
+        raise NotImplementedError
+
+    def generate_all(self) -> list[Finished]:
+        """Step until no request waits or runs; return the finished requests in finishing order.
+
+        Raises ``RuntimeError`` if called while paused (it would never end).
+        """
+        if self.paused:
+            raise RuntimeError("generate_all: the engine is paused")
+        out: list[Finished] = []
+        while self.has_work():
+            out.extend(self.step())
+        return out
+
+
+class Engine(SlotEngine):
+    """Continuous batching over a fixed number of KV-cache slots; see the module docstring."""
+
+    def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
+                 eos_token_ids: Iterable[int] | None = None):
+        super().__init__(config)
+        self.model = model.eval()
+        self.cache = KVCache(model.cfg, slots=self.config.max_slots, max_len=self.config.max_len,
+                             dtype=model.model.norm.weight.dtype,
+                             device=model.model.norm.weight.device)
+        self.eos_token_ids = frozenset(model.cfg.eos_token_ids if eos_token_ids is None
+                                       else eos_token_ids)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike, config: EngineConfig | None = None,
+                        **kwargs) -> "Engine":
+        """An engine over the HF model folder ``folder`` (config.json + safetensors)."""
+        return cls(Decoder.from_pretrained(folder), config, **kwargs)
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the KV cache holds: ``max_slots * max_len``."""
+        return self.cache.capacity_tokens
+
+    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
+                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                    stop_token_ids: Iterable[int] = ()) -> None:
+        """Queue a prompt ``input_ids`` (token ids). ``temperature=0`` decodes greedily.
+
+        Raises ``ValueError`` for a request that cannot run: duplicate id, empty prompt, prompt
+        plus ``max_new_tokens`` beyond ``max_len``, ids outside the vocabulary, bad sampling values.
+        """
+        self._check_new(request_id)
+        ids = check_request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                            top_p=top_p, vocab_size=self.model.cfg.vocab_size,
+                            max_len=self.config.max_len)
+        gen = torch.Generator(device=self.cache.k.device)
+        if seed is None:
+            gen.seed()  # fresh non-deterministic seed, independent of the global RNG
+        else:
+            gen.manual_seed(int(seed))
+        self._waiting.append(_Request(
+            request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens,
+            temperature=float(temperature), top_p=float(top_p),
+            stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids, generator=gen))
+
+    def _clear_slot(self, slot: int) -> None:
+        self.cache.reset(slot)
 
     # ------------------------------------------------------------------ stepping
 
@@ -280,12 +333,7 @@ class Engine:
             return []
         finished: list[Finished] = []
         device = self.cache.k.device
-        admitted: list[_Request] = []
-        while self._waiting and self._free:
-            req = self._waiting.popleft()
-            req.slot = self._free.pop()
-            self._running[req.slot] = req
-            admitted.append(req)
+        admitted: list[_Request] = self._admit()
         # Prefill: prompts of equal length share one forward (a group's G samples do).
         by_len: dict[int, list[_Request]] = {}
         for req in admitted:
@@ -323,15 +371,3 @@ class Engine:
                 continue
             self._release(req)
             finished.append(req.finished(reason))
-
-    def generate_all(self) -> list[Finished]:
-        """Step until no request waits or runs; return the finished requests in finishing order.
-
-        Raises ``RuntimeError`` if called while paused (it would never end).
-        """
-        if self.paused:
-            raise RuntimeError("generate_all: the engine is paused")
-        out: list[Finished] = []
-        while self.has_work():
-            out.extend(self.step())
-        return out

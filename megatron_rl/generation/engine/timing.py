@@ -37,14 +37,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 import torch
 
 from megatron_rl.generation.engine.engine import (EngineConfig, Finished, FinishReason,
-                                                 check_request)
+                                                 SlotEngine, check_request)
 
 __all__ = ["TimingConfig", "TimingEngine"]
 
@@ -104,72 +103,43 @@ class _Scripted:
     script: list[int]
     max_new_tokens: int
     stop: frozenset[int]
+    logprob: float  # reported for every token
     slot: int = -1
     token_ids: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
+    def finished(self, reason: FinishReason) -> Finished:
+        return Finished(request_id=self.request_id, prompt_ids=self.prompt_ids,
+                        token_ids=self.token_ids, logprobs=[self.logprob] * len(self.token_ids),
+                        versions=self.versions, finish_reason=reason)
 
-class TimingEngine:
+
+class TimingEngine(SlotEngine):
     """The :class:`~megatron_rl.generation.engine.Engine` interface the server uses, timed by a
     cost model and written from a script; see the module docstring."""
 
     def __init__(self, timing: TimingConfig, config: EngineConfig | None = None, *,
                  eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
                  sleep=time.sleep):
+        super().__init__(config)
         self.timing = timing
-        self.config = config or EngineConfig()
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
         self.model, self.cache = _NoModel(), _NoCache()
-        self.version = 0
-        self.paused = False
-        self.prefill_tokens = 0
         self.modeled_s = 0.0  # seconds slept so far
         self._sleep = sleep
         self._arrivals = 0
-        self._waiting: deque[_Scripted] = deque()
-        self._running: dict[int, _Scripted] = {}
-        self._free: list[int] = list(range(self.config.max_slots - 1, -1, -1))
 
     @classmethod
     def from_json(cls, path: str | os.PathLike, config: EngineConfig | None = None,
                   **kwargs) -> "TimingEngine":
         return cls(TimingConfig.from_json(path), config, **kwargs)
 
-    # ------------------------------------------------------------------ state (as Engine)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.config.max_slots * self.config.max_len
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
-
-    def set_version(self, version: int) -> None:
-        self.version = int(version)
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-
-    # ------------------------------------------------------------------ requests
-
     def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
                     temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
                     stop_token_ids: Iterable[int] = ()) -> None:
         """Queue a request; refused (``ValueError``) where the real engine refuses it."""
-        if self._find(request_id) is not None:
-            raise ValueError(f"request_id: {request_id!r} is already queued or running")
+        self._check_new(request_id)
         ids = check_request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                             top_p=top_p, vocab_size=self.vocab_size, max_len=self.config.max_len)
         pick = int(seed) if seed is not None else self._arrivals
@@ -177,35 +147,8 @@ class TimingEngine:
         script = self.timing.script
         self._waiting.append(_Scripted(
             request_id=request_id, prompt_ids=ids, script=script[pick % len(script)],
-            max_new_tokens=int(max_new_tokens),
+            max_new_tokens=int(max_new_tokens), logprob=self.timing.logprob,
             stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids))
-
-    def abort(self, request_id: str) -> Finished | None:
-        req = self._find(request_id)
-        if req is None:
-            return None
-        if req.slot >= 0:
-            self._release(req)
-        else:
-            self._waiting.remove(req)
-        return self._finished(req, "abort")
-
-    def _find(self, request_id: str) -> _Scripted | None:
-        for req in (*self._waiting, *self._running.values()):
-            if req.request_id == request_id:
-                return req
-        return None
-
-    def _release(self, req: _Scripted) -> None:
-        del self._running[req.slot]
-        self._free.append(req.slot)
-        req.slot = -1
-
-    def _finished(self, req: _Scripted, reason: FinishReason) -> Finished:
-        n = len(req.token_ids)
-        return Finished(request_id=req.request_id, prompt_ids=req.prompt_ids,
-                        token_ids=req.token_ids, logprobs=[self.timing.logprob] * n,
-                        versions=req.versions, finish_reason=reason)
 
     # ------------------------------------------------------------------ stepping
 
@@ -215,10 +158,7 @@ class TimingEngine:
             return []
         finished: list[Finished] = []
         admitted_tokens = 0
-        while self._waiting and self._free:
-            req = self._waiting.popleft()
-            req.slot = self._free.pop()
-            self._running[req.slot] = req
+        for req in self._admit():
             admitted_tokens += len(req.prompt_ids)
             self._write(req, finished)  # the prefill's token
         running = len(self._running)
@@ -243,13 +183,4 @@ class TimingEngine:
         else:
             return
         self._release(req)
-        finished.append(self._finished(req, reason))
-
-    def generate_all(self) -> list[Finished]:
-        """Step until no request waits or runs (raises ``RuntimeError`` while paused)."""
-        if self.paused:
-            raise RuntimeError("generate_all: the engine is paused")
-        out: list[Finished] = []
-        while self.has_work():
-            out.extend(self.step())
-        return out
+        finished.append(req.finished(reason))
