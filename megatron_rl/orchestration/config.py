@@ -123,9 +123,14 @@ class RunDirConfig:
     eval_every: int = 0  # held-out pass@1 every this many steps (0: before and after only)
     eval_samples: int = 0  # held-out problems evaluated (0: all)
     eval_k: int = 1  # samples per held-out problem (pass@1 is their mean)
+    # Wall-clock limit of one invocation (set-up included), in minutes: past it the run stops
+    # after the step in progress as if it had reached max_steps (checkpoint, final eval,
+    # export); running it again resumes. 0: no limit.
+    time_limit_min: float = 0.0
 
     def __post_init__(self):
         check_range("checkpoint_every", self.checkpoint_every, low=0)
+        check_range("time_limit_min", self.time_limit_min, low=0.0)
         check_range("keep_last", self.keep_last, low=1)
         check_range("eval_every", self.eval_every, low=0)
         check_range("eval_k", self.eval_k, low=1)

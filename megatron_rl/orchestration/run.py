@@ -212,6 +212,7 @@ class _Run:
         self.evals: list[dict] = []
         self.eval_problems = None
         self.curriculum = _Curriculum(cfg)
+        self.stopped = "max_steps"  # or "time_limit" / "stop_after": why train() returned
 
     # ------------------------------------------------------------------ set-up
 
@@ -353,8 +354,20 @@ class _Run:
         if tb is not None:
             self.stack.callback(tb.close)
         steps_here = 0
+        limit_s = 60.0 * cfg.run.time_limit_min
         while trainer.step < cfg.loop.max_steps:
             if stop_after is not None and steps_here >= stop_after:
+                self.stopped = "stop_after"
+                break
+            if limit_s and self.orch.broadcast_object(time.monotonic() - self.t_start >= limit_s):
+                self.stopped = "time_limit"
+                if rank0:
+                    print(f"[time limit] {cfg.run.time_limit_min:g} min reached at step "
+                          f"{trainer.step}: finishing here (run again to resume)",
+                          file=sys.stderr, flush=True)
+                if not (cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0):
+                    _checkpoint(trainer, self.ckpt_root, cfg, self.rollouts, self.sampler,
+                                self.curriculum, self.history)
                 break
             self._advance_curriculum()
             result = self.orch.step()
@@ -422,15 +435,19 @@ class _Run:
         if not self.rank0:
             return {}
         evals = self.evals
-        if trainer.step >= cfg.loop.max_steps and (not evals or evals[-1]["label"] != "after"):
+        finished = trainer.step >= cfg.loop.max_steps or self.stopped == "time_limit"
+        # A run stopped by its time limit and resumed later is evaluated again at its new end.
+        if finished and not (evals and evals[-1]["label"] == "after"
+                             and evals[-1]["step"] == trainer.step):
             self.evaluate("after")
         plots = plot_metrics(run_dir / "metrics.jsonl", evals, run_dir / "plots") \
             if (run_dir / "metrics.jsonl").exists() else []
 
-        def pass_at_1(label: str) -> float | None:
-            return next((e["pass@1"] for e in evals if e["label"] == label), None)
+        def pass_at_1(label: str) -> float | None:  # the latest evaluation of that label
+            return next((e["pass@1"] for e in reversed(evals) if e["label"] == label), None)
 
-        summary = {"steps": int(trainer.step), "wall_s": time.monotonic() - self.t_start,
+        summary = {"steps": int(trainer.step), "stopped": self.stopped,
+                   "wall_s": time.monotonic() - self.t_start,
                    "resumed_from": str(self.resume_from) if self.resume_from else None,
                    "pass@1_before": pass_at_1("before"), "pass@1_after": pass_at_1("after"),
                    "plots": [str(p) for p in plots], "run_dir": str(run_dir)}

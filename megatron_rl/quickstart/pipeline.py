@@ -62,13 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     summary = json.loads((rl / "summary.json").read_text())
     warmup = json.loads((warm / "warmup.json").read_text())
     report = {"pass@1_sft": summary["pass@1_before"], "pass@1_rl": summary["pass@1_after"],
-              "rl_steps": summary["steps"], "rl_wall_s": summary["wall_s"],
+              "rl_steps": summary["steps"], "rl_stopped": summary.get("stopped"),
+              "rl_wall_s": summary["wall_s"],
               "warmup_s": warmup["seconds"].get("total"), "total_s": time.monotonic() - t0,
               "plots": summary["plots"], "run_dir": str(rl), "policy": str(rl / "hf")}
     tmp = out / f".quickstart.json.{os.getpid()}"
     tmp.write_text(json.dumps(report, indent=1) + "\n")
     os.replace(tmp, out / "quickstart.json")
     b, a = report["pass@1_sft"], report["pass@1_rl"]
+    if report["rl_stopped"] == "time_limit":
+        print(f"\nRL stopped at its time limit (run.time_limit_min) after {report['rl_steps']} "
+              f"steps; run the same command again to continue", file=sys.stderr)
     print(f"\nheld-out pass@1: SFT {b:.3f} -> after GRPO {a:.3f}  ({a - b:+.3f})\n"
           f"plots: {', '.join(report['plots'])}\nRL policy (HF folder): {report['policy']}\n"
           f"this run: {report['total_s'] / 60:.1f} min", file=sys.stderr)

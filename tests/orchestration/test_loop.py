@@ -116,6 +116,36 @@ def test_kill_9_at_random_points_then_resume_gives_the_same_run(tmp_path, policy
     assert len(keys) == len(set(keys))
 
 
+def test_time_limit_finishes_like_the_end_and_a_rerun_resumes(tmp_path, policy):
+    """run.time_limit_min: past it the run checkpoints, evaluates and exports as at max_steps;
+    running it again resumes from that checkpoint and evaluates again at the real end."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(open(policy["train"]).readlines()[:6]))
+    path = recipe(tmp_path, policy, loop={"max_steps": 3},
+                  data={"eval": str(held_out)},
+                  fleet={"local_servers": 1},
+                  run={"checkpoint_every": 0})  # 0: only the end (here: the time limit) saves
+    run = tmp_path / "run"
+    # The limit (6 ms) is past before the first step: set-up alone takes longer.
+    first = _run(train_cmd(path, "run.time_limit_min=0.0001"))
+    summary = json.loads(first.stdout.strip().splitlines()[-1])
+    assert summary["stopped"] == "time_limit" and summary["steps"] == 0
+    assert "[time limit]" in first.stderr
+    assert list((run / "checkpoints").iterdir()), "no checkpoint at the time limit"
+    assert (run / "hf" / "config.json").exists()
+    evals = read_jsonl(run / "eval.jsonl")
+    assert [(e["label"], e["step"]) for e in evals] == [("before", 0), ("after", 0)]
+
+    second = _run(train_cmd(path))
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["stopped"] == "max_steps" and summary["steps"] == 3
+    assert summary["resumed_from"] is not None
+    evals = read_jsonl(run / "eval.jsonl")
+    assert [(e["label"], e["step"]) for e in evals] == [("before", 0), ("after", 0), ("after", 3)]
+    assert summary["pass@1_after"] == evals[-1]["pass@1"]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy):
     path = recipe(tmp_path, policy, loop={"max_steps": 4},
                   weight_sync={"timeout_s": 60.0})
