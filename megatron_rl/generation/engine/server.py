@@ -42,6 +42,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -80,6 +81,9 @@ class EngineServer:
         self.engine = engine
         self.model_path = model_path
         self.cond = threading.Condition()
+        # Handlers waiting for the lock (see _between_steps); the engine loop yields to them.
+        self._intents = 0
+        self._intents_lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
         self._groups: dict[str, Any] = {}
         self._session = False
@@ -125,10 +129,34 @@ class EngineServer:
 
     # ------------------------------------------------------------------ engine loop
 
+    @contextmanager
+    def _between_steps(self):
+        """The engine lock for a request handler, taken before the engine's next step.
+
+        The engine loop takes the lock again as soon as a step ends, and Python's locks are not
+        fair: without this a busy engine could keep a pause or a weight update waiting for
+        hundreds of steps (seen under load: a 400-token generation finished before the pause
+        that was sent after its 30th step got the lock). A handler announces itself first; the
+        loop does not start a step while one is announced.
+        """
+        with self._intents_lock:
+            self._intents += 1
+        try:
+            self.cond.acquire()
+        finally:
+            with self._intents_lock:
+                self._intents -= 1
+        try:
+            yield
+        finally:
+            self.cond.notify_all()  # the loop may be waiting for this handler only
+            self.cond.release()
+
     def _engine_loop(self) -> None:
         while True:
             with self.cond:
-                while not self._stop and (self.engine.paused or not self.engine.has_work()):
+                while not self._stop and (self._intents or self.engine.paused
+                                          or not self.engine.has_work()):
                     self.cond.wait()
                 if self._stop:
                     return
@@ -174,7 +202,7 @@ class EngineServer:
         if len(rids) != len(prompts) or len(params_list) != len(prompts):
             raise _BadRequest("rid / sampling_params: need one per prompt")
         waiters = []
-        with self.cond:
+        with self._between_steps():
             for rid, prompt, sp in zip(rids, prompts, params_list):
                 rid = str(rid)
                 if rid in self._waiters:
@@ -204,7 +232,7 @@ class EngineServer:
         return out if batch else out[0]
 
     def _next_rid(self) -> str:
-        with self.cond:
+        with self._between_steps():
             self._rid_counter += 1
             return f"engine-{os.getpid()}-{self._rid_counter}"
 
@@ -239,14 +267,14 @@ class EngineServer:
                               "recompute prefixes); use in_place")
         if mode not in ("in_place", "abort"):
             raise _BadRequest(f"mode: must be in_place, abort or retract, got {mode!r}")
-        with self.cond:  # taken between steps: the step in progress completes first
+        with self._between_steps():  # taken between steps: the step in progress completes first
             self.engine.pause()
             if mode == "abort":
                 self._abort_all()
         return {"success": True, "message": f"paused ({mode})"}
 
     def resume(self, body: dict) -> dict:
-        with self.cond:
+        with self._between_steps():
             self.engine.resume()
             self.cond.notify_all()
         return {"success": True, "message": "continued"}
@@ -257,7 +285,7 @@ class EngineServer:
         return len(aborted)
 
     def abort(self, body: dict) -> dict:
-        with self.cond:
+        with self._between_steps():
             if body.get("abort_all"):
                 n = self._abort_all()
             else:
@@ -340,7 +368,7 @@ class EngineServer:
             raise _BadRequest(f"load_format: {body['load_format']!r} is not supported")
         if bad:
             raise _BadRequest(f"names: not parameters of this model: {bad[:8]}")
-        with self.cond:
+        with self._between_steps():
             with torch.no_grad():
                 for n, t in tensors:
                     p = params[n]
@@ -370,14 +398,14 @@ class EngineServer:
         return {"success": True, "message": f"received {numel} bytes"}
 
     def update_version(self, body: dict) -> dict:
-        with self.cond:
+        with self._between_steps():
             if body.get("abort_all_requests", True):
                 self._abort_all()
             self.engine.set_version(_int_version(body["new_version"]))
         return {"success": True, "message": "updated", "new_version": body["new_version"]}
 
     def server_info(self) -> dict:
-        with self.cond:
+        with self._between_steps():
             e = self.engine
             return {"version": SERVER_VERSION, "model_path": self.model_path,
                     "max_total_num_tokens": e.capacity_tokens,
@@ -393,7 +421,7 @@ class EngineServer:
                                          "weight_updates": self.stats["weight_updates"]}]}
 
     def weights_digest(self) -> dict:
-        with self.cond:
+        with self._between_steps():
             return {n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8)
                                       .numpy().tobytes()).hexdigest()
                     for n, p in self.engine.model.named_weights().items()}
