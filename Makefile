@@ -38,7 +38,7 @@ quickstart: install
 
 # Every benchmark program (each prints a table and a JSON line of ratios).
 bench: install
-	for b in collation logprobs verifiers train-step convert weight-sync generation async; do \
+	for b in collation logprobs verifiers train-step convert weight-sync generation pause-latency async; do \
 	  $(PYTHON) -m megatron_rl bench $$b || exit 1; done
 
 clean:

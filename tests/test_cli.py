@@ -77,6 +77,15 @@ def test_unknown_benchmark():
     assert proc.returncode == 2 and "collation" in proc.stderr
 
 
+def test_bench_pause_latency_runs_both_locks_and_every_pause_lands():
+    out = run("bench", "pause-latency", "--trials", "1", "--max-new-tokens", "400").stdout
+    fig = last_json(out)
+    assert "plain lock (baseline)" in out and "ours" in out
+    # the server as shipped pauses while the request runs (370 steps were left)
+    assert fig["trials"] == 1 and 0 <= fig["pause_steps_fair_median"] < 370
+    assert fig["pause_steps_plain_median"] >= 0
+
+
 def test_bench_verifiers_prints_its_figures():
     out = run("bench", "verifiers", "--repeat", "1", "--compiles", "1").stdout
     fig = last_json(out)
