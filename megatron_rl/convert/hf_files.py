@@ -27,7 +27,7 @@ from typing import Iterator, Mapping
 import torch
 
 __all__ = ["HFWeights", "ShardWriter", "SIDE_FILE_PATTERNS", "copy_side_files", "parse_size",
-           "parse_dtype", "dtype_name", "atomic_output_dir", "INDEX_FILE", "SINGLE_FILE"]
+           "parse_dtype", "dtype_name", "atomic_output_dir", "INDEX_FILE", "SINGLE_FILE", "write_hf_folder"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -254,3 +254,20 @@ def atomic_output_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Ite
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_hf_folder(out: str | os.PathLike, config: Mapping, tensors, *,
+                    side_files_from: str | os.PathLike, max_shard: str | int = "2GB",
+                    dtype: torch.dtype | None = None) -> Path:
+    """An HF model folder, published atomically (replacing ``out``): ``tensors`` (``(hf_name,
+    tensor)`` pairs, streamed into safetensors shards of ``max_shard``, cast to ``dtype`` when
+    given), ``config`` as config.json, and the tokenizer/generation side files of the folder
+    ``side_files_from``. Returns ``out``."""
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        writer = ShardWriter(tmp, parse_size(max_shard))
+        for name, t in tensors:
+            writer.add(name, t if dtype is None else t.to(dtype))
+        writer.close()
+        (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
+        copy_side_files(side_files_from, tmp)
+    return Path(out)

@@ -19,7 +19,6 @@ two threads on an idle machine (0.46 s with one); the built-in engine samples 12
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,26 +74,11 @@ def hf_config(cfg: TinyModelConfig, tokenizer) -> Any:
         pad_token_id=tokenizer.pad_token_id, architectures=["LlamaForCausalLM"], dtype="float32")
 
 
-def _write_folder(out: Path, config, tensors, tokenizer_dir: str | os.PathLike) -> Path:
-    """config.json + model.safetensors + tokenizer files, published atomically."""
-    from megatron_rl.convert.hf_files import (ShardWriter, atomic_output_dir, copy_side_files,
-                                              parse_size)
-
-    with atomic_output_dir(out, overwrite=True) as tmp:
-        writer = ShardWriter(tmp, parse_size("2GB"))
-        for name, t in tensors:
-            writer.add(name, t.to(torch.float32))
-        writer.close()
-        (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2, sort_keys=True)
-                                         + "\n")
-        copy_side_files(tokenizer_dir, tmp)
-    return out
-
-
 def build_model_folder(cfg: TinyModelConfig, tokenizer_dir: str | os.PathLike,
                        out: str | os.PathLike) -> Path:
     """An HF folder with randomly initialised weights and the tokenizer; returns ``out``
     (replaced if it exists)."""
+    from megatron_rl.convert.hf_files import write_hf_folder
     from megatron_rl.quickstart.tokenizer import load_tokenizer
     from megatron_rl.weight_sync.hf_map import HFConverter
 
@@ -106,4 +90,4 @@ def build_model_folder(cfg: TinyModelConfig, tokenizer_dir: str | os.PathLike,
             tensors.append((name, torch.ones(shape)))
         else:
             tensors.append((name, torch.randn(shape, generator=gen) * cfg.init_std))
-    return _write_folder(Path(out), config, tensors, tokenizer_dir)
+    return write_hf_folder(out, config.to_dict(), tensors, side_files_from=tokenizer_dir)

@@ -123,6 +123,8 @@ class PolicyTrainer:
         self.params_dtype = cfg.params_dtype()
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if torch.cuda.is_available() else torch.device("cpu"))
+        if cfg.cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads)  # process-wide: this rank's torch threads
         p = cfg.parallel
         self._uniform_shapes = bool(p.virtual_pipeline) and p.pipeline_parallel == 2
         if batching.layout == "packed" and not have_transformer_engine() \
@@ -287,10 +289,7 @@ class PolicyTrainer:
         """Write the current weights as an HF folder ``out`` (config and tokenizer files from
         the HF folder ``like``), atomically; collective over the model-parallel ranks of the
         first data-parallel replica (call it on every rank). Returns ``out`` on rank 0."""
-        import json
-
-        from megatron_rl.convert.hf_files import (ShardWriter, atomic_output_dir,
-                                                  copy_side_files, parse_size)
+        from megatron_rl.convert.hf_files import write_hf_folder
         from megatron_rl.weight_sync.broadcast import iter_model_hf
 
         if self.pgs.dp.rank() != 0:
@@ -300,16 +299,8 @@ class PolicyTrainer:
             for _ in tensors:  # take part in the gathers
                 pass
             return None
-        config = load_hf_config(like)
-        with atomic_output_dir(out, overwrite=True) as tmp:
-            writer = ShardWriter(tmp, parse_size(max_shard))
-            for name, t in tensors:
-                writer.add(name, t if dtype is None else t.to(dtype))
-            writer.close()
-            (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=2,
-                                                        sort_keys=True) + "\n")
-            copy_side_files(like, tmp)
-        return out
+        return write_hf_folder(out, load_hf_config(like).to_dict(), tensors, side_files_from=like,
+                               max_shard=max_shard, dtype=dtype)
 
     def close(self) -> None:
         """Tear down the parallel state if this trainer set it up."""
