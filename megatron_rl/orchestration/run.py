@@ -40,6 +40,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_rl.orchestration.loop import Orchestrator, truncate_jsonl, write_jsonl
+from megatron_rl.training.checkpoint import atomic_write_text
 
 __all__ = ["run_training", "main"]
 
@@ -54,12 +55,6 @@ def _system_prompt(value: str) -> str:
     from megatron_rl.rewards.template import SYSTEM_PROMPT
 
     return {"paper": SYSTEM_PROMPT, "none": ""}.get(value, value)
-
-
-def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class _Curriculum:
@@ -179,8 +174,6 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
         raise ValueError("model.hf: required (an HF folder with config.json, weights, tokenizer)")
     if not cfg.data.train:
         raise ValueError("data.train: required (a JSONL of problems)")
-    if cfg.trainer.cpu_threads and not torch.cuda.is_available():
-        torch.set_num_threads(cfg.trainer.cpu_threads)
     with ExitStack() as stack:  # unwinds in reverse: orchestrator, broadcaster, pool, servers
         run = _Run(cfg, stack, progress=progress)
         run.set_up()
@@ -265,7 +258,7 @@ class _Run:
         snapshot = config_to_dict(self.cfg)
         if self.resume_from is not None:
             _check_resume_config(run_dir / "config.yaml", snapshot)
-        _atomic_text(run_dir / "config.yaml", yaml.safe_dump(snapshot, sort_keys=False))
+        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(snapshot, sort_keys=False))
         for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
             truncate_jsonl(run_dir / name, step0)
         if (run_dir / "eval.jsonl").exists():
@@ -292,7 +285,7 @@ class _Run:
                 stack.callback(srv.stop)
                 urls.append(srv.start().url)
                 engines.append({"url": srv.url, "pid": srv.pid})
-        _atomic_text(self.run_dir / "logs" / "pids.json", json.dumps(
+        atomic_write_text(self.run_dir / "logs" / "pids.json", json.dumps(
             {"trainer": os.getpid(), "engines": engines, "urls": urls}))
         self.fleet = FleetClient(urls, update_urls=cfg.fleet.update_urls or None,
                                  request_timeout_s=cfg.fleet.request_timeout_s or None)
@@ -451,7 +444,7 @@ class _Run:
                    "resumed_from": str(self.resume_from) if self.resume_from else None,
                    "pass@1_before": pass_at_1("before"), "pass@1_after": pass_at_1("after"),
                    "plots": [str(p) for p in plots], "run_dir": str(run_dir)}
-        _atomic_text(run_dir / "summary.json", json.dumps(summary, indent=1))
+        atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
 
 

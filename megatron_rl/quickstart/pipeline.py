@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from megatron_rl.data.problems import write_json
 
 __all__ = ["main"]
 
@@ -53,22 +54,20 @@ def main(argv: list[str] | None = None) -> int:
                [sys.executable, "-m", "megatron_rl.quickstart.warmup", "--out", str(warm)])
     else:
         print(f"== 1/2 warm-up: reusing {warm}", file=sys.stderr)
-    paths = json.loads((warm / "warmup.json").read_text())["paths"]
+    warmup = json.loads((warm / "warmup.json").read_text())
+    paths = warmup["paths"]
     rl = out / "rl"
     _stage("2/2 GRPO (asynchronous loop, full reward)",
            [sys.executable, "-m", "megatron_rl", "train", args.recipe,
             f"model.hf={paths['sft']}", f"data.train={paths['train']}",
             f"data.eval={paths['held_out']}", f"run.dir={rl}", *args.overrides])
     summary = json.loads((rl / "summary.json").read_text())
-    warmup = json.loads((warm / "warmup.json").read_text())
     report = {"pass@1_sft": summary["pass@1_before"], "pass@1_rl": summary["pass@1_after"],
               "rl_steps": summary["steps"], "rl_stopped": summary.get("stopped"),
               "rl_wall_s": summary["wall_s"],
               "warmup_s": warmup["seconds"].get("total"), "total_s": time.monotonic() - t0,
               "plots": summary["plots"], "run_dir": str(rl), "policy": str(rl / "hf")}
-    tmp = out / f".quickstart.json.{os.getpid()}"
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, out / "quickstart.json")
+    write_json(out / "quickstart.json", report)  # atomic
     b, a = report["pass@1_sft"], report["pass@1_rl"]
     if report["rl_stopped"] == "time_limit":
         print(f"\nRL stopped at its time limit (run.time_limit_min) after {report['rl_steps']} "

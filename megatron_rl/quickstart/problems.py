@@ -37,7 +37,6 @@ problem, however the sets were generated. Duplicates within a set are dropped.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import random
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ from typing import Iterable
 from megatron_rl.config_checks import ConfigFieldError, check_range
 
 __all__ = ["Problem", "ProblemConfig", "generate_problems", "split_problems", "is_held_out",
-           "write_jsonl", "read_jsonl", "KINDS", "LEVELS"]
+           "write_jsonl", "KINDS", "LEVELS"]
 
 KINDS = ("arithmetic", "linear")
 LEVELS = (1, 2, 3)
@@ -180,16 +179,9 @@ def split_problems(problems: Iterable[Problem], held_out_fraction: float = 0.1
 
 
 def write_jsonl(problems: Iterable[Problem], path: str | os.PathLike) -> Path:
-    """One JSON record per line (:meth:`Problem.to_record`); returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for p in problems:
-            f.write(json.dumps(p.to_record()) + "\n")
-    return path
+    """One JSON record per line (:meth:`Problem.to_record`), written atomically; returns the
+    path. ``megatron_rl.data.problems.read_problems`` reads it back (as the RL loop does)."""
+    from megatron_rl.data.problems import write_jsonl as write_records
 
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a problem JSONL file."""
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+    write_records(path, (p.to_record() for p in problems))
+    return Path(path)

@@ -35,10 +35,10 @@ import os
 from pathlib import Path
 from typing import Iterable
 
-from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN, build_messages
+from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
 
 __all__ = ["QUICKSTART_SYSTEM_PROMPT", "CHAT_TEMPLATE", "PAD", "EOS", "UNK", "ROLE_TOKENS",
-           "build_tokenizer", "load_tokenizer", "render_prompt", "prompt_ids", "text_ids"]
+           "build_tokenizer", "load_tokenizer", "prompt_ids", "text_ids"]
 
 QUICKSTART_SYSTEM_PROMPT = "Think inside <think> </think>, then answer."
 
@@ -104,12 +104,6 @@ def load_tokenizer(folder: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def render_prompt(tokenizer, problem: str, *, system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> str:
-    """The chat-templated prompt text for a math problem, ending with the assistant marker."""
-    messages = build_messages(problem, "math", system_prompt=system_prompt)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
 def text_ids(tokenizer, text: str) -> list[int]:
     """Token ids of ``text`` (no special tokens added around it)."""
     return list(tokenizer.encode(text, add_special_tokens=False))
@@ -117,5 +111,9 @@ def text_ids(tokenizer, text: str) -> list[int]:
 
 def prompt_ids(tokenizer, problem: str, *,
                system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> list[int]:
-    """Token ids of :func:`render_prompt`."""
-    return text_ids(tokenizer, render_prompt(tokenizer, problem, system_prompt=system_prompt))
+    """Token ids of the chat-templated prompt for a math problem, ending with the assistant
+    marker: :func:`megatron_rl.data.sampling.render_prompt`, the RL loop's own, so SFT trains
+    on exactly the prompts RL and evaluation send."""
+    from megatron_rl.data.sampling import render_prompt
+
+    return render_prompt(tokenizer, problem, "math", system_prompt=system_prompt)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from megatron_rl.quickstart.problems import (ProblemConfig, generate_problems, s
 from megatron_rl.quickstart.sft import SFTConfig, format_trace, run_sft
 from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, build_tokenizer
 from megatron_rl.rewards.template import MATH_INSTRUCTION
+from megatron_rl.data.problems import write_json
 
 __all__ = ["WarmupResult", "run_warmup", "main"]
 
@@ -107,12 +107,10 @@ def run_warmup(out_dir: str | os.PathLike, *, problems: ProblemConfig | None = N
     seconds["total"] = time.perf_counter() - t0
     _log(progress, f"[5/5] held-out: {report.summary()}  ({seconds['total']:.0f} s in all)")
     # Written last and atomically: its presence tells `megatron-rl quickstart` to reuse the warm-up.
-    tmp = out / f".warmup.json.{os.getpid()}"
-    tmp.write_text(json.dumps({
+    write_json(out / "warmup.json", {
         "paths": {k: str(v) for k, v in paths.items()}, "seconds": seconds,
         "eval": {k: v for k, v in dataclasses.asdict(report).items() if k != "examples"},
-        "sft_loss_first_last": [result.losses[0], result.losses[-1]]}, indent=2) + "\n")
-    os.replace(tmp, out / "warmup.json")
+        "sft_loss_first_last": [result.losses[0], result.losses[-1]]})
     return WarmupResult(paths=paths, eval=report, sft_losses=result.losses, seconds=seconds)
 
 

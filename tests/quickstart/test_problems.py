@@ -13,7 +13,7 @@ import pytest
 
 from megatron_rl.config_checks import ConfigFieldError
 from megatron_rl.quickstart.problems import (KINDS, LEVELS, ProblemConfig, generate_problems,
-                                             is_held_out, read_jsonl, split_problems,
+                                             is_held_out, split_problems,
                                              write_jsonl)
 from megatron_rl.quickstart.sft import format_trace
 from megatron_rl.rewards.compose import RewardConfig, RewardInput, score
@@ -94,8 +94,12 @@ def test_reference_answers_pass_the_real_verifier_on_a_formatted_trace():
 
 
 def test_jsonl_round_trip(tmp_path):
+    """The file the warm-up writes is what the RL loop's reader gets back."""
+    from megatron_rl.data.problems import read_problems
+
     problems = generate_problems(ProblemConfig(count=50))
-    records = read_jsonl(write_jsonl(problems, tmp_path / "p.jsonl"))
-    assert records == [p.to_record() for p in problems]
-    assert set(records[0]) == {"id", "problem", "answer", "task", "difficulty"}
-    assert all(r["task"] == "math" for r in records)
+    read = read_problems(str(write_jsonl(problems, tmp_path / "p.jsonl")))
+    assert [(r.id, r.problem, r.answer, r.task) for r in read] == \
+        [(p.id, p.problem, p.answer, p.task) for p in problems]
+    assert all(r.meta == {"difficulty": p.difficulty} for r, p in zip(read, problems))
+    assert not list(tmp_path.glob(".*tmp*"))  # written atomically: no temporary left behind

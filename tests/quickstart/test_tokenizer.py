@@ -6,8 +6,7 @@ from __future__ import annotations
 import transformers
 
 from megatron_rl.quickstart.sft import format_trace
-from megatron_rl.quickstart.tokenizer import (EOS, QUICKSTART_SYSTEM_PROMPT, prompt_ids,
-                                              render_prompt, text_ids)
+from megatron_rl.quickstart.tokenizer import EOS, QUICKSTART_SYSTEM_PROMPT, prompt_ids, text_ids
 from megatron_rl.rewards.template import MATH_INSTRUCTION, SYSTEM_PROMPT
 
 
@@ -41,9 +40,8 @@ def test_think_tags_are_single_tokens_kept_on_decode(tokenizer):
 
 
 def test_chat_template(tokenizer):
-    text = render_prompt(tokenizer, "What is 3 + 4?")
-    assert text == (f"<|system|>{QUICKSTART_SYSTEM_PROMPT}<|end|>"
-                    f"<|user|>What is 3 + 4?\n\n{MATH_INSTRUCTION}<|end|><|assistant|>")
+    text = (f"<|system|>{QUICKSTART_SYSTEM_PROMPT}<|end|>"
+            f"<|user|>What is 3 + 4?\n\n{MATH_INSTRUCTION}<|end|><|assistant|>")
     ids = prompt_ids(tokenizer, "What is 3 + 4?")
     assert tokenizer.decode(ids) == text
     assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")
