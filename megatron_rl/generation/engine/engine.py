@@ -31,6 +31,7 @@ sequence in place (its later tokens then carry the new version).
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Sequence
@@ -161,7 +162,7 @@ def sample_tokens(logits: torch.Tensor, *, temperatures: Sequence[float],
     return tokens.tolist(), lps.tolist()
 
 
-class SlotEngine:
+class SlotEngine(ABC):
     """What every engine behind the server shares: requests wait in a queue for one of
     ``config.max_slots`` slots, run until they end, and free their slot; a weight version is
     stamped on every token; :meth:`pause` stops :meth:`step` in place. Subclasses hold the model
@@ -256,8 +257,16 @@ class SlotEngine:
 
     # ------------------------------------------------------------------ stepping
 
+    @abstractmethod
+    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
+                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
+                    stop_token_ids: Iterable[int] = ()) -> None:
+        """Queue a request (``ValueError`` for one that cannot run)."""
+
+    @abstractmethod
     def step(self) -> list[Finished]:
-        raise NotImplementedError
+        """Admit waiting requests, advance every running one by a token; return those that
+        ended. A no-op (``[]``) while paused."""
 
     def generate_all(self) -> list[Finished]:
         """Step until no request waits or runs; return the finished requests in finishing order.
