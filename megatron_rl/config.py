@@ -1,15 +1,15 @@
-"""Run configuration: one dataclass per component, composed into :class:`RunConfig`.
+"""Typed configuration: field checks, and dataclasses from YAML with errors that say where.
 
-Component configs live next to the code they configure and check their values in
-``__post_init__`` by raising :class:`ConfigFieldError` with the field's name. Recipes are small
-YAML files that set only what differs from the defaults; ``key.sub=value`` overrides from the
-command line are applied on top. Every error names the file, the line and the dotted field::
+Component configs live next to the code they configure (one ``@dataclass(kw_only=True)`` each) and
+check their values in ``__post_init__`` with :func:`check_range` / :func:`check_choice`, raising
+:class:`ConfigFieldError` with the field's name. :func:`load_dataclass` reads a YAML file into a
+(nested) config dataclass, applies ``key.sub=value`` overrides from the command line, and reports
+every problem with the file, the line and the dotted field::
 
     examples/bad.yaml:4: algorithm.eps_high: must be >= eps_low (0.2), got 0.1
 
-Usage::
-
-    cfg = load_config("examples/quickstart.yaml", ["algorithm.eps_high=0.3"])
+The whole recipe (``RunConfig``) is composed in :mod:`megatron_rl.orchestration.recipe`. Layer 0:
+imports nothing of megatron_rl.
 """
 
 from __future__ import annotations
@@ -17,44 +17,61 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from megatron_rl.algorithms.config import GRPOConfig
-from megatron_rl.batching.config import BatchingConfig
-from megatron_rl.config_checks import ConfigFieldError
-from megatron_rl.orchestration.config import (DataConfig, FleetConfig, LoopConfig, ModelConfig,
-                                              RunDirConfig, StageConfig)
-from megatron_rl.rewards.compose import RewardConfig
-from megatron_rl.training.config import TrainerConfig
-from megatron_rl.weight_sync.broadcast import WeightSyncConfig
-
-__all__ = ["ConfigError", "ConfigFieldError", "RunConfig", "load_config", "config_from_dict",
-           "config_to_dict", "parse_overrides"]
+__all__ = [
+    "ConfigError",
+    "ConfigFieldError",
+    "check_choice",
+    "check_range",
+    "config_from_dict",
+    "config_to_dict",
+    "load_dataclass",
+    "parse_overrides",
+]
 
 
 class ConfigError(ValueError):
     """A configuration problem, with the place it comes from in the message."""
 
 
-@dataclass(kw_only=True)
-class RunConfig:
-    """Everything a run needs; each section is its component's own config."""
+class ConfigFieldError(ValueError):
+    """Raised by a config's ``__post_init__``; the loader adds the file, line and section."""
 
-    algorithm: GRPOConfig = field(default_factory=GRPOConfig)  # GRPO loss and advantages
-    batching: BatchingConfig = field(default_factory=BatchingConfig)  # microbatches, DP assignment
-    reward: RewardConfig = field(default_factory=RewardConfig)  # reward weights, verifier limits
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # parallelism, optimizer, precision
-    model: ModelConfig = field(default_factory=ModelConfig)  # the initial policy (HF folder)
-    data: DataConfig = field(default_factory=DataConfig)  # problems, system prompt, difficulty
-    loop: LoopConfig = field(default_factory=LoopConfig)  # group size, n_batch, n_async, steps
-    fleet: FleetConfig = field(default_factory=FleetConfig)  # generation servers
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # trainer -> fleet
-    run: RunDirConfig = field(default_factory=RunDirConfig)  # run directory, checkpoints
-    curriculum: list[StageConfig] = field(default_factory=list)  # stages, in order
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def check_range(
+    name: str,
+    value: float,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    """Raise :class:`ConfigFieldError` unless ``value`` lies in the given (half-)open range."""
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and (value >= high if high_open else value > high)
+    if too_low or too_high:
+        lo = "-inf" if low is None else f"{'(' if low_open else '['}{low}"
+        hi = "inf" if high is None else f"{high}{')' if high_open else ']'}"
+        if low is None:
+            lo = "(-inf"
+        if high is None:
+            hi = "inf)"
+        raise ConfigFieldError(name, f"must be in {lo}, {hi}, got {value!r}")
+
+
+def check_choice(name: str, value: object, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigFieldError(name, f"must be one of {list(choices)}, got {value!r}")
 
 
 def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
@@ -140,22 +157,32 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     return value
 
 
-def config_from_dict(cls: type, data: dict[str, Any] | None, *, source: str = "<config>",
-                     lines: dict[str, int] | None = None, prefix: str = "") -> Any:
+def config_from_dict(
+    cls: type,
+    data: dict[str, Any] | None,
+    *,
+    source: str = "<config>",
+    lines: dict[str, int] | None = None,
+    prefix: str = "",
+) -> Any:
     """Build dataclass ``cls`` from a nested dict, checking every key and value."""
     lines = lines or {}
     data = data or {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{_where(source, lines, prefix.rstrip('.'))}: {prefix.rstrip('.') or 'config'}: "
-                          f"expected a mapping, got {data!r}")
+        raise ConfigError(
+            f"{_where(source, lines, prefix.rstrip('.'))}: {prefix.rstrip('.') or 'config'}: "
+            f"expected a mapping, got {data!r}"
+        )
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in known:
-            raise ConfigError(f"{_where(source, lines, path)}: unknown field '{path}' "
-                              f"(known in {cls.__name__}: {', '.join(sorted(known))})")
+            raise ConfigError(
+                f"{_where(source, lines, path)}: unknown field '{path}' "
+                f"(known in {cls.__name__}: {', '.join(sorted(known))})"
+            )
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = config_from_dict(hint, value, source=source, lines=lines, prefix=path + ".")
@@ -163,10 +190,11 @@ def config_from_dict(cls: type, data: dict[str, Any] | None, *, source: str = "<
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
         if item is not None and dataclasses.is_dataclass(item):
             if not isinstance(value, list):
-                raise ConfigError(f"{_where(source, lines, path)}: {path}: expected a list, "
-                                  f"got {value!r}")
-            kwargs[key] = [config_from_dict(item, v, source=source, lines=lines,
-                                            prefix=f"{path}.{i}.") for i, v in enumerate(value)]
+                raise ConfigError(f"{_where(source, lines, path)}: {path}: expected a list, got {value!r}")
+            kwargs[key] = [
+                config_from_dict(item, v, source=source, lines=lines, prefix=f"{path}.{i}.")
+                for i, v in enumerate(value)
+            ]
             continue
         try:
             kwargs[key] = _coerce(value, hint, key)
@@ -203,9 +231,9 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                cls: type = RunConfig) -> Any:
-    """Read a YAML recipe (or only defaults when ``path`` is None) and apply overrides."""
+def load_dataclass(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+    """Read a YAML file into dataclass ``cls`` (only defaults when ``path`` is None) and apply
+    dotted overrides; raises :class:`ConfigError` naming the file, line and field."""
     data: dict[str, Any] = {}
     lines: dict[str, int] = {}
     source = "<defaults>"
@@ -218,7 +246,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         data, lines = _yaml_with_lines(text, source)
         data = data or {}
         if not isinstance(data, dict):
-            raise ConfigError(f"{source}:1: a recipe must be a mapping of sections, got {type(data).__name__}")
+            raise ConfigError(
+                f"{source}:1: a recipe must be a mapping of sections, got {type(data).__name__}"
+            )
     if overrides:
         over = parse_overrides(overrides)
         data = _merge(data, over)

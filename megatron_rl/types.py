@@ -12,11 +12,56 @@ from typing import Any, Literal
 
 import torch
 
-from megatron_rl.algorithms.filtering import FilterReport
-
-__all__ = ["Prompt", "Completion", "ScoredCompletion", "Group", "TrainSequence", "TrainBatch"]
+__all__ = [
+    "DROP_REASONS",
+    "Completion",
+    "FilterReport",
+    "Group",
+    "Prompt",
+    "ScoredCompletion",
+    "TrainBatch",
+    "TrainSequence",
+]
 
 FinishReason = Literal["stop", "length", "abort"]
+
+
+#: Why a group was dropped, in the order they are tested.
+DROP_REASONS = ("all_format_failed", "all_correct", "all_wrong", "equal_reward")
+
+
+@dataclass
+class FilterReport:
+    """How many groups the filter kept and dropped, with the reason for each drop."""
+
+    groups_total: int = 0
+    groups_kept: int = 0
+    completions_kept: int = 0
+    completions_dropped: int = 0
+    dropped: dict[str, int] = field(default_factory=lambda: {r: 0 for r in DROP_REASONS})
+
+    @property
+    def groups_dropped(self) -> int:
+        return sum(self.dropped.values())
+
+    def merge(self, other: FilterReport) -> FilterReport:
+        """Sum of two reports (for accumulating over a step)."""
+        return FilterReport(
+            groups_total=self.groups_total + other.groups_total,
+            groups_kept=self.groups_kept + other.groups_kept,
+            completions_kept=self.completions_kept + other.completions_kept,
+            completions_dropped=self.completions_dropped + other.completions_dropped,
+            dropped={r: self.dropped[r] + other.dropped[r] for r in DROP_REASONS},
+        )
+
+    def as_metrics(self, prefix: str = "filter/") -> dict[str, float]:
+        out = {
+            f"{prefix}groups_total": self.groups_total,
+            f"{prefix}groups_kept": self.groups_kept,
+            f"{prefix}groups_dropped": self.groups_dropped,
+        }
+        out.update({f"{prefix}dropped_{r}": n for r, n in self.dropped.items()})
+        return out
 
 
 @dataclass(kw_only=True)
@@ -50,7 +95,8 @@ class Completion:
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(
                 f"Completion {self.prompt_id}/{self.sample_index}: token_ids ({n}), logprobs "
-                f"({len(self.logprobs)}) and versions ({len(self.versions)}) must have equal length")
+                f"({len(self.logprobs)}) and versions ({len(self.versions)}) must have equal length"
+            )
 
 
 @dataclass(kw_only=True)
@@ -94,11 +140,15 @@ class TrainSequence:
     def __post_init__(self):
         c = self.completion_length
         if self.prompt_length < 1 or c < 1:
-            raise ValueError(f"a sequence needs >= 1 prompt and >= 1 completion token, got "
-                             f"prompt {self.prompt_length}, completion {c}")
+            raise ValueError(
+                f"a sequence needs >= 1 prompt and >= 1 completion token, got "
+                f"prompt {self.prompt_length}, completion {c}"
+            )
         if self.behaviour_logprobs.shape != (c,) or self.versions.shape != (c,):
-            raise ValueError(f"per-token fields must be [{c}], got behaviour_logprobs "
-                             f"{tuple(self.behaviour_logprobs.shape)}, versions {tuple(self.versions.shape)}")
+            raise ValueError(
+                f"per-token fields must be [{c}], got behaviour_logprobs "
+                f"{tuple(self.behaviour_logprobs.shape)}, versions {tuple(self.versions.shape)}"
+            )
 
     @property
     def length(self) -> int:
@@ -123,6 +173,6 @@ class TrainBatch:
     def lengths(self) -> list[int]:
         return [s.length for s in self.sequences]
 
-    def subset(self, indices: list[int]) -> "TrainBatch":
+    def subset(self, indices: list[int]) -> TrainBatch:
         """The sequences at ``indices`` (for a data-parallel rank); weights are kept as they are."""
         return TrainBatch(sequences=[self.sequences[i] for i in indices], filter_report=self.filter_report)

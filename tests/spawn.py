@@ -23,8 +23,7 @@ def _entry(fn, rank, world_size, init_file, results, args):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world_size)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
             value = fn(rank, world_size, *args)
             # Every rank leaves its last collective before any tears the group down: a rank that
@@ -45,8 +44,10 @@ def run_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> 
     fd, init_file = tempfile.mkstemp(prefix="gloo-init-")
     os.close(fd)
     os.unlink(init_file)  # the FileStore creates it
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args, check=True):
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc

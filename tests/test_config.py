@@ -1,7 +1,8 @@
 import pytest
 
 from megatron_rl.algorithms.config import GRPOConfig
-from megatron_rl.config import ConfigError, RunConfig, config_to_dict, load_config, parse_overrides
+from megatron_rl.config import ConfigError, config_to_dict, parse_overrides
+from megatron_rl.orchestration.recipe import RunConfig, load_config
 
 
 def write(tmp_path, text):

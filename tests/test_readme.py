@@ -33,8 +33,12 @@ def test_every_listed_path_exists():
 
 def test_every_module_and_tool_is_listed():
     listed = readme_tree()
-    files = [p.relative_to(ROOT).as_posix() for d in ("megatron_rl", "tools")
-             for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts]
+    files = [
+        p.relative_to(ROOT).as_posix()
+        for d in ("megatron_rl", "tools")
+        for p in (ROOT / d).rglob("*.py")
+        if "__pycache__" not in p.parts
+    ]
     unlisted = [f for f in files if f not in listed and not f.endswith("/__init__.py")]
     assert not unlisted, f"README's tree misses: {unlisted}"
 

@@ -90,8 +90,10 @@ def _scripted(tok, n: int, args: argparse.Namespace) -> tuple[list[list[int]], l
 
     rng = random.Random(args.seed)
     head, filler = text_ids(tok, THINK_OPEN), text_ids(tok, FILLER)
-    tails = {a: text_ids(tok, f"{THINK_CLOSE}The answer is \\boxed{{{a}}}.") + [tok.eos_token_id]
-             for a in (ANSWER, WRONG)}
+    tails = {
+        a: text_ids(tok, f"{THINK_CLOSE}The answer is \\boxed{{{a}}}.") + [tok.eos_token_id]
+        for a in (ANSWER, WRONG)
+    }
     script, lengths = [], []
     for _ in range(n):
         tail = tails[ANSWER if rng.random() < args.p_correct else WRONG]
@@ -107,21 +109,27 @@ def _scripted(tok, n: int, args: argparse.Namespace) -> tuple[list[list[int]], l
 def build_workload(root: Path, args: argparse.Namespace) -> Workload:
     from megatron_rl.data.problems import Problem
     from megatron_rl.quickstart.model import TinyModelConfig, build_model_folder
-    from megatron_rl.quickstart.tokenizer import (QUICKSTART_SYSTEM_PROMPT, build_tokenizer,
-                                                  load_tokenizer)
+    from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, build_tokenizer, load_tokenizer
     from megatron_rl.rewards.template import MATH_INSTRUCTION, THINK_CLOSE, THINK_OPEN
 
-    problems = [Problem(id=f"two-plus-two-{i:04d}", problem=f"What is 2 + 2? (question {i})",
-                        task="math", answer=ANSWER) for i in range(args.problems)]
+    problems = [
+        Problem(
+            id=f"two-plus-two-{i:04d}", problem=f"What is 2 + 2? (question {i})", task="math", answer=ANSWER
+        )
+        for i in range(args.problems)
+    ]
     corpus = [QUICKSTART_SYSTEM_PROMPT, MATH_INSTRUCTION, *(p.problem for p in problems)]
-    corpus += [f"{THINK_OPEN}{FILLER}{THINK_CLOSE}The answer is \\boxed{{{a}}}."
-               for a in (ANSWER, WRONG)]
+    corpus += [f"{THINK_OPEN}{FILLER}{THINK_CLOSE}The answer is \\boxed{{{a}}}." for a in (ANSWER, WRONG)]
     tok_dir = build_tokenizer(corpus, root / "tokenizer")
     tok = load_tokenizer(tok_dir)
     init = build_model_folder(TinyModelConfig(max_positions=args.max_len), tok_dir, root / "init")
     script, lengths = _scripted(tok, args.script, args)
-    timing = {"decode_s": args.decode_ms / 1e3, "decode_s_per_seq": args.decode_ms_per_seq / 1e3,
-              "prefill_s_per_token": args.prefill_ms_per_token / 1e3, "script": script}
+    timing = {
+        "decode_s": args.decode_ms / 1e3,
+        "decode_s_per_seq": args.decode_ms_per_seq / 1e3,
+        "prefill_s_per_token": args.prefill_ms_per_token / 1e3,
+        "script": script,
+    }
     path = root / "timing.json"
     path.write_text(json.dumps(timing))
     return Workload(problems, tok, tok_dir, init, script, path, lengths)
@@ -147,8 +155,9 @@ class ModeledTrainer:
 
 
 def _post(url: str, route: str, body: dict) -> dict:
-    req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
 
@@ -165,13 +174,13 @@ class VersionBroadcaster:
         self.fleet.pause("in_place")
         try:
             for url in self.fleet.update_urls:
-                _post(url, "/update_weight_version",
-                      {"new_version": str(version), "abort_all_requests": False})
+                _post(
+                    url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+                )
             time.sleep(self.hold_s)
         finally:
             self.fleet.resume()
-        return {"weight_sync/seconds": time.perf_counter() - t0,
-                "weight_sync/version": float(version)}
+        return {"weight_sync/seconds": time.perf_counter() - t0, "weight_sync/version": float(version)}
 
 
 # ---------------------------------------------------------------------- real mode
@@ -192,18 +201,22 @@ def sft_on_script(w: Workload, root: Path, args: argparse.Namespace) -> Path:
     from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT
 
     rng = random.Random(args.seed)
-    prompts = [render_prompt(w.tokenizer, p.problem, "math", system_prompt=QUICKSTART_SYSTEM_PROMPT)
-               for p in w.problems]
+    prompts = [
+        render_prompt(w.tokenizer, p.problem, "math", system_prompt=QUICKSTART_SYSTEM_PROMPT)
+        for p in w.problems
+    ]
     entries = [s for s in w.script if len(s) <= args.l_max]
-    trainer = make_trainer(w.init, lr=3e-3, min_lr=3e-4, warmup_steps=5,
-                           decay_steps=args.sft_steps)
+    trainer = make_trainer(w.init, lr=3e-3, min_lr=3e-4, warmup_steps=5, decay_steps=args.sft_steps)
     try:
         t0 = time.perf_counter()
-        for i in range(args.sft_steps):
+        for _i in range(args.sft_steps):
             pairs = [(rng.choice(prompts), rng.choice(entries)) for _ in range(32)]
             loss = trainer.sft_step(build_sft_batch(pairs))["loss"]
-        print(f"[real] sft: {args.sft_steps} steps, last loss {loss:.3f}, "
-              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"[real] sft: {args.sft_steps} steps, last loss {loss:.3f}, {time.perf_counter() - t0:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         return Path(trainer.export_hf(root / "sft", like=w.init))
     finally:
         trainer.close()
@@ -214,15 +227,13 @@ class RealParts:
 
     def __init__(self, folder: Path, fleet, cfg, args: argparse.Namespace):
         from megatron_rl.quickstart.sft import make_trainer
-        from megatron_rl.training.model import padded_vocab_size
         from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
 
         self.folder = folder
         self.trainer = make_trainer(folder, lr=args.lr, grpo=cfg.algorithm)
         self.broadcaster = WeightBroadcaster(
-            self.trainer.chunks, str(folder), fleet,
-            WeightSyncConfig(backend="gloo", master_port=_free_port()),
-            padded_vocab=padded_vocab_size(self.trainer.vocab_size, 1))
+            self.trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo", master_port=_free_port())
+        )
         self.broadcaster.connect()
 
     def reset(self) -> None:
@@ -242,23 +253,29 @@ class RealParts:
 
 def run_config(mode: str, args: argparse.Namespace):
     from megatron_rl.algorithms.config import GRPOConfig
-    from megatron_rl.config import RunConfig
     from megatron_rl.orchestration.config import LoopConfig
+    from megatron_rl.orchestration.recipe import RunConfig
     from megatron_rl.rewards.compose import RewardConfig
 
     return RunConfig(
-        loop=LoopConfig(mode=mode, group_size=args.group_size, n_batch=args.n_batch,
-                        n_async=args.n_async, max_steps=args.steps, seed=args.seed),
+        loop=LoopConfig(
+            mode=mode,
+            group_size=args.group_size,
+            n_batch=args.n_batch,
+            n_async=args.n_async,
+            max_steps=args.steps,
+            seed=args.seed,
+        ),
         reward=RewardConfig(l_max=args.l_max, l_cache=args.l_max // 4, workers=args.workers),
-        algorithm=GRPOConfig())
+        algorithm=GRPOConfig(),
+    )
 
 
 def _server_stats(fleet) -> list[dict]:
     return [fleet.server_info(s.url)["internal_states"][0] for s in fleet.servers]
 
 
-def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace,
-             real: RealParts | None) -> dict:
+def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, real: RealParts | None) -> dict:
     """``args.steps`` steps of the loop in ``mode`` from version 0; wall time and busy figures."""
     from megatron_rl.orchestration.loop import Orchestrator
     from megatron_rl.orchestration.rollouts import Rollouts
@@ -273,14 +290,21 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace,
         trainer = ModeledTrainer(args.train_ms_per_token / 1e3)
         broadcaster = VersionBroadcaster(fleet, args.sync_ms / 1e3)
         broadcaster.sync(0)
-    rollouts = Rollouts(fleet=fleet, pool=pool, sampler=PromptSampler(w.problems,
-                                                                      seed=args.seed),
-                        tokenizer=w.tokenizer, reward=cfg.reward, group_size=args.group_size,
-                        temperature=cfg.algorithm.temperature, top_p=cfg.loop.top_p,
-                        max_new_tokens=args.l_max, seed=args.seed,
-                        system_prompt=QUICKSTART_SYSTEM_PROMPT,
-                        filter_tolerance=cfg.algorithm.filter_tolerance,
-                        version=lambda: int(trainer.step))
+    rollouts = Rollouts(
+        fleet=fleet,
+        pool=pool,
+        sampler=PromptSampler(w.problems, seed=args.seed),
+        tokenizer=w.tokenizer,
+        reward=cfg.reward,
+        group_size=args.group_size,
+        temperature=cfg.algorithm.temperature,
+        top_p=cfg.loop.top_p,
+        max_new_tokens=args.l_max,
+        seed=args.seed,
+        system_prompt=QUICKSTART_SYSTEM_PROMPT,
+        filter_tolerance=cfg.algorithm.filter_tolerance,
+        version=lambda: int(trainer.step),
+    )
     orch = Orchestrator(cfg, trainer=trainer, broadcaster=broadcaster, rollouts=rollouts)
     before = _server_stats(fleet)
     metrics: list[dict] = []
@@ -290,11 +314,14 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace,
         for _ in range(args.steps):
             m = orch.step().metrics
             metrics.append(m)
-            print(f"[{mode}] step {int(m['step'])}: {m['time/step_s']:.2f} s, wait "
-                  f"{m['time/wait_for_batch_s']:.2f} s, train {m['time/train_s']:.2f} s, "
-                  f"reward {m.get('reward/mean', 0):.2f}, length {m.get('length/mean', 0):.0f} "
-                  f"(max {m.get('length/max', 0):.0f}), dropped {m['groups/dropped']:.0f}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{mode}] step {int(m['step'])}: {m['time/step_s']:.2f} s, wait "
+                f"{m['time/wait_for_batch_s']:.2f} s, train {m['time/train_s']:.2f} s, "
+                f"reward {m.get('reward/mean', 0):.2f}, length {m.get('length/mean', 0):.0f} "
+                f"(max {m.get('length/max', 0):.0f}), dropped {m['groups/dropped']:.0f}",
+                file=sys.stderr,
+                flush=True,
+            )
         wall = time.monotonic() - t0
         after = _server_stats(fleet)
     finally:
@@ -311,21 +338,33 @@ def _drain(rollouts, timeout_s: float = 30.0) -> None:
             rollouts.cond.wait(0.05)
 
 
-def _summary(mode: str, wall: float, before: list[dict], after: list[dict], metrics: list[dict],
-             args: argparse.Namespace) -> dict:
+def _summary(
+    mode: str,
+    wall: float,
+    before: list[dict],
+    after: list[dict],
+    metrics: list[dict],
+    args: argparse.Namespace,
+) -> dict:
     servers = len(before)
-    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before))
-             for k in ("busy_s", "steps", "generated_tokens")}
-    mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in metrics)  # noqa: E731
-    return {"mode": mode, "wall_s": wall, "steps": len(metrics),
-            "generator_busy": min(1.0, delta["busy_s"] / (wall * servers)),
-            "client_busy": mean("generator/busy_fraction"),
-            "slot_occupancy": delta["generated_tokens"] / max(1, delta["steps"] * args.slots),
-            "generated_tokens_per_s": delta["generated_tokens"] / wall,
-            "trained_sequences": sum(m.get("sequences", 0.0) for m in metrics),
-            "length_mean": mean("length/mean"), "staleness_mean": mean("staleness/mean"),
-            "dropped_groups": sum(m.get("groups/dropped", 0.0) for m in metrics),
-            "stale_groups": sum(m.get("groups/dropped/stale", 0.0) for m in metrics)}
+    delta = {
+        k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in ("busy_s", "steps", "generated_tokens")
+    }
+    mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in metrics)
+    return {
+        "mode": mode,
+        "wall_s": wall,
+        "steps": len(metrics),
+        "generator_busy": min(1.0, delta["busy_s"] / (wall * servers)),
+        "client_busy": mean("generator/busy_fraction"),
+        "slot_occupancy": delta["generated_tokens"] / max(1, delta["steps"] * args.slots),
+        "generated_tokens_per_s": delta["generated_tokens"] / wall,
+        "trained_sequences": sum(m.get("sequences", 0.0) for m in metrics),
+        "length_mean": mean("length/mean"),
+        "staleness_mean": mean("staleness/mean"),
+        "dropped_groups": sum(m.get("groups/dropped", 0.0) for m in metrics),
+        "stale_groups": sum(m.get("groups/dropped/stale", 0.0) for m in metrics),
+    }
 
 
 # ---------------------------------------------------------------------- the run
@@ -341,9 +380,16 @@ def start_servers(folder: Path, w: Workload, root: Path, args: argparse.Namespac
     procs = []
     try:
         for i in range(args.servers):
-            procs.append(EngineProcess(folder, max_slots=args.slots, max_len=args.max_len,
-                                       threads=1, log_path=root / f"engine-{i}.log",
-                                       extra_args=extra).start())
+            procs.append(
+                EngineProcess(
+                    folder,
+                    max_slots=args.slots,
+                    max_len=args.max_len,
+                    threads=1,
+                    log_path=root / f"engine-{i}.log",
+                    extra_args=extra,
+                ).start()
+            )
     except BaseException:
         for p in procs:
             p.stop()
@@ -363,8 +409,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         fleet = FleetClient([p.url for p in procs])
         real = RealParts(folder, fleet, run_config("sync", args), args) if args.real else None
         with VerifierPool(args.workers) as pool:
-            results = {mode: run_mode(mode, w, fleet, pool, args, real)
-                       for mode in ("sync", "async")}
+            results = {mode: run_mode(mode, w, fleet, pool, args, real) for mode in ("sync", "async")}
     finally:
         if real is not None:
             real.close()
@@ -380,44 +425,73 @@ def report(results: dict[str, dict], w: Workload, args: argparse.Namespace) -> d
     kind = "real" if args.real else "timing-model"
     lengths = sorted(w.lengths)
     cut = sum(n >= args.l_max for n in lengths) / len(lengths)
-    what = ("real tiny model, PolicyTrainer, WeightBroadcaster" if args.real else
-            "engine servers sleep a cost model, the trainer sleeps per token")
-    print(f"mode: {kind} ({what}); {args.servers} servers x {args.slots} slots, "
-          f"G={args.group_size}, n_batch={args.n_batch}, n_async={args.n_async}, "
-          f"{args.steps} steps per loop mode")
-    print(f"workload: completion length median {statistics.median(lengths):.0f}, mean "
-          f"{statistics.fmean(lengths):.0f}, p95 {lengths[int(0.95 * (len(lengths) - 1))]}, "
-          f"{100 * cut:.1f}% cut at l_max={args.l_max}")
-    print(f"{'loop':6} {'wall s':>7} {'s/step':>7} {'÷ sync':>7} {'gen busy':>9} "
-          f"{'client busy':>12} {'slot occ':>9} {'gen tok/s':>10} {'stale':>6}")
+    what = (
+        "real tiny model, PolicyTrainer, WeightBroadcaster"
+        if args.real
+        else "engine servers sleep a cost model, the trainer sleeps per token"
+    )
+    print(
+        f"mode: {kind} ({what}); {args.servers} servers x {args.slots} slots, "
+        f"G={args.group_size}, n_batch={args.n_batch}, n_async={args.n_async}, "
+        f"{args.steps} steps per loop mode"
+    )
+    print(
+        f"workload: completion length median {statistics.median(lengths):.0f}, mean "
+        f"{statistics.fmean(lengths):.0f}, p95 {lengths[int(0.95 * (len(lengths) - 1))]}, "
+        f"{100 * cut:.1f}% cut at l_max={args.l_max}"
+    )
+    print(
+        f"{'loop':6} {'wall s':>7} {'s/step':>7} {'÷ sync':>7} {'gen busy':>9} "
+        f"{'client busy':>12} {'slot occ':>9} {'gen tok/s':>10} {'stale':>6}"
+    )
     for r in (sync, asy):
-        print(f"{r['mode']:6} {r['wall_s']:7.2f} {r['wall_s'] / r['steps']:7.2f} "
-              f"{r['wall_s'] / sync['wall_s']:7.2f} {r['generator_busy']:9.2f} "
-              f"{r['client_busy']:12.2f} {r['slot_occupancy']:9.2f} "
-              f"{r['generated_tokens_per_s']:10.0f} {r['staleness_mean']:6.2f}")
-    out = {"mode": kind, "async_speedup": round(sync["wall_s"] / asy["wall_s"], 4),
-           "generator_busy_async": round(asy["generator_busy"], 4),
-           "generator_busy_sync": round(sync["generator_busy"], 4)}
+        print(
+            f"{r['mode']:6} {r['wall_s']:7.2f} {r['wall_s'] / r['steps']:7.2f} "
+            f"{r['wall_s'] / sync['wall_s']:7.2f} {r['generator_busy']:9.2f} "
+            f"{r['client_busy']:12.2f} {r['slot_occupancy']:9.2f} "
+            f"{r['generated_tokens_per_s']:10.0f} {r['staleness_mean']:6.2f}"
+        )
+    out = {
+        "mode": kind,
+        "async_speedup": round(sync["wall_s"] / asy["wall_s"], 4),
+        "generator_busy_async": round(asy["generator_busy"], 4),
+        "generator_busy_sync": round(sync["generator_busy"], 4),
+    }
     for r in (sync, asy):
         m = r["mode"]
-        out.update({f"wall_s_{m}": round(r["wall_s"], 3),
-                    f"client_busy_{m}": round(r["client_busy"], 4),
-                    f"slot_occupancy_{m}": round(r["slot_occupancy"], 4),
-                    f"generated_tokens_per_s_{m}": round(r["generated_tokens_per_s"], 1),
-                    f"staleness_mean_{m}": round(r["staleness_mean"], 4),
-                    f"trained_sequences_{m}": int(r["trained_sequences"]),
-                    f"dropped_groups_{m}": int(r["dropped_groups"]),
-                    f"stale_groups_{m}": int(r["stale_groups"])})
-    out.update({"steps": args.steps, "servers": args.servers, "slots": args.slots,
-                "group_size": args.group_size, "n_batch": args.n_batch,
-                "n_async": args.n_async, "l_max": args.l_max})
+        out.update(
+            {
+                f"wall_s_{m}": round(r["wall_s"], 3),
+                f"client_busy_{m}": round(r["client_busy"], 4),
+                f"slot_occupancy_{m}": round(r["slot_occupancy"], 4),
+                f"generated_tokens_per_s_{m}": round(r["generated_tokens_per_s"], 1),
+                f"staleness_mean_{m}": round(r["staleness_mean"], 4),
+                f"trained_sequences_{m}": int(r["trained_sequences"]),
+                f"dropped_groups_{m}": int(r["dropped_groups"]),
+                f"stale_groups_{m}": int(r["stale_groups"]),
+            }
+        )
+    out.update(
+        {
+            "steps": args.steps,
+            "servers": args.servers,
+            "slots": args.slots,
+            "group_size": args.group_size,
+            "n_batch": args.n_batch,
+            "n_async": args.n_async,
+            "l_max": args.l_max,
+        }
+    )
     return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--real", action="store_true",
-                    help="real tiny model, PolicyTrainer and WeightBroadcaster (slow on 2 cores)")
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help="real tiny model, PolicyTrainer and WeightBroadcaster (slow on 2 cores)",
+    )
     ap.add_argument("--steps", type=int, help="training steps per loop mode (6; --real: 2)")
     ap.add_argument("--servers", type=int, default=2, help="engine servers")
     ap.add_argument("--slots", type=int, help="sequences per server (32; --real: 16)")
@@ -433,8 +507,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--decode-ms", type=float, default=10.0, help="engine step, fixed part")
     ap.add_argument("--decode-ms-per-seq", type=float, default=0.05, help="per running sequence")
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.005, help="per prompt token")
-    ap.add_argument("--train-ms-per-token", type=float, default=0.1,
-                    help="modeled trainer: milliseconds per batch token")
+    ap.add_argument(
+        "--train-ms-per-token", type=float, default=0.1, help="modeled trainer: milliseconds per batch token"
+    )
     ap.add_argument("--sync-ms", type=float, default=50.0, help="modeled weight transfer (paused)")
     ap.add_argument("--workers", type=int, default=1, help="verifier processes")
     ap.add_argument("--sft-steps", type=int, default=60, help="--real: SFT steps on the script")
@@ -442,8 +517,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")
     args = ap.parse_args(argv)
-    defaults = dict(steps=(6, 2), slots=(32, 16), group_size=(8, 4), n_batch=(64, 16),
-                    n_async=(128, 32), l_max=(512, 96), median_len=(64.0, 24.0))
+    defaults = dict(
+        steps=(6, 2),
+        slots=(32, 16),
+        group_size=(8, 4),
+        n_batch=(64, 16),
+        n_async=(128, 32),
+        l_max=(512, 96),
+        median_len=(64.0, 24.0),
+    )
     for name, (timing, real) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, real if args.real else timing)

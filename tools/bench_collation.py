@@ -58,14 +58,20 @@ def main(argv: list[str] | None = None) -> dict:
             rows.append((layout, strategy, acc))
 
     lengths = [n for b in batches for n in b]
-    print(f"{args.batches} minibatches x {args.sequences} sequences, budget {args.budget} tokens; "
-          f"lengths: median {sorted(lengths)[len(lengths) // 2]}, mean {sum(lengths) / len(lengths):.0f}, "
-          f"max {max(lengths)}, share >= 16k: {sum(n >= 16384 for n in lengths) / len(lengths):.1%}")
-    print(f"{'layout':8} {'strategy':9} {'microbatches':>12} {'lower bound':>11} {'÷ bound':>8} "
-          f"{'padding':>8} {'shape pad':>9} {'plan ms':>8}")
+    print(
+        f"{args.batches} minibatches x {args.sequences} sequences, budget {args.budget} tokens; "
+        f"lengths: median {sorted(lengths)[len(lengths) // 2]}, mean {sum(lengths) / len(lengths):.0f}, "
+        f"max {max(lengths)}, share >= 16k: {sum(n >= 16384 for n in lengths) / len(lengths):.1%}"
+    )
+    print(
+        f"{'layout':8} {'strategy':9} {'microbatches':>12} {'lower bound':>11} {'÷ bound':>8} "
+        f"{'padding':>8} {'shape pad':>9} {'plan ms':>8}"
+    )
     for layout, strategy, a in rows:
-        print(f"{layout:8} {strategy:9} {a['microbatches']:12.1f} {a['lower_bound']:11.1f} {a['over_lb']:8.3f} "
-              f"{a['padding']:8.1%} {a['shape_padding']:9.1%} {a['ms']:8.1f}")
+        print(
+            f"{layout:8} {strategy:9} {a['microbatches']:12.1f} {a['lower_bound']:11.1f} {a['over_lb']:8.3f} "
+            f"{a['padding']:8.1%} {a['shape_padding']:9.1%} {a['ms']:8.1f}"
+        )
     out = {}
     for layout in ("packed", "padded"):
         g, u = figures[(layout, "greedy")], figures[(layout, "uniform")]
@@ -76,8 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
         out[f"padding_greedy{suffix}"] = round(g["padding"], 4)
         out[f"padding_uniform{suffix}"] = round(u["padding"], 4)
         out[f"padding_reduction_vs_uniform{suffix}"] = round(reduction, 4)
-        print(f"{layout}: greedy uses {g['over_lb']:.3f}x the lower bound of microbatches "
-              f"(uniform {u['over_lb']:.3f}x) and has {reduction:.1%} less padding than uniform")
+        print(
+            f"{layout}: greedy uses {g['over_lb']:.3f}x the lower bound of microbatches "
+            f"(uniform {u['over_lb']:.3f}x) and has {reduction:.1%} less padding than uniform"
+        )
     out.update(sequences=args.sequences, budget=args.budget, batches=args.batches)
     print(json.dumps(out))
     return out

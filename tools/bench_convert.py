@@ -30,10 +30,22 @@ from pathlib import Path
 import torch
 
 SIZES = {  # Llama-style shapes: ~156M parameters (~310 MB in bf16), or ~3M for --small
-    "default": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                    num_attention_heads=16, num_key_value_heads=4, vocab_size=32000),
-    "small": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=4000),
+    "default": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "small": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4000,
+    ),
 }
 
 
@@ -41,11 +53,12 @@ def make_model(folder: Path, size: str, dtype: torch.dtype, max_shard_size: str)
     """Write a random HF Llama model (config.json + safetensors shards); returns its bytes."""
     import transformers
 
-    from megatron_rl.convert.hf_files import ShardWriter, dtype_name, parse_size
-    from megatron_rl.weight_sync.hf_map import HFConverter
+    from megatron_rl.hf.files import ShardWriter, dtype_name, parse_size
+    from megatron_rl.hf.layout import HFConverter
 
-    config = transformers.LlamaConfig(**SIZES[size], tie_word_embeddings=False,
-                                      max_position_embeddings=4096, dtype=dtype_name(dtype))
+    config = transformers.LlamaConfig(
+        **SIZES[size], tie_word_embeddings=False, max_position_embeddings=4096, dtype=dtype_name(dtype)
+    )
     folder.mkdir(parents=True)
     config.save_pretrained(folder)
     gen = torch.Generator().manual_seed(0)
@@ -68,11 +81,10 @@ def safetensors_copy(src: Path, dst: Path) -> float:
 
 
 def _same(a: Path, b: Path) -> bool:
-    from megatron_rl.convert.hf_files import HFWeights
+    from megatron_rl.hf.files import HFWeights
 
     x, y = HFWeights(a), HFWeights(b)
-    return set(x) == set(y) and all(x[n].dtype == y[n].dtype and torch.equal(x[n], y[n])
-                                    for n in x)
+    return set(x) == set(y) and all(x[n].dtype == y[n].dtype and torch.equal(x[n], y[n]) for n in x)
 
 
 def _warm_up() -> float:
@@ -94,17 +106,17 @@ def _warm_up() -> float:
 def safetensors_copy_fsync(src: Path, dst: Path) -> float:
     """As :func:`safetensors_copy`, then fsync every file (what the converters do before
     publishing their output): the share of the gap that is durability, not conversion."""
-    from megatron_rl.convert.hf_files import _fsync_tree
+    from megatron_rl.fileio import fsync_tree
 
     start = time.perf_counter()
     safetensors_copy(src, dst)
-    _fsync_tree(dst)
+    fsync_tree(dst)
     return time.perf_counter() - start
 
 
 def run(args: argparse.Namespace, root: Path) -> dict:
     from megatron_rl.convert.checkpoint import hf_to_mcore, mcore_to_hf
-    from megatron_rl.convert.hf_files import parse_dtype
+    from megatron_rl.hf.files import parse_dtype
 
     size = "small" if args.small else "default"
     nbytes = make_model(root / "hf", size, parse_dtype(args.dtype), args.max_shard_size)
@@ -121,23 +133,32 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         raise SystemExit("bench convert: the round trip changed the weights")
     gb = nbytes / 1e9
     copy_gbps, convert_gbps = gb / t_copy, 2 * gb / (t_h2m + t_m2h)
-    rows = [("safetensors load+save (baseline)", t_copy, copy_gbps),
-            ("  the same + fsync", t_fsync, gb / t_fsync),
-            ("hf -> mcore (TP1 PP1)", t_h2m, gb / t_h2m),
-            ("mcore -> hf", t_m2h, gb / t_m2h),
-            ("round trip, both directions", t_h2m + t_m2h, convert_gbps)]
-    print(f"model: Llama-style {size}, {nbytes / 1e6:.1f} MB in {args.dtype}, shards of at most "
-          f"{args.max_shard_size}; round trip exact: yes; once-per-process start-up (imports, "
-          f"Megatron's writer Manager), not timed below: {t_warm:.1f} s")
+    rows = [
+        ("safetensors load+save (baseline)", t_copy, copy_gbps),
+        ("  the same + fsync", t_fsync, gb / t_fsync),
+        ("hf -> mcore (TP1 PP1)", t_h2m, gb / t_h2m),
+        ("mcore -> hf", t_m2h, gb / t_m2h),
+        ("round trip, both directions", t_h2m + t_m2h, convert_gbps),
+    ]
+    print(
+        f"model: Llama-style {size}, {nbytes / 1e6:.1f} MB in {args.dtype}, shards of at most "
+        f"{args.max_shard_size}; round trip exact: yes; once-per-process start-up (imports, "
+        f"Megatron's writer Manager), not timed below: {t_warm:.1f} s"
+    )
     print(f"{'step':36} {'seconds':>8} {'GB/s':>7} {'÷ copy':>7}")
     for label, seconds, gbps in rows:
         print(f"{label:36} {seconds:8.2f} {gbps:7.3f} {gbps / copy_gbps:7.2f}")
-    return {"convert_gbps": round(convert_gbps, 4),
-            "ratio_to_safetensors_copy": round(convert_gbps / copy_gbps, 4),
-            "hf_to_mcore_gbps": round(gb / t_h2m, 4), "mcore_to_hf_gbps": round(gb / t_m2h, 4),
-            "safetensors_copy_gbps": round(copy_gbps, 4),
-            "safetensors_copy_fsync_gbps": round(gb / t_fsync, 4), "model_bytes": nbytes,
-            "dtype": args.dtype, "size": size}
+    return {
+        "convert_gbps": round(convert_gbps, 4),
+        "ratio_to_safetensors_copy": round(convert_gbps / copy_gbps, 4),
+        "hf_to_mcore_gbps": round(gb / t_h2m, 4),
+        "mcore_to_hf_gbps": round(gb / t_m2h, 4),
+        "safetensors_copy_gbps": round(copy_gbps, 4),
+        "safetensors_copy_fsync_gbps": round(gb / t_fsync, 4),
+        "model_bytes": nbytes,
+        "dtype": args.dtype,
+        "size": size,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

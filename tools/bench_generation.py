@@ -38,11 +38,18 @@ def make_model(folder: str, args: argparse.Namespace) -> int:
     import transformers
 
     config = transformers.LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=11 * args.hidden // 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=11 * args.hidden // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
         max_position_embeddings=args.prompt_len + args.max_new_tokens,
-        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     model.save_pretrained(folder)
@@ -54,13 +61,14 @@ def _busy_s(url: str) -> float:
     return float(info["internal_states"][0]["busy_s"])
 
 
-def engine_run(fleet, url: str, prompts: list[list[int]], max_new: int,
-               tag: str) -> tuple[float, int, float]:
+def engine_run(fleet, url: str, prompts: list[list[int]], max_new: int, tag: str) -> tuple[float, int, float]:
     """(seconds, generated tokens, server busy seconds) for every prompt through the fleet."""
     from megatron_rl.generation.api import GenRequest
 
-    reqs = [GenRequest(request_id=f"{tag}-{i}", input_ids=p, max_new_tokens=max_new,
-                       temperature=1.0, seed=i) for i, p in enumerate(prompts)]
+    reqs = [
+        GenRequest(request_id=f"{tag}-{i}", input_ids=p, max_new_tokens=max_new, temperature=1.0, seed=i)
+        for i, p in enumerate(prompts)
+    ]
     busy = _busy_s(url)
     start = time.perf_counter()
     results = list(fleet.generate(reqs))
@@ -76,9 +84,18 @@ def hf_run(model, prompts: list[list[int]], max_new: int) -> tuple[float, int]:
     ids = torch.tensor(prompts)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new,
-                             min_new_tokens=max_new, use_cache=True, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            use_cache=True,
+            pad_token_id=0,
+        )
     seconds = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     if new != max_new:
@@ -101,8 +118,7 @@ def run(args: argparse.Namespace, folder: str) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
     engine_rows, hf_rows = [], []
     max_len = args.prompt_len + args.max_new_tokens
-    with EngineProcess(folder, max_slots=args.prompts, max_len=max_len,
-                       threads=args.threads) as server:
+    with EngineProcess(folder, max_slots=args.prompts, max_len=max_len, threads=args.threads) as server:
         fleet = FleetClient([server.url])
         engine_run(fleet, server.url, warm, 4, "warm")  # untimed
         hf_run(model, warm, 4)  # untimed
@@ -116,21 +132,30 @@ def run(args: argparse.Namespace, folder: str) -> dict:
     engine_s = statistics.median(s for s, _, _ in engine_rows)
     busy_s = statistics.median(b for _, _, b in engine_rows)
     hf_tps, engine_tps = tokens / hf_s, tokens / engine_s
-    print(f"generation: random Llama hidden {args.hidden}, {args.layers} layers, vocab "
-          f"{args.vocab} ({params / 1e6:.2f}M parameters, fp32); {args.prompts} prompts of "
-          f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens each (no EOS), sampled at "
-          f"temperature 1.0; {args.threads} torch thread(s) each; median of {args.repeats}")
+    print(
+        f"generation: random Llama hidden {args.hidden}, {args.layers} layers, vocab "
+        f"{args.vocab} ({params / 1e6:.2f}M parameters, fp32); {args.prompts} prompts of "
+        f"{args.prompt_len} tokens, {args.max_new_tokens} new tokens each (no EOS), sampled at "
+        f"temperature 1.0; {args.threads} torch thread(s) each; median of {args.repeats}"
+    )
     print(f"{'generator':52} {'seconds':>8} {'tokens/s':>9} {'÷ HF':>6}")
-    print(f"{f'HF model.generate, batch {args.prompts} (baseline)':52} {hf_s:8.3f} {hf_tps:9.0f} "
-          f"{1.0:6.2f}")
-    print(f"{f'built-in engine over HTTP (FleetClient), {args.prompts} slots':52} {engine_s:8.3f} "
-          f"{engine_tps:9.0f} {engine_tps / hf_tps:6.2f}")
+    print(f"{f'HF model.generate, batch {args.prompts} (baseline)':52} {hf_s:8.3f} {hf_tps:9.0f} {1.0:6.2f}")
+    print(
+        f"{f'built-in engine over HTTP (FleetClient), {args.prompts} slots':52} {engine_s:8.3f} "
+        f"{engine_tps:9.0f} {engine_tps / hf_tps:6.2f}"
+    )
     print(f"{'  of which in engine steps (server busy)':52} {busy_s:8.3f}")
-    return {"engine_over_hf_generate": round(engine_tps / hf_tps, 4),
-            "engine_tokens_per_s": round(engine_tps, 1), "hf_tokens_per_s": round(hf_tps, 1),
-            "engine_s": round(engine_s, 4), "engine_busy_s": round(busy_s, 4),
-            "hf_s": round(hf_s, 4), "generated_tokens": tokens, "threads": args.threads,
-            "params": params}
+    return {
+        "engine_over_hf_generate": round(engine_tps / hf_tps, 4),
+        "engine_tokens_per_s": round(engine_tps, 1),
+        "hf_tokens_per_s": round(hf_tps, 1),
+        "engine_s": round(engine_s, 4),
+        "engine_busy_s": round(busy_s, 4),
+        "hf_s": round(hf_s, 4),
+        "generated_tokens": tokens,
+        "threads": args.threads,
+        "params": params,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -35,7 +35,7 @@ def _child(args) -> None:
     torch.manual_seed(0)
     logits = torch.empty(args.tokens, args.vocab, dtype=dtype, device=device)
     for lo in range(0, args.tokens, 256):  # chunked fill: no full-size fp32 temporary
-        logits[lo:lo + 256].normal_(0, 3)
+        logits[lo : lo + 256].normal_(0, 3)
     targets = torch.randint(0, args.vocab, (args.tokens,), device=device)
     logits.requires_grad_(args.backward)
     if device.type == "cuda":
@@ -61,7 +61,7 @@ def _child(args) -> None:
         # A high-water mark left by the set-up would hide the measured one; the fill above is
         # chunked so this does not happen, but say so if it ever does.
         if hwm <= hwm_before:
-            print(f"warning: peak not above set-up high-water mark", file=sys.stderr)
+            print("warning: peak not above set-up high-water mark", file=sys.stderr)
         peak = hwm - base
     print(json.dumps({"peak_bytes": peak, "seconds": seconds, "checksum": checksum}))
 
@@ -81,8 +81,20 @@ def main(argv: list[str] | None = None) -> dict:
 
     results = {}
     for variant in ("chunked", "naive"):
-        cmd = [sys.executable, __file__, "--child", variant, "--tokens", str(args.tokens), "--vocab",
-               str(args.vocab), "--dtype", args.dtype, "--device", args.device]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            variant,
+            "--tokens",
+            str(args.tokens),
+            "--vocab",
+            str(args.vocab),
+            "--dtype",
+            args.dtype,
+            "--device",
+            args.device,
+        ]
         cmd += ["--backward"] if args.backward else []
         print(f"running {variant} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -90,22 +102,34 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(f"{variant} variant failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
         results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     c, n = results["chunked"], results["naive"]
-    gib = 1024 ** 3
-    input_gib = args.tokens * args.vocab * torch.empty((), dtype=getattr(torch, args.dtype)).element_size() / gib
-    print(f"logits {args.tokens} tokens x {args.vocab} vocab, {args.dtype} ({input_gib:.2f} GiB) on "
-          f"{args.device}, {'forward + backward' if args.backward else 'forward'}; "
-          f"chunk {default_chunk_size(args.vocab)} tokens")
+    gib = 1024**3
+    input_gib = (
+        args.tokens * args.vocab * torch.empty((), dtype=getattr(torch, args.dtype)).element_size() / gib
+    )
+    print(
+        f"logits {args.tokens} tokens x {args.vocab} vocab, {args.dtype} ({input_gib:.2f} GiB) on "
+        f"{args.device}, {'forward + backward' if args.backward else 'forward'}; "
+        f"chunk {default_chunk_size(args.vocab)} tokens"
+    )
     print(f"{'variant':10} {'peak above inputs':>18} {'seconds':>8}")
     for name, r in (("naive", n), ("chunked", c)):
         print(f"{name:10} {r['peak_bytes'] / gib:14.3f} GiB {r['seconds']:8.2f}")
     agree = abs(c["checksum"] - n["checksum"]) / max(1.0, abs(n["checksum"]))
     ratio = c["peak_bytes"] / n["peak_bytes"]
-    print(f"chunked peak = {ratio:.4f} x naive peak ({1 / ratio:.1f}x less); time ratio "
-          f"{c['seconds'] / n['seconds']:.2f}; relative checksum difference {agree:.1e}")
-    out = {"peak_memory_ratio": round(ratio, 5), "chunked_peak_gib": round(c["peak_bytes"] / gib, 4),
-           "naive_peak_gib": round(n["peak_bytes"] / gib, 4),
-           "time_ratio": round(c["seconds"] / n["seconds"], 3), "tokens": args.tokens,
-           "vocab": args.vocab, "dtype": args.dtype, "backward": args.backward}
+    print(
+        f"chunked peak = {ratio:.4f} x naive peak ({1 / ratio:.1f}x less); time ratio "
+        f"{c['seconds'] / n['seconds']:.2f}; relative checksum difference {agree:.1e}"
+    )
+    out = {
+        "peak_memory_ratio": round(ratio, 5),
+        "chunked_peak_gib": round(c["peak_bytes"] / gib, 4),
+        "naive_peak_gib": round(n["peak_bytes"] / gib, 4),
+        "time_ratio": round(c["seconds"] / n["seconds"], 3),
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "dtype": args.dtype,
+        "backward": args.backward,
+    }
     print(json.dumps(out))
     return out
 

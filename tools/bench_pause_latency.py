@@ -36,16 +36,26 @@ def make_model(folder: str, max_len: int) -> None:
     import transformers
 
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, max_position_embeddings=max_len,
-        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=max_len,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(folder)
 
 
 def _post(url: str, route: str, body: dict) -> dict:
-    req = urllib.request.Request(url + route, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.load(r)
 
@@ -55,16 +65,20 @@ def trial(folder: str, args: argparse.Namespace, *, plain: bool, seed: int) -> t
     from megatron_rl.generation.engine.engine import Engine, EngineConfig
     from megatron_rl.generation.engine.server import EngineServer
 
-    engine = Engine.from_pretrained(folder, EngineConfig(max_slots=2, max_len=args.max_len),
-                                    eos_token_ids=())
+    engine = Engine.from_pretrained(folder, EngineConfig(max_slots=2, max_len=args.max_len), eos_token_ids=())
     server = EngineServer(engine)
     if plain:
         server._between_steps = lambda: server.cond  # the plain lock: the baseline
     server.start()
     try:
-        body = {"input_ids": [3, 1, 4, 1, 5],
-                "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 1.0,
-                                    "sampling_seed": seed}}
+        body = {
+            "input_ids": [3, 1, 4, 1, 5],
+            "sampling_params": {
+                "max_new_tokens": args.max_new_tokens,
+                "temperature": 1.0,
+                "sampling_seed": seed,
+            },
+        }
         gen = threading.Thread(target=_post, args=(server.url, "/generate", body))
         gen.start()
         while server.stats["steps"] < args.after_steps:
@@ -80,8 +94,7 @@ def trial(folder: str, args: argparse.Namespace, *, plain: bool, seed: int) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-rl bench pause-latency",
-                                description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="megatron-rl bench pause-latency", description=__doc__.split("\n")[0])
     p.add_argument("--trials", type=int, default=7)
     p.add_argument("--max-new-tokens", type=int, default=480)
     p.add_argument("--after-steps", type=int, default=30)
@@ -102,11 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in rows.items():
         steps = [s for s, _ in res]
         med[name] = statistics.median(steps)
-        print(f"{name:24} {med[name]:>15.0f} {max(steps):>12d} "
-              f"{statistics.median(ms for _, ms in res):>17.1f}")
+        print(
+            f"{name:24} {med[name]:>15.0f} {max(steps):>12d} {statistics.median(ms for _, ms in res):>17.1f}"
+        )
     base, ours = med["plain lock (baseline)"], med["ours"]
-    print(json.dumps({"pause_steps_plain_median": base, "pause_steps_fair_median": ours,
-                      "plain_over_fair": base / max(1.0, ours), "trials": args.trials}))
+    print(
+        json.dumps(
+            {
+                "pause_steps_plain_median": base,
+                "pause_steps_fair_median": ours,
+                "plain_over_fair": base / max(1.0, ours),
+                "trials": args.trials,
+            }
+        )
+    )
     return 0
 
 

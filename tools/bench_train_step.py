@@ -40,14 +40,19 @@ def _batch(args):
     g = torch.Generator().manual_seed(args.seed)
     groups = []
     for gi in range(max(1, args.sequences // args.group_size)):
-        prompt = Prompt(prompt_id=str(gi),
-                        token_ids=torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist())
+        prompt = Prompt(
+            prompt_id=str(gi), token_ids=torch.randint(0, args.vocab, (args.prompt,), generator=g).tolist()
+        )
         scored = []
         for k in range(args.group_size):
             n = int(torch.randint(args.completion // 2, args.completion + 1, (1,), generator=g))
-            comp = Completion(prompt_id=str(gi), sample_index=k,
-                              token_ids=torch.randint(0, args.vocab, (n,), generator=g).tolist(),
-                              logprobs=[-math.log(args.vocab)] * n, versions=[0] * n)
+            comp = Completion(
+                prompt_id=str(gi),
+                sample_index=k,
+                token_ids=torch.randint(0, args.vocab, (n,), generator=g).tolist(),
+                logprobs=[-math.log(args.vocab)] * n,
+                versions=[0] * n,
+            )
             scored.append(ScoredCompletion(completion=comp, reward=float(k % 2)))
         groups.append(Group(prompt=prompt, completions=scored))
     return build_train_batch(groups, GRPOConfig())
@@ -63,11 +68,18 @@ def _trainer(args, tp: int):
     from megatron_rl.training.trainer import PolicyTrainer
 
     hf = transformers.LlamaConfig(
-        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, intermediate_size=args.ffn or 4 * args.hidden,
-        vocab_size=args.vocab, max_position_embeddings=4 * args.budget, rms_norm_eps=1e-5)
-    cfg = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp), optim=OptimConfig(lr=1e-5),
-                        seed=args.seed)
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        intermediate_size=args.ffn or 4 * args.hidden,
+        vocab_size=args.vocab,
+        max_position_embeddings=4 * args.budget,
+        rms_norm_eps=1e-5,
+    )
+    cfg = TrainerConfig(
+        parallel=ParallelConfig(tensor_parallel=tp), optim=OptimConfig(lr=1e-5), seed=args.seed
+    )
     return PolicyTrainer(hf, cfg, GRPOConfig(), BatchingConfig(token_budget=args.budget))
 
 
@@ -78,8 +90,9 @@ def _worker(rank: int, world: int, init_file: str, args, results) -> None:
         torch.cuda.set_device(rank)
         os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(args.threads)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}",
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+    )
     try:
         trainer = _trainer(args, tp=world)
         batch = _batch(args)
@@ -90,12 +103,20 @@ def _worker(rank: int, world: int, init_file: str, args, results) -> None:
         params = trainer.num_parameters()  # collective
         if rank == 0:
             step = statistics.median(m["step_time_s"] for m in timed)
-            results.put({"ranks": world, "params": params,
-                         "padded_vocab": trainer.chunks[0].vocab_size,
-                         "tokens": sum(batch.lengths), "sequences": len(batch),
-                         "microbatches": first["microbatches"],
-                         "padding": first["padding_fraction"], "loss": first["loss"],
-                         "grad_norm": first["grad_norm"], "step_s": step})
+            results.put(
+                {
+                    "ranks": world,
+                    "params": params,
+                    "padded_vocab": trainer.chunks[0].vocab_size,
+                    "tokens": sum(batch.lengths),
+                    "sequences": len(batch),
+                    "microbatches": first["microbatches"],
+                    "padding": first["padding_fraction"],
+                    "loss": first["loss"],
+                    "grad_norm": first["grad_norm"],
+                    "step_s": step,
+                }
+            )
         trainer.close()
     finally:
         dist.destroy_process_group()
@@ -105,23 +126,34 @@ def _run_layout(args, world: int) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, os.path.join(tmp, "init"), args, results),
-                           nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(
+            _worker,
+            args=(world, os.path.join(tmp, "init"), args, results),
+            nprocs=world,
+            join=True,
+            start_method="spawn",
+        )
     return results.get()
 
 
 def _table(args, rows: dict[int, dict]) -> None:
     base = rows[1]
-    print(f"GRPO train step: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} "
-          f"(padded {base['padded_vocab']}), {base['params'] / 1e6:.2f}M parameters; "
-          f"{base['sequences']} sequences, {base['tokens']} tokens; budget {args.budget} "
-          f"(packed, greedy); {args.threads} thread(s) per rank; median of {args.steps} steps")
-    print(f"{'layout':7} {'ranks':>5} {'microbatches':>12} {'padding':>8} {'step s':>8} "
-          f"{'tokens/s':>10} {'loss':>10} {'grad norm':>10} {'÷ TP=1 time':>12}")
+    print(
+        f"GRPO train step: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} "
+        f"(padded {base['padded_vocab']}), {base['params'] / 1e6:.2f}M parameters; "
+        f"{base['sequences']} sequences, {base['tokens']} tokens; budget {args.budget} "
+        f"(packed, greedy); {args.threads} thread(s) per rank; median of {args.steps} steps"
+    )
+    print(
+        f"{'layout':7} {'ranks':>5} {'microbatches':>12} {'padding':>8} {'step s':>8} "
+        f"{'tokens/s':>10} {'loss':>10} {'grad norm':>10} {'÷ TP=1 time':>12}"
+    )
     for tp, r in rows.items():
-        print(f"{'TP=' + str(tp):7} {r['ranks']:5d} {r['microbatches']:12.0f} {r['padding']:8.1%} "
-              f"{r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {r['loss']:10.5f} "
-              f"{r['grad_norm']:10.5f} {r['step_s'] / base['step_s']:12.3f}")
+        print(
+            f"{'TP=' + str(tp):7} {r['ranks']:5d} {r['microbatches']:12.0f} {r['padding']:8.1%} "
+            f"{r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {r['loss']:10.5f} "
+            f"{r['grad_norm']:10.5f} {r['step_s'] / base['step_s']:12.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -140,8 +172,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps")
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    ap.add_argument("--peak-flops", type=float, default=989e12,
-                    help="per-GPU peak FLOP/s for MFU (H100/H200 dense bf16: 989e12)")
+    ap.add_argument(
+        "--peak-flops",
+        type=float,
+        default=989e12,
+        help="per-GPU peak FLOP/s for MFU (H100/H200 dense bf16: 989e12)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     args.warmup = max(1, args.warmup)
@@ -158,10 +194,13 @@ def main(argv: list[str] | None = None) -> dict:
         out["tp2_over_tp1_step_time"] = round(rows[2]["step_s"] / rows[1]["step_s"], 4)
         # Same weights and batch: the first step's loss and gradient norm agree up to fp32
         # reordering (~1e-6 relative); 1e-4 flags a real difference.
-        same = all(abs(rows[2][k] - rows[1][k]) <= 1e-4 * max(1.0, abs(rows[1][k]))
-                   for k in ("loss", "grad_norm"))
-        print(f"TP=2 / TP=1 step time: {out['tp2_over_tp1_step_time']:.3f} (ideal 0.5); "
-              f"first-step loss and grad norm {'match' if same else 'DIFFER'} across layouts")
+        same = all(
+            abs(rows[2][k] - rows[1][k]) <= 1e-4 * max(1.0, abs(rows[1][k])) for k in ("loss", "grad_norm")
+        )
+        print(
+            f"TP=2 / TP=1 step time: {out['tp2_over_tp1_step_time']:.3f} (ideal 0.5); "
+            f"first-step loss and grad norm {'match' if same else 'DIFFER'} across layouts"
+        )
         out["tp1_tp2_first_step_match"] = same
     if gpus:
         for tp, r in rows.items():

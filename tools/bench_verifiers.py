@@ -22,10 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.rewards.math_pairs
 
-from megatron_rl.rewards.code import CodeConfig, compile_cpp  # noqa: E402
-from megatron_rl.rewards.math import verify_math  # noqa: E402
-from megatron_rl.rewards.pool import VerifierPool  # noqa: E402
-from tests.rewards.math_pairs import EQUIVALENT, NOT_EQUIVALENT  # noqa: E402
+from megatron_rl.rewards.code import CodeConfig, compile_cpp
+from megatron_rl.rewards.math import verify_math
+from megatron_rl.rewards.pool import VerifierPool
+from tests.rewards.math_pairs import EQUIVALENT, NOT_EQUIVALENT
 
 CPP_SOLUTION = r"""
 #include <bits/stdc++.h>
@@ -103,12 +103,20 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{f'verifier pool, {args.workers} workers':42} {t_pool:8.2f} {len(pairs) / t_pool:11.1f}")
     print(f"{'C++ compile, precompiled bits/stdc++.h':42} {t_pch:8.2f}")
     print(f"{'C++ compile, no precompiled header':42} {t_nopch:8.2f}")
-    out = {"math_pool_speedup": round(t_plain / t_pool, 3),
-           "math_plain_per_s": round(len(pairs) / t_plain, 2), "math_pool_per_s": round(len(pairs) / t_pool, 2),
-           "cpp_pch_compile_ratio": round(t_pch / t_nopch, 3), "cpp_pch_s": round(t_pch, 3),
-           "cpp_no_pch_s": round(t_nopch, 3), "workers": args.workers, "verifications": len(pairs)}
-    print(f"pool speed-up {out['math_pool_speedup']}x; compile with PCH takes "
-          f"{out['cpp_pch_compile_ratio']}x the time without")
+    out = {
+        "math_pool_speedup": round(t_plain / t_pool, 3),
+        "math_plain_per_s": round(len(pairs) / t_plain, 2),
+        "math_pool_per_s": round(len(pairs) / t_pool, 2),
+        "cpp_pch_compile_ratio": round(t_pch / t_nopch, 3),
+        "cpp_pch_s": round(t_pch, 3),
+        "cpp_no_pch_s": round(t_nopch, 3),
+        "workers": args.workers,
+        "verifications": len(pairs),
+    }
+    print(
+        f"pool speed-up {out['math_pool_speedup']}x; compile with PCH takes "
+        f"{out['cpp_pch_compile_ratio']}x the time without"
+    )
     print(json.dumps(out))
     return out
 

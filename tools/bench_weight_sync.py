@@ -41,10 +41,18 @@ def make_model(folder: str, args: argparse.Namespace) -> int:
     import transformers
 
     config = transformers.LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.ffn or 11 * args.hidden // 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, vocab_size=args.vocab, max_position_embeddings=256,
-        tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        hidden_size=args.hidden,
+        intermediate_size=args.ffn or 11 * args.hidden // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        vocab_size=args.vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     model.save_pretrained(folder)
@@ -58,20 +66,24 @@ def _free_port() -> int:
 
 
 def _post(url: str, route: str, body: dict) -> dict:
-    req = urllib.request.Request(f"{url}{route}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.load(r)
 
 
-def raw_broadcast(urls: list[str], group, group_name: str, flat: torch.Tensor,
-                  pool: ThreadPoolExecutor) -> float:
+def raw_broadcast(
+    urls: list[str], group, group_name: str, flat: torch.Tensor, pool: ThreadPoolExecutor
+) -> float:
     """Seconds for one broadcast of ``flat`` that every server receives and discards."""
-    from megatron_rl.weight_sync.group import broadcast
+    from megatron_rl.generation.update_group import broadcast
 
     start = time.perf_counter()
-    futs = [pool.submit(_post, u, "/megatron_rl/receive_raw",
-                        {"group_name": group_name, "numel": flat.numel()}) for u in urls]
+    futs = [
+        pool.submit(_post, u, "/megatron_rl/receive_raw", {"group_name": group_name, "numel": flat.numel()})
+        for u in urls
+    ]
     broadcast(flat, group, src=0)
     for f in futs:
         f.result()
@@ -80,13 +92,15 @@ def raw_broadcast(urls: list[str], group, group_name: str, flat: torch.Tensor,
 
 def _servers_hold(urls: list[str], trainer, converter) -> bool:
     """Whether every server's weights are the trainer's HF tensors, bit for bit."""
-    from megatron_rl.weight_sync.broadcast import iter_model_hf
+    from megatron_rl.training.chunks import iter_model_hf
 
-    want = {n: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                              .tobytes()).hexdigest()
-            for n, t in iter_model_hf(trainer.chunks, converter)}
-    return all(json.load(urllib.request.urlopen(f"{u}/megatron_rl/weights_digest")) == want
-               for u in urls)
+    want = {
+        n: hashlib.sha256(
+            t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
+        for n, t in iter_model_hf(trainer.chunks, converter)
+    }
+    return all(json.load(urllib.request.urlopen(f"{u}/megatron_rl/weights_digest")) == want for u in urls)
 
 
 def run(args: argparse.Namespace, folder: str) -> dict:
@@ -106,9 +120,10 @@ def run(args: argparse.Namespace, folder: str) -> dict:
             s.start()
         urls = [s.url for s in servers]
         fleet = FleetClient(urls)
-        cfg = WeightSyncConfig(backend="gloo", master_port=_free_port(), bucket_mb=args.bucket_mb,
-                               group_name="bench_weight_sync")
-        bc = WeightBroadcaster(trainer.chunks, folder, fleet, cfg)
+        cfg = WeightSyncConfig(
+            backend="gloo", master_port=_free_port(), bucket_mb=args.bucket_mb, group_name="bench_weight_sync"
+        )
+        bc = WeightBroadcaster(trainer.hf_tensors, fleet, cfg)
         bc.connect()
         first = bc.sync(version=1)  # untimed: first use of the group's connections
         nbytes = int(first["weight_sync/bytes"])
@@ -131,25 +146,36 @@ def run(args: argparse.Namespace, folder: str) -> dict:
     pause_s = statistics.median(s["weight_sync/pause_s"] for s in syncs)
     raw_s = statistics.median(raws)
     gb = nbytes / 1e9
-    print(f"model: Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
-          f"{params / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB fp32 (HF tensors); "
-          f"{args.servers} built-in server(s), gloo over loopback; buckets of "
-          f"{args.bucket_mb:g} MB ({int(first['weight_sync/buckets'])} per sync); median of "
-          f"{args.repeats}; servers "
-          f"hold the trainer's weights after the syncs: {'yes' if same else 'NO'}")
+    print(
+        f"model: Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
+        f"{params / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB fp32 (HF tensors); "
+        f"{args.servers} built-in server(s), gloo over loopback; buckets of "
+        f"{args.bucket_mb:g} MB ({int(first['weight_sync/buckets'])} per sync); median of "
+        f"{args.repeats}; servers "
+        f"hold the trainer's weights after the syncs: {'yes' if same else 'NO'}"
+    )
     print(f"{'step':44} {'seconds':>8} {'GB/s':>7} {'÷ raw':>7}")
-    for label, seconds in [("raw broadcast, one uint8 tensor (baseline)", raw_s),
-                           ("WeightBroadcaster.sync(), whole model", sync_s)]:
+    for label, seconds in [
+        ("raw broadcast, one uint8 tensor (baseline)", raw_s),
+        ("WeightBroadcaster.sync(), whole model", sync_s),
+    ]:
         print(f"{label:44} {seconds:8.3f} {gb / seconds:7.3f} {seconds / raw_s:7.2f}")
-    print(f"{'  of which pause + begin (HTTP round trips)':44} {pause_s:8.3f} {'':>7} "
-          f"{pause_s / raw_s:7.2f}")
+    print(f"{'  of which pause + begin (HTTP round trips)':44} {pause_s:8.3f} {'':>7} {pause_s / raw_s:7.2f}")
     if not same:
         raise SystemExit("bench weight-sync: a server's weights differ from the trainer's")
-    return {"broadcast_over_raw": round(sync_s / raw_s, 4), "sync_s": round(sync_s, 5),
-            "sync_gbps": round(gb / sync_s, 4), "raw_s": round(raw_s, 5),
-            "raw_gbps": round(gb / raw_s, 4), "bytes": nbytes,
-            "buckets": int(first["weight_sync/buckets"]), "bucket_mb": args.bucket_mb,
-            "pause_s": round(pause_s, 5), "servers": args.servers, "params": params}
+    return {
+        "broadcast_over_raw": round(sync_s / raw_s, 4),
+        "sync_s": round(sync_s, 5),
+        "sync_gbps": round(gb / sync_s, 4),
+        "raw_s": round(raw_s, 5),
+        "raw_gbps": round(gb / raw_s, 4),
+        "bytes": nbytes,
+        "buckets": int(first["weight_sync/buckets"]),
+        "bucket_mb": args.bucket_mb,
+        "pause_s": round(pause_s, 5),
+        "servers": args.servers,
+        "params": params,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:

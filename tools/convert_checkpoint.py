@@ -1,7 +1,7 @@
 """Convert checkpoints between Hugging Face and Megatron-Core (the same as ``megatron-rl convert``).
 
-    python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR --tp 2 --pp 1
-    python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR
+python tools/convert_checkpoint.py hf-to-mcore --hf HF_DIR --out MCORE_DIR --tp 2 --pp 1
+python tools/convert_checkpoint.py mcore-to-hf --mcore MCORE_DIR --out HF_DIR
 """
 
 import sys

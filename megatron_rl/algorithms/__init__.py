@@ -7,6 +7,16 @@ from megatron_rl.algorithms.filtering import FilterReport, filter_groups
 from megatron_rl.algorithms.logprobs import naive_token_logprobs, token_logprobs
 from megatron_rl.algorithms.loss import finalize_loss_metrics, grpo_loss, reduce_loss_metrics
 
-__all__ = ["compute_advantages", "group_advantages", "minibatch_normalize", "GRPOConfig",
-           "FilterReport", "filter_groups", "naive_token_logprobs", "token_logprobs",
-           "finalize_loss_metrics", "grpo_loss", "reduce_loss_metrics"]
+__all__ = [
+    "FilterReport",
+    "GRPOConfig",
+    "compute_advantages",
+    "filter_groups",
+    "finalize_loss_metrics",
+    "group_advantages",
+    "grpo_loss",
+    "minibatch_normalize",
+    "naive_token_logprobs",
+    "reduce_loss_metrics",
+    "token_logprobs",
+]

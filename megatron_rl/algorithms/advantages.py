@@ -17,7 +17,7 @@ import torch
 
 GroupNorm = Literal["center", "center_std"]
 
-__all__ = ["GroupNorm", "group_index", "group_advantages", "minibatch_normalize", "compute_advantages"]
+__all__ = ["GroupNorm", "compute_advantages", "group_advantages", "group_index", "minibatch_normalize"]
 
 
 def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -31,7 +31,8 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _group_stats(values: torch.Tensor, index: torch.Tensor, n_groups: int):
     """Per-group mean and population std of ``values`` ``[N]``; returns ``[n_groups]`` each."""
     counts = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(
-        0, index, torch.ones_like(values))
+        0, index, torch.ones_like(values)
+    )
     sums = torch.zeros_like(counts).index_add_(0, index, values)
     mean = sums / counts
     centred = values - mean[index]
@@ -39,8 +40,9 @@ def _group_stats(values: torch.Tensor, index: torch.Tensor, n_groups: int):
     return mean, var.sqrt()
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *,
-                     mode: GroupNorm = "center", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, *, mode: GroupNorm = "center", eps: float = 1e-6
+) -> torch.Tensor:
     """Group-relative advantages.
 
     Args:
@@ -64,8 +66,9 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *,
     raise ValueError(f"group normalisation mode must be 'center' or 'center_std', got {mode!r}")
 
 
-def minibatch_normalize(advantages: torch.Tensor, *, eps: float = 1e-6,
-                        mask: torch.Tensor | None = None) -> torch.Tensor:
+def minibatch_normalize(
+    advantages: torch.Tensor, *, eps: float = 1e-6, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Standardise ``[N]`` advantages over the minibatch: ``(A - mean) / (std + eps)``.
 
     ``std`` is the population std (so the result has std exactly 1 up to ``eps``). Entries where
@@ -84,9 +87,15 @@ def minibatch_normalize(advantages: torch.Tensor, *, eps: float = 1e-6,
     return torch.where(mask, out, torch.zeros_like(out))
 
 
-def compute_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *,
-                       group_norm: GroupNorm = "center", minibatch_norm: bool = True,
-                       eps: float = 1e-6, mask: torch.Tensor | None = None) -> torch.Tensor:
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    group_norm: GroupNorm = "center",
+    minibatch_norm: bool = True,
+    eps: float = 1e-6,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Group step then (optionally) minibatch step; ``[N]`` in, ``[N]`` out.
 
     Pass ``mask`` (``[N]`` bool, False for completions of filtered groups) so that dropped groups

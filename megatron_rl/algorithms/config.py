@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl.config_checks import ConfigFieldError, check_range
+from megatron_rl.config import ConfigFieldError, check_range
 
 
 @dataclass(kw_only=True)
@@ -28,8 +28,9 @@ class GRPOConfig:
         check_range("eps_low", self.eps_low, low=0.0, high=1.0, high_open=True)
         check_range("eps_high", self.eps_high, low=0.0)
         if self.eps_high < self.eps_low:
-            raise ConfigFieldError("eps_high", f"must be >= eps_low ({self.eps_low}) for Clip-Higher, "
-                                               f"got {self.eps_high}")
+            raise ConfigFieldError(
+                "eps_high", f"must be >= eps_low ({self.eps_low}) for Clip-Higher, got {self.eps_high}"
+            )
         check_range("filter_tolerance", self.filter_tolerance, low=0.0)
         check_range("kl_coef", self.kl_coef, low=0.0)
         check_range("temperature", self.temperature, low=0.0, low_open=True)

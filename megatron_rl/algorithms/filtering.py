@@ -7,52 +7,22 @@ before advantages are normalised.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from megatron_rl.algorithms.advantages import group_index
+from megatron_rl.types import DROP_REASONS, FilterReport
 
-__all__ = ["FilterReport", "filter_groups", "DROP_REASONS"]
-
-#: Why a group was dropped, in the order they are tested.
-DROP_REASONS = ("all_format_failed", "all_correct", "all_wrong", "equal_reward")
+__all__ = ["DROP_REASONS", "FilterReport", "filter_groups"]
 
 
-@dataclass
-class FilterReport:
-    """How many groups the filter kept and dropped, with the reason for each drop."""
-
-    groups_total: int = 0
-    groups_kept: int = 0
-    completions_kept: int = 0
-    completions_dropped: int = 0
-    dropped: dict[str, int] = field(default_factory=lambda: {r: 0 for r in DROP_REASONS})
-
-    @property
-    def groups_dropped(self) -> int:
-        return sum(self.dropped.values())
-
-    def merge(self, other: "FilterReport") -> "FilterReport":
-        """Sum of two reports (for accumulating over a step)."""
-        return FilterReport(
-            groups_total=self.groups_total + other.groups_total,
-            groups_kept=self.groups_kept + other.groups_kept,
-            completions_kept=self.completions_kept + other.completions_kept,
-            completions_dropped=self.completions_dropped + other.completions_dropped,
-            dropped={r: self.dropped[r] + other.dropped[r] for r in DROP_REASONS},
-        )
-
-    def as_metrics(self, prefix: str = "filter/") -> dict[str, float]:
-        out = {f"{prefix}groups_total": self.groups_total, f"{prefix}groups_kept": self.groups_kept,
-               f"{prefix}groups_dropped": self.groups_dropped}
-        out.update({f"{prefix}dropped_{r}": n for r, n in self.dropped.items()})
-        return out
-
-
-def filter_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *, tolerance: float = 0.0,
-                  correct: torch.Tensor | None = None,
-                  format_ok: torch.Tensor | None = None) -> tuple[torch.Tensor, FilterReport]:
+def filter_groups(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    tolerance: float = 0.0,
+    correct: torch.Tensor | None = None,
+    format_ok: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, FilterReport]:
     """Drop groups whose rewards are all equal.
 
     Args:
@@ -73,9 +43,11 @@ def filter_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *, tolerance: 
     index, n_groups = group_index(group_ids)
     r = rewards.double()
     gmax = torch.full((n_groups,), -float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
-        0, index, r, reduce="amax")
+        0, index, r, reduce="amax"
+    )
     gmin = torch.full((n_groups,), float("inf"), dtype=r.dtype, device=r.device).scatter_reduce(
-        0, index, r, reduce="amin")
+        0, index, r, reduce="amin"
+    )
     group_equal = (gmax - gmin) <= tolerance
     keep = ~group_equal[index]
 
@@ -85,15 +57,19 @@ def filter_groups(rewards: torch.Tensor, group_ids: torch.Tensor, *, tolerance: 
         hit = (flags.bool() == value).long()
         count = torch.zeros(n_groups, dtype=torch.long, device=r.device).index_add_(0, index, hit)
         size = torch.zeros(n_groups, dtype=torch.long, device=r.device).index_add_(
-            0, index, torch.ones_like(hit))
+            0, index, torch.ones_like(hit)
+        )
         return count == size
 
     all_fmt_fail = _all(format_ok, False)
     all_correct = _all(correct, True)
     all_wrong = _all(correct, False)
-    report = FilterReport(groups_total=n_groups, groups_kept=int((~group_equal).sum()),
-                          completions_kept=int(keep.sum()),
-                          completions_dropped=int((~keep).sum()))
+    report = FilterReport(
+        groups_total=n_groups,
+        groups_kept=int((~group_equal).sum()),
+        completions_kept=int(keep.sum()),
+        completions_dropped=int((~keep).sum()),
+    )
     for g in torch.nonzero(group_equal).flatten().tolist():
         if all_fmt_fail is not None and all_fmt_fail[g]:
             reason = "all_format_failed"

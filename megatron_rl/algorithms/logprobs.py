@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["token_logprobs", "naive_token_logprobs", "default_chunk_size"]
+__all__ = ["default_chunk_size", "naive_token_logprobs", "token_logprobs"]
 
 # fp32 elements per chunk temporary: 2**24 * 4 B = 64 MiB; a few such buffers live at once.
 _CHUNK_ELEMENTS = 1 << 24
@@ -84,7 +84,9 @@ class _TokenLogProbs(torch.autograd.Function):
             if tp_size > 1:
                 global_m = m.clone()
                 dist.all_reduce(global_m, op=dist.ReduceOp.MAX, group=tp_group)
-                scale = torch.exp(torch.where(torch.isfinite(m), m - global_m, torch.full_like(m, -float("inf"))))
+                scale = torch.exp(
+                    torch.where(torch.isfinite(m), m - global_m, torch.full_like(m, -float("inf")))
+                )
                 summed = torch.stack([s * scale, w * scale, zt])
                 dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=tp_group)
                 m, (s, w, zt) = global_m, summed
@@ -119,9 +121,15 @@ class _TokenLogProbs(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                   chunk_size: int | None = None, tp_group=None,
-                   check_targets: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    tp_group=None,
+    check_targets: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of ``targets`` under ``softmax(logits / temperature)``.
 
     Args:
@@ -153,8 +161,9 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     return logp.reshape(lead), entropy.reshape(lead)
 
 
-def naive_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *,
-                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def naive_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: full fp32 ``log_softmax`` then gather. Same contract as :func:`token_logprobs`
     for unsharded logits; used by the tests and as the baseline of ``megatron-rl bench logprobs``."""
     logsm = torch.log_softmax(logits.float() / temperature, dim=-1)

@@ -22,17 +22,25 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["grpo_loss", "finalize_loss_metrics", "reduce_loss_metrics"]
+__all__ = ["finalize_loss_metrics", "grpo_loss", "reduce_loss_metrics"]
 
 # exp() of a log-ratio above ~88 overflows fp32. A ratio of e^20 is already far outside any clip
 # range, so clamping the log-ratio there changes no clipped term and keeps gradients finite.
 _MAX_LOG_RATIO = 20.0
 
 
-def grpo_loss(logp: torch.Tensor, behaviour_logp: torch.Tensor, advantages: torch.Tensor,
-              weights: torch.Tensor, *, eps_low: float = 0.2, eps_high: float = 0.28,
-              kl_coef: float = 0.0, ref_logp: torch.Tensor | None = None,
-              entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_loss(
+    logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    kl_coef: float = 0.0,
+    ref_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO clipped surrogate, weighted per token.
 
     Args:

@@ -31,10 +31,21 @@ def build_train_batch(groups: list[Group], cfg: GRPOConfig) -> TrainBatch:
         return TrainBatch(sequences=[])
     rewards = torch.tensor([sc.reward for _, _, sc in scored], dtype=torch.float64)
     group_ids = torch.tensor([gi for gi, _, _ in scored], dtype=torch.long)
-    keep, report = filter_groups(rewards, group_ids, tolerance=cfg.filter_tolerance,
-                                 correct=_flags(groups, "correct"), format_ok=_flags(groups, "format_ok"))
-    adv = compute_advantages(rewards, group_ids, group_norm=cfg.group_norm,
-                             minibatch_norm=cfg.minibatch_norm, eps=cfg.adv_eps, mask=keep)
+    keep, report = filter_groups(
+        rewards,
+        group_ids,
+        tolerance=cfg.filter_tolerance,
+        correct=_flags(groups, "correct"),
+        format_ok=_flags(groups, "format_ok"),
+    )
+    adv = compute_advantages(
+        rewards,
+        group_ids,
+        group_norm=cfg.group_norm,
+        minibatch_norm=cfg.minibatch_norm,
+        eps=cfg.adv_eps,
+        mask=keep,
+    )
     kept = torch.nonzero(keep).flatten().tolist()
     lengths = torch.tensor([len(scored[i][2].completion.token_ids) for i in kept], dtype=torch.long)
     weights = loss_token_weights(lengths, group_ids[kept], cfg.loss_norm) if kept else torch.empty(0)
@@ -42,10 +53,16 @@ def build_train_batch(groups: list[Group], cfg: GRPOConfig) -> TrainBatch:
     for k, i in enumerate(kept):
         gi, group, sc = scored[i]
         c = sc.completion
-        sequences.append(TrainSequence(
-            tokens=torch.tensor(list(group.prompt.token_ids) + list(c.token_ids), dtype=torch.long),
-            prompt_length=len(group.prompt.token_ids),
-            behaviour_logprobs=torch.tensor(c.logprobs, dtype=torch.float32),
-            versions=torch.tensor(c.versions, dtype=torch.long),
-            advantage=float(adv[i]), weight=float(weights[k]), group_id=gi, reward=float(rewards[i])))
+        sequences.append(
+            TrainSequence(
+                tokens=torch.tensor(list(group.prompt.token_ids) + list(c.token_ids), dtype=torch.long),
+                prompt_length=len(group.prompt.token_ids),
+                behaviour_logprobs=torch.tensor(c.logprobs, dtype=torch.float32),
+                versions=torch.tensor(c.versions, dtype=torch.long),
+                advantage=float(adv[i]),
+                weight=float(weights[k]),
+                group_id=gi,
+                reward=float(rewards[i]),
+            )
+        )
     return TrainBatch(sequences=sequences, filter_report=report)

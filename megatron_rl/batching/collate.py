@@ -25,8 +25,9 @@ positions, each sequence's last position and padding carry weight 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
@@ -35,8 +36,17 @@ from megatron_rl.types import TrainBatch, TrainSequence
 Layout = Literal["packed", "padded"]
 Strategy = Literal["greedy", "uniform"]
 
-__all__ = ["Layout", "Strategy", "plan_microbatches", "microbatch_cost", "CollationStats",
-           "collation_stats", "Microbatch", "collate", "build_microbatches"]
+__all__ = [
+    "CollationStats",
+    "Layout",
+    "Microbatch",
+    "Strategy",
+    "build_microbatches",
+    "collate",
+    "collation_stats",
+    "microbatch_cost",
+    "plan_microbatches",
+]
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -54,8 +64,14 @@ def microbatch_cost(lengths: Sequence[int], layout: Layout, pad_to_multiple: int
     raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
 
 
-def plan_microbatches(lengths: Sequence[int], token_budget: int, *, layout: Layout = "packed",
-                      strategy: Strategy = "greedy", pad_to_multiple: int = 1) -> list[list[int]]:
+def plan_microbatches(
+    lengths: Sequence[int],
+    token_budget: int,
+    *,
+    layout: Layout = "packed",
+    strategy: Strategy = "greedy",
+    pad_to_multiple: int = 1,
+) -> list[list[int]]:
     """Assign sequence indices to microbatches whose cost stays within ``token_budget``.
 
     Args:
@@ -67,13 +83,18 @@ def plan_microbatches(lengths: Sequence[int], token_budget: int, *, layout: Layo
     """
     for i, n in enumerate(lengths):
         if microbatch_cost([n], layout, pad_to_multiple) > token_budget:
-            raise ValueError(f"sequence {i} has {n} tokens, more than the microbatch token budget "
-                             f"{token_budget} (batching.token_budget must be >= the longest sequence)")
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than the microbatch token budget "
+                f"{token_budget} (batching.token_budget must be >= the longest sequence)"
+            )
     if strategy == "uniform":
         bins: list[list[int]] = []
         for i in range(len(lengths)):
-            if bins and microbatch_cost([lengths[j] for j in bins[-1]] + [lengths[i]], layout,
-                                        pad_to_multiple) <= token_budget:
+            if (
+                bins
+                and microbatch_cost([lengths[j] for j in bins[-1]] + [lengths[i]], layout, pad_to_multiple)
+                <= token_budget
+            ):
                 bins[-1].append(i)
             else:
                 bins.append([i])
@@ -115,15 +136,23 @@ class CollationStats:
         return self.microbatches / max(1, self.lower_bound)
 
 
-def collation_stats(lengths: Sequence[int], bins: list[list[int]], token_budget: int,
-                    layout: Layout = "packed", pad_to_multiple: int = 1) -> CollationStats:
+def collation_stats(
+    lengths: Sequence[int],
+    bins: list[list[int]],
+    token_budget: int,
+    layout: Layout = "packed",
+    pad_to_multiple: int = 1,
+) -> CollationStats:
     total = int(sum(lengths))
     slots = len(bins) * token_budget
     cost = sum(microbatch_cost([lengths[i] for i in b], layout, pad_to_multiple) for b in bins)
     return CollationStats(
-        microbatches=len(bins), lower_bound=math.ceil(total / token_budget), total_tokens=total,
+        microbatches=len(bins),
+        lower_bound=math.ceil(total / token_budget),
+        total_tokens=total,
         padding_fraction=1.0 - total / slots if slots else 0.0,
-        shape_padding_fraction=1.0 - total / cost if cost else 0.0)
+        shape_padding_fraction=1.0 - total / cost if cost else 0.0,
+    )
 
 
 @dataclass
@@ -150,11 +179,12 @@ class Microbatch:
     def attention_mask(self) -> torch.Tensor:
         """``[R, 1, S, S]`` bool, True where attention is *not* allowed (Megatron's convention):
         causal within each sequence, nothing across sequences or into padding."""
-        r, s = self.tokens.shape
+        _r, s = self.tokens.shape
         causal = torch.ones(s, s, dtype=torch.bool).tril()
         if self.layout == "packed":
-            seg = torch.repeat_interleave(torch.arange(len(self.cu_seqlens) - 1),
-                                          (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long())
+            seg = torch.repeat_interleave(
+                torch.arange(len(self.cu_seqlens) - 1), (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
+            )
             allowed = causal & (seg[:, None] == seg[None, :])
             return (~allowed).view(1, 1, s, s)
         valid = torch.arange(s)[None, :] < torch.tensor(self.seq_lengths)[:, None]  # [R, S]
@@ -169,8 +199,8 @@ class Microbatch:
         out = []
         for k, (start, n) in enumerate(self._segments()):
             row = 0 if self.layout == "packed" else k
-            w = self.loss_mask[row, start:start + n]
-            out.append(values[row, start:start + n][w])
+            w = self.loss_mask[row, start : start + n]
+            out.append(values[row, start : start + n][w])
         return out
 
     def _segments(self) -> list[tuple[int, int]]:
@@ -181,9 +211,9 @@ class Microbatch:
 
 def _place(seq: TrainSequence, fields: dict[str, torch.Tensor], row: int, start: int) -> None:
     n, p = seq.length, seq.prompt_length
-    fields["tokens"][row, start:start + n] = seq.tokens
-    fields["position_ids"][row, start:start + n] = torch.arange(n)
-    fields["labels"][row, start:start + n - 1] = seq.tokens[1:]
+    fields["tokens"][row, start : start + n] = seq.tokens
+    fields["position_ids"][row, start : start + n] = torch.arange(n)
+    fields["labels"][row, start : start + n - 1] = seq.tokens[1:]
     lo, hi = start + p - 1, start + n - 1  # label positions of the completion tokens
     fields["mask"][row, lo:hi] = True
     fields["loss_weights"][row, lo:hi] = seq.weight
@@ -192,8 +222,14 @@ def _place(seq: TrainSequence, fields: dict[str, torch.Tensor], row: int, start:
     fields["versions"][row, lo:hi] = seq.versions
 
 
-def collate(sequences: list[TrainSequence], seq_index: list[int], *, layout: Layout = "packed",
-            pad_to_multiple: int = 1, pad_id: int = 0) -> Microbatch:
+def collate(
+    sequences: list[TrainSequence],
+    seq_index: list[int],
+    *,
+    layout: Layout = "packed",
+    pad_to_multiple: int = 1,
+    pad_id: int = 0,
+) -> Microbatch:
     """Lay the given sequences out as one microbatch (see the module docstring)."""
     lengths = [s.length for s in sequences]
     if layout == "packed":
@@ -223,18 +259,39 @@ def collate(sequences: list[TrainSequence], seq_index: list[int], *, layout: Lay
         if bounds[-1] < width:  # the tail padding is a segment of its own
             bounds.append(width)
         cu = torch.tensor(bounds, dtype=torch.int32)
-        f["position_ids"][0, sum(lengths):] = torch.arange(width - sum(lengths))
-    return Microbatch(layout=layout, tokens=f["tokens"], position_ids=f["position_ids"],
-                    labels=f["labels"], loss_weights=f["loss_weights"], advantages=f["advantages"],
-                    behaviour_logprobs=f["behaviour_logprobs"], versions=f["versions"],
-                    loss_mask=f["mask"], seq_index=list(seq_index), seq_lengths=lengths, cu_seqlens=cu)
+        f["position_ids"][0, sum(lengths) :] = torch.arange(width - sum(lengths))
+    return Microbatch(
+        layout=layout,
+        tokens=f["tokens"],
+        position_ids=f["position_ids"],
+        labels=f["labels"],
+        loss_weights=f["loss_weights"],
+        advantages=f["advantages"],
+        behaviour_logprobs=f["behaviour_logprobs"],
+        versions=f["versions"],
+        loss_mask=f["mask"],
+        seq_index=list(seq_index),
+        seq_lengths=lengths,
+        cu_seqlens=cu,
+    )
 
 
-def build_microbatches(batch: TrainBatch, token_budget: int, *, layout: Layout = "packed",
-                       strategy: Strategy = "greedy", pad_to_multiple: int = 1,
-                       pad_id: int = 0) -> list[Microbatch]:
+def build_microbatches(
+    batch: TrainBatch,
+    token_budget: int,
+    *,
+    layout: Layout = "packed",
+    strategy: Strategy = "greedy",
+    pad_to_multiple: int = 1,
+    pad_id: int = 0,
+) -> list[Microbatch]:
     """Plan and collate a (per-rank) batch into microbatches."""
-    bins = plan_microbatches(batch.lengths, token_budget, layout=layout, strategy=strategy,
-                             pad_to_multiple=pad_to_multiple)
-    return [collate([batch.sequences[i] for i in b], b, layout=layout,
-                    pad_to_multiple=pad_to_multiple, pad_id=pad_id) for b in bins]
+    bins = plan_microbatches(
+        batch.lengths, token_budget, layout=layout, strategy=strategy, pad_to_multiple=pad_to_multiple
+    )
+    return [
+        collate(
+            [batch.sequences[i] for i in b], b, layout=layout, pad_to_multiple=pad_to_multiple, pad_id=pad_id
+        )
+        for b in bins
+    ]

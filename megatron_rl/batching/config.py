@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl.config_checks import check_range
+from megatron_rl.config import check_range
 
 
 @dataclass(kw_only=True)

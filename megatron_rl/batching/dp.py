@@ -13,7 +13,8 @@ gradient.
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -22,8 +23,9 @@ DPAssignment = Literal["permutation", "balanced"]
 __all__ = ["DPAssignment", "assign_data_parallel", "dp_imbalance"]
 
 
-def assign_data_parallel(lengths: Sequence[int], dp_size: int, *, mode: DPAssignment = "permutation",
-                         seed: int = 0) -> list[list[int]]:
+def assign_data_parallel(
+    lengths: Sequence[int], dp_size: int, *, mode: DPAssignment = "permutation", seed: int = 0
+) -> list[list[int]]:
     """Indices of the sequences each of ``dp_size`` ranks trains on (sorted within a rank)."""
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")

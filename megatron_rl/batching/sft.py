@@ -9,7 +9,7 @@ tokens carry no loss (the collation gives label positions of prompt tokens weigh
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,12 +29,20 @@ def build_sft_batch(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> Tra
     sequences = []
     for i, (prompt, answer) in enumerate(pairs):
         if not prompt or not answer:
-            raise ValueError(f"pair {i}: prompt ({len(prompt)} tokens) and answer "
-                             f"({len(answer)} tokens) must both be non-empty")
+            raise ValueError(
+                f"pair {i}: prompt ({len(prompt)} tokens) and answer "
+                f"({len(answer)} tokens) must both be non-empty"
+            )
         n = len(answer)
-        sequences.append(TrainSequence(
-            tokens=torch.tensor(list(prompt) + list(answer), dtype=torch.long),
-            prompt_length=len(prompt), behaviour_logprobs=torch.zeros(n, dtype=torch.float32),
-            versions=torch.full((n,), -1, dtype=torch.long), advantage=0.0, weight=1.0 / total,
-            group_id=i))
+        sequences.append(
+            TrainSequence(
+                tokens=torch.tensor(list(prompt) + list(answer), dtype=torch.long),
+                prompt_length=len(prompt),
+                behaviour_logprobs=torch.zeros(n, dtype=torch.float32),
+                versions=torch.full((n,), -1, dtype=torch.long),
+                advantage=0.0,
+                weight=1.0 / total,
+                group_id=i,
+            )
+        )
     return TrainBatch(sequences=sequences)

@@ -30,8 +30,9 @@ LossNorm = Literal["group", "token", "sequence"]
 __all__ = ["LossNorm", "loss_token_weights"]
 
 
-def loss_token_weights(completion_lengths: torch.Tensor, group_ids: torch.Tensor,
-                       mode: LossNorm = "group") -> torch.Tensor:
+def loss_token_weights(
+    completion_lengths: torch.Tensor, group_ids: torch.Tensor, mode: LossNorm = "group"
+) -> torch.Tensor:
     """Weight of each completion token, one value per sequence.
 
     Args:
@@ -54,6 +55,7 @@ def loss_token_weights(completion_lengths: torch.Tensor, group_ids: torch.Tensor
     if mode == "group":
         index, n_groups = group_index(group_ids)
         group_tokens = torch.zeros(n_groups, dtype=torch.float64, device=lengths.device).index_add_(
-            0, index, lengths)
+            0, index, lengths
+        )
         return 1.0 / (n_groups * group_tokens[index])
     raise ValueError(f"loss normalisation must be 'group', 'token' or 'sequence', got {mode!r}")

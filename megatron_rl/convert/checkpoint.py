@@ -31,7 +31,7 @@ Memory and streaming:
   layer plus one output shard (and the embedding, read whole).
 
 Every mismatch between a config and the weights raises
-:class:`~megatron_rl.weight_sync.hf_map.WeightsMismatchError` naming the config field; nothing is
+:class:`~megatron_rl.hf.layout.WeightsMismatchError` naming the config field; nothing is
 written then. Outputs appear atomically (a temporary folder renamed into place).
 """
 
@@ -45,20 +45,35 @@ import multiprocessing.connection
 import os
 import tempfile
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from megatron_rl.convert.hf_files import (HFWeights, ShardWriter, atomic_output_dir,
-                                          copy_side_files, dtype_name, parse_dtype, parse_size)
-from megatron_rl.training.model import padded_vocab_size, rope_parameters
-from megatron_rl.weight_sync.hf_map import HFConverter, WeightsMismatchError
+from megatron_rl.fileio import atomic_output_dir
+from megatron_rl.hf.arch import padded_vocab_size, rope_parameters
+from megatron_rl.hf.files import HFWeights, ShardWriter, copy_side_files, dtype_name, parse_dtype, parse_size
+from megatron_rl.hf.layout import HFConverter, WeightsMismatchError
+from megatron_rl.training.chunks import load_hf_into_chunk
+from megatron_rl.training.cpu_compat import apply_cpu_compat
+from megatron_rl.training.model import build_gpt_model, save_model_checkpoint, transformer_config_from_hf
+from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
 
-__all__ = ["hf_to_mcore", "mcore_to_hf", "McoreCheckpoint", "check_same_architecture",
-           "plan_hf_to_mcore", "META_FILE", "MODEL_DIR", "HF_FILES_DIR", "FORMAT"]
+__all__ = [
+    "FORMAT",
+    "HF_FILES_DIR",
+    "META_FILE",
+    "MODEL_DIR",
+    "McoreCheckpoint",
+    "check_same_architecture",
+    "hf_to_mcore",
+    "mcore_to_hf",
+    "plan_hf_to_mcore",
+]
 
 META_FILE, MODEL_DIR, HF_FILES_DIR = "megatron_rl_model.json", "model", "hf"
 FORMAT, FORMAT_VERSION = "megatron-rl/mcore-model", 1
@@ -76,7 +91,9 @@ def _read_config_dict(folder: str | os.PathLike) -> dict:
 
 def config_from_dict(config: dict):
     """A ``transformers`` config object from a config.json dict."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import (
+        CONFIG_MAPPING,  # lazy: transformers takes seconds to import; only this path needs it
+    )
 
     if config.get("model_type") not in CONFIG_MAPPING:
         raise ValueError(f"model_type: {config.get('model_type')!r} is not a transformers model")
@@ -93,16 +110,21 @@ def _architecture(config: dict) -> dict[str, Any]:
     if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
         window = None
     arch = {
-        "model_type": hf.model_type, "hidden_size": hf.hidden_size,
-        "intermediate_size": hf.intermediate_size, "num_hidden_layers": hf.num_hidden_layers,
+        "model_type": hf.model_type,
+        "hidden_size": hf.hidden_size,
+        "intermediate_size": hf.intermediate_size,
+        "num_hidden_layers": hf.num_hidden_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or heads,
         "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // heads,
         "vocab_size": hf.vocab_size,
         "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
-        "rms_norm_eps": hf.rms_norm_eps, "hidden_act": getattr(hf, "hidden_act", "silu"),
+        "rms_norm_eps": hf.rms_norm_eps,
+        "hidden_act": getattr(hf, "hidden_act", "silu"),
         "attention_bias": bool(getattr(hf, "attention_bias", False)),
-        "mlp_bias": bool(getattr(hf, "mlp_bias", False)), "sliding_window": window}
+        "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
+        "sliding_window": window,
+    }
     rope = rope_parameters(hf)  # the same reading the model builder uses
     arch["rope_theta"] = rope.pop("rope_theta")
     arch.update({f"rope_parameters.{k}": v for k, v in sorted(rope.items()) if k != "type"})
@@ -116,8 +138,10 @@ def check_same_architecture(stored: dict, given: dict) -> None:
     for field in sorted(a.keys() | b.keys(), key=lambda k: (k not in a, k)):
         if a.get(field) != b.get(field):
             raise WeightsMismatchError(
-                field, f"the checkpoint was converted with {field}={a.get(field)!r}, the given "
-                       f"config has {b.get(field)!r}")
+                field,
+                f"the checkpoint was converted with {field}={a.get(field)!r}, the given "
+                f"config has {b.get(field)!r}",
+            )
 
 
 # --------------------------------------------------------------------------- HF -> Megatron
@@ -135,8 +159,7 @@ class HFPlan:
     hf_dtype_exceptions: dict[str, str]  # HF tensors whose dtype differs from hf_dtype
 
 
-def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1,
-                     dtype: str = "keep") -> HFPlan:
+def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1, dtype: str = "keep") -> HFPlan:
     """Read config.json and the safetensors headers of ``hf_dir`` and check they agree.
 
     ``dtype`` ``keep`` takes the embedding's dtype for the model and requires every weight
@@ -152,8 +175,10 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1,
         converter.check_hf_weights({n: weights.shape(n) for n in weights})
         if converter.dims.tied and "lm_head.weight" in weights:
             if not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"]):
-                raise WeightsMismatchError("tie_word_embeddings", "the config ties lm_head to "
-                                           "the embedding, but lm_head.weight differs from it")
+                raise WeightsMismatchError(
+                    "tie_word_embeddings",
+                    "the config ties lm_head to the embedding, but lm_head.weight differs from it",
+                )
         dtypes = {n: weights.dtype(n) for n in converter.hf_names()}
         matrices = {n for n in dtypes if len(weights.shape(n)) > 1}
     finally:
@@ -165,19 +190,33 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1,
         chosen = dtypes["model.embed_tokens.weight"]
         odd = {n: dtype_name(d) for n, d in dtypes.items() if d != chosen and n in matrices}
         if odd:
-            raise ValueError(f"dtype: --dtype keep needs one dtype for the weight matrices; "
-                             f"the embedding is {dtype_name(chosen)} but {sorted(odd.items())[:3]}"
-                             f" ...; pass --dtype bf16|fp16|fp32")
+            raise ValueError(
+                f"dtype: --dtype keep needs one dtype for the weight matrices; "
+                f"the embedding is {dtype_name(chosen)} but {sorted(odd.items())[:3]}"
+                f" ...; pass --dtype bf16|fp16|fp32"
+            )
         exceptions = {n: dtype_name(d) for n, d in dtypes.items() if d != chosen}
     else:
         exceptions = {}
-    return HFPlan(hf_dir=hf_dir, config=config, converter=converter, params_dtype=chosen,
-                  hf_dtype=dtype_name(chosen), hf_dtype_exceptions=exceptions)
+    return HFPlan(
+        hf_dir=hf_dir,
+        config=config,
+        converter=converter,
+        params_dtype=chosen,
+        hf_dtype=dtype_name(chosen),
+        hf_dtype_exceptions=exceptions,
+    )
 
 
-def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                tensor_parallel: int = 1, pipeline_parallel: int = 1, dtype: str = "keep",
-                overwrite: bool = False) -> Path:
+def hf_to_mcore(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    dtype: str = "keep",
+    overwrite: bool = False,
+) -> Path:
     """Convert the HF model folder ``hf_dir`` into the Megatron format at ``out_dir``.
 
     The model is built at ``tensor_parallel x pipeline_parallel`` (which checks the layout fits
@@ -202,17 +241,21 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 @contextlib.contextmanager
 def _parallel_layout(tp: int, pp: int) -> Iterator[None]:
     """Megatron's parallel state at TP x PP: reused if already so, else set up and torn down."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
+    from megatron.core import (
+        parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(),
-                ps.get_pipeline_model_parallel_world_size(),
-                ps.get_virtual_pipeline_model_parallel_world_size())
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_virtual_pipeline_model_parallel_world_size(),
+        )
         if have != (tp, pp, None):
-            raise ValueError(f"Megatron's parallel state is initialised at (TP, PP, VPP) = "
-                             f"{have}; conversion at TP={tp}, PP={pp} needs that layout or none")
+            raise ValueError(
+                f"Megatron's parallel state is initialised at (TP, PP, VPP) = "
+                f"{have}; conversion at TP={tp}, PP={pp} needs that layout or none"
+            )
         yield
         return
     owned = not dist.is_initialized()
@@ -223,17 +266,14 @@ def _parallel_layout(tp: int, pp: int) -> Iterator[None]:
         destroy_parallel(destroy_default_group=owned)
 
 
-def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str,
-                          overwrite: bool) -> None:
+def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, overwrite: bool) -> None:
     """Every rank: build this rank's model chunk at TP x PP, fill it, save it collectively;
     rank 0 makes the temporary folder, writes the metadata and renames it into place."""
-    from megatron_rl.training.model import save_model_checkpoint
 
     with _parallel_layout(tp, pp):
         plan = plan_hf_to_mcore(hf_dir, tensor_parallel=tp, dtype=dtype)
         rank0 = dist.get_rank() == 0
-        with (atomic_output_dir(out_dir, overwrite=overwrite) if rank0
-              else contextlib.nullcontext()) as tmp:
+        with atomic_output_dir(out_dir, overwrite=overwrite) if rank0 else contextlib.nullcontext() as tmp:
             box = [str(tmp) if rank0 else None]
             dist.broadcast_object_list(box, src=0)
             tmp = Path(box[0])
@@ -248,22 +288,22 @@ def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
 
 def _filled_chunk(plan: HFPlan, tp: int, pp: int):
     """This rank's GPTModel at TP x PP, weights from the HF files (no random initialisation)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_rl.training.model import build_gpt_model, transformer_config_from_hf
-    from megatron_rl.training.parallel import ParallelConfig
-    from megatron_rl.weight_sync.chunks import load_hf_into_chunk
+    from megatron.core import (
+        parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     hf_config = config_from_dict(plan.config)
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp)
     # perform_initialization=False: every weight is overwritten, so skip drawing random ones.
-    config = transformer_config_from_hf(hf_config, parallel, params_dtype=plan.params_dtype,
-                                        perform_initialization=False)
+    config = transformer_config_from_hf(
+        hf_config, parallel, params_dtype=plan.params_dtype, perform_initialization=False
+    )
     chunk = build_gpt_model(hf_config, parallel, config=config, params_dtype=plan.params_dtype)
     weights = HFWeights(plan.hf_dir)
     try:
-        load_hf_into_chunk(chunk, plan.converter, weights,
-                           tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+        load_hf_into_chunk(
+            chunk, plan.converter, weights, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp
+        )
     finally:
         weights.close()
     return chunk
@@ -282,13 +322,20 @@ def _versions() -> dict[str, str | None]:
 def _write_meta(folder: Path, plan: HFPlan, tp: int, pp: int) -> None:
     (folder / HF_FILES_DIR).mkdir()
     side = copy_side_files(plan.hf_dir, folder / HF_FILES_DIR)
-    meta = {"format": FORMAT, "version": FORMAT_VERSION,
-            "model_type": plan.converter.model_type, "hf_config": plan.config,
-            "padded_vocab_size": plan.converter.dims.padded_vocab,
-            "params_dtype": dtype_name(plan.params_dtype), "hf_dtype": plan.hf_dtype,
-            "hf_dtype_exceptions": plan.hf_dtype_exceptions,
-            "written_at": {"tensor_parallel": tp, "pipeline_parallel": pp},
-            "source": str(plan.hf_dir.absolute()), "side_files": side, "versions": _versions()}
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "model_type": plan.converter.model_type,
+        "hf_config": plan.config,
+        "padded_vocab_size": plan.converter.dims.padded_vocab,
+        "params_dtype": dtype_name(plan.params_dtype),
+        "hf_dtype": plan.hf_dtype,
+        "hf_dtype_exceptions": plan.hf_dtype_exceptions,
+        "written_at": {"tensor_parallel": tp, "pipeline_parallel": pp},
+        "source": str(plan.hf_dir.absolute()),
+        "side_files": side,
+        "versions": _versions(),
+    }
     (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
 
 
@@ -300,13 +347,13 @@ def _process_group() -> Iterator[None]:
     """A one-rank gloo group for dist_checkpointing (which asks for ranks), unless one exists."""
     if dist.is_initialized():
         if dist.get_world_size() != 1:
-            raise RuntimeError("mcore_to_hf runs in one process; call it outside torchrun (it "
-                               "reads any layout's checkpoint without model-parallel ranks)")
+            raise RuntimeError(
+                "mcore_to_hf runs in one process; call it outside torchrun (it "
+                "reads any layout's checkpoint without model-parallel ranks)"
+            )
         yield
         return
     if not torch.cuda.is_available():
-        from megatron_rl.training.cpu_compat import apply_cpu_compat
-
         apply_cpu_compat()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -321,11 +368,13 @@ class McoreCheckpoint:
     ``path`` is a :func:`hf_to_mcore` output folder (with its metadata) or a bare
     ``dist_checkpointing`` folder of a GPTModel (``save_model_checkpoint``'s output, or a
     training checkpoint's ``dist/``). ``shapes`` maps canonical per-layer names (as
-    :class:`~megatron_rl.weight_sync.hf_map.HFConverter` uses them) to full shapes.
+    :class:`~megatron_rl.hf.layout.HFConverter` uses them) to full shapes.
     """
 
     def __init__(self, path: str | os.PathLike):
-        from megatron.core import dist_checkpointing
+        from megatron.core import (
+            dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         path = Path(path)
         self.meta: dict | None = None
@@ -339,15 +388,19 @@ class McoreCheckpoint:
         else:
             self.dist_dir = path
         if not (self.dist_dir / ".metadata").is_file():
-            raise FileNotFoundError(f"{path}: neither a converted checkpoint ({META_FILE}) nor "
-                                    "a dist_checkpointing folder (.metadata)")
+            raise FileNotFoundError(
+                f"{path}: neither a converted checkpoint ({META_FILE}) nor "
+                "a dist_checkpointing folder (.metadata)"
+            )
         self.side_dir = path / HF_FILES_DIR if self.meta else None
         with _process_group():
             stored = dist_checkpointing.load_tensors_metadata(str(self.dist_dir))
-        self._stored = {k: (tuple(v.global_shape), v.dtype) for k, v in stored.items()
-                        if not k.startswith("optimizer.")}  # training checkpoints hold both
-        self.num_layers = next((s[0] for k, (s, _) in self._stored.items()
-                                if k.startswith("decoder.layers.")), 0)
+        self._stored = {
+            k: (tuple(v.global_shape), v.dtype) for k, v in stored.items() if not k.startswith("optimizer.")
+        }  # training checkpoints hold both
+        self.num_layers = next(
+            (s[0] for k, (s, _) in self._stored.items() if k.startswith("decoder.layers.")), 0
+        )
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         for key, (shape, dtype) in self._stored.items():
@@ -362,8 +415,12 @@ class McoreCheckpoint:
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Load the canonical ``names`` (any mix of layers) from the checkpoint."""
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing import ShardedTensor
+        from megatron.core import (
+            dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
+        from megatron.core.dist_checkpointing import (
+            ShardedTensor,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         request = {}
         for name in names:
@@ -374,15 +431,14 @@ class McoreCheckpoint:
                 # A (1, ...) slice of the layer-stacked tensor: a plain (non-prepended)
                 # ShardedTensor, which dist_checkpointing reads partially in one process.
                 data = torch.empty((1, *shape[1:]), dtype=dtype)
-                request[name] = ShardedTensor.from_rank_offsets(key, data, (0, i, shape[0]),
-                                                                replica_id=0)
+                request[name] = ShardedTensor.from_rank_offsets(key, data, (0, i, shape[0]), replica_id=0)
             else:
                 shape, dtype = self._stored[name]
                 request[name] = ShardedTensor.from_rank_offsets(
-                    name, torch.empty(shape, dtype=dtype), replica_id=0)
+                    name, torch.empty(shape, dtype=dtype), replica_id=0
+                )
         with _process_group():
-            loaded = dist_checkpointing.load(request, str(self.dist_dir),
-                                             validate_access_integrity=False)
+            loaded = dist_checkpointing.load(request, str(self.dist_dir), validate_access_integrity=False)
         return {n: t[0] if n.startswith("decoder.layers.") else t for n, t in loaded.items()}
 
     def padded_vocab(self, vocab_size: int) -> int:
@@ -390,13 +446,18 @@ class McoreCheckpoint:
         rows = self.shapes["embedding.word_embeddings.weight"][0]
         if self.meta is not None:
             if rows != self.meta["padded_vocab_size"]:
-                raise ValueError(f"{self.dist_dir}: embedding has {rows} rows, the metadata "
-                                 f"says {self.meta['padded_vocab_size']}")
+                raise ValueError(
+                    f"{self.dist_dir}: embedding has {rows} rows, the metadata "
+                    f"says {self.meta['padded_vocab_size']}"
+                )
             return rows
         # Bare checkpoint: rows must be Megatron's padding of vocab_size at some TP size.
         if rows not in {padded_vocab_size(vocab_size, tp) for tp in range(1, 65)}:
-            raise WeightsMismatchError("vocab_size", f"vocab_size={vocab_size} does not pad to "
-                                       f"the checkpoint's {rows} embedding rows at any TP size")
+            raise WeightsMismatchError(
+                "vocab_size",
+                f"vocab_size={vocab_size} does not pad to "
+                f"the checkpoint's {rows} embedding rows at any TP size",
+            )
         return rows
 
 
@@ -408,13 +469,16 @@ def _export_config(ckpt: McoreCheckpoint, hf_config: str | os.PathLike | None) -
     if given is not None and stored is not None:
         check_same_architecture(stored, given)
     if given is None and stored is None:
-        raise ValueError(f"hf_config: {ckpt.dist_dir} is a bare dist checkpoint; give the HF "
-                         "config folder it was made from (--hf-config)")
+        raise ValueError(
+            f"hf_config: {ckpt.dist_dir} is a bare dist checkpoint; give the HF "
+            "config folder it was made from (--hf-config)"
+        )
     return given if given is not None else stored
 
 
-def _hf_dtype(ckpt: McoreCheckpoint, out_dtype: torch.dtype | None, hf_name: str,
-              stored: torch.dtype) -> torch.dtype:
+def _hf_dtype(
+    ckpt: McoreCheckpoint, out_dtype: torch.dtype | None, hf_name: str, stored: torch.dtype
+) -> torch.dtype:
     if out_dtype is not None:
         return out_dtype
     if ckpt.meta is None:
@@ -428,15 +492,24 @@ def _layer_groups(names: list[str]) -> list[list[str]]:
     groups: dict[str, list[str]] = {}
     for n in names:
         parts = n.split(".")
-        key = parts[2] if n.startswith("decoder.layers.") else (
-            "embedding" if n.startswith("embedding.") else "tail")
+        key = (
+            parts[2]
+            if n.startswith("decoder.layers.")
+            else ("embedding" if n.startswith("embedding.") else "tail")
+        )
         groups.setdefault(key, []).append(n)
     return list(groups.values())
 
 
-def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                hf_config: str | os.PathLike | None = None, dtype: str = "keep",
-                max_shard_size: str | int = "5GB", overwrite: bool = False) -> Path:
+def mcore_to_hf(
+    mcore_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    hf_config: str | os.PathLike | None = None,
+    dtype: str = "keep",
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+) -> Path:
     """Export a Megatron checkpoint (see :class:`McoreCheckpoint`) as an HF model folder.
 
     ``dtype`` ``keep``: the HF dtypes recorded at conversion, or the stored dtypes for a bare
@@ -451,16 +524,31 @@ def mcore_to_hf(mcore_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         hf = config_from_dict(config)
         converter = HFConverter.for_config(hf, padded_vocab=ckpt.padded_vocab(hf.vocab_size))
         converter.check_mcore_weights(ckpt.shapes)
-        _write_hf(ckpt, converter, config, out_dir, out_dtype=out_dtype, shard_bytes=shard_bytes,
-                  hf_config=hf_config, overwrite=overwrite)
+        _write_hf(
+            ckpt,
+            converter,
+            config,
+            out_dir,
+            out_dtype=out_dtype,
+            shard_bytes=shard_bytes,
+            hf_config=hf_config,
+            overwrite=overwrite,
+        )
     return Path(out_dir)
 
 
-def _write_hf(ckpt: McoreCheckpoint, converter: HFConverter, config: dict,
-              out_dir: str | os.PathLike, *, out_dtype: torch.dtype | None, shard_bytes: int,
-              hf_config: str | os.PathLike | None, overwrite: bool) -> None:
+def _write_hf(
+    ckpt: McoreCheckpoint,
+    converter: HFConverter,
+    config: dict,
+    out_dir: str | os.PathLike,
+    *,
+    out_dtype: torch.dtype | None,
+    shard_bytes: int,
+    hf_config: str | os.PathLike | None,
+    overwrite: bool,
+) -> None:
     """Stream the checkpoint into HF shards, then config.json and the side files."""
-    from tqdm import tqdm
 
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
@@ -492,15 +580,14 @@ def _rank_entry(rank: int, world: int, init_file: str, errors, fn, args) -> None
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                                world_size=world)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         try:
             fn(*args)
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 -- reported to the parent, which raises
         errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1)
+        raise SystemExit(1) from None
 
 
 def _spawn(world: int, fn, args: tuple) -> None:
@@ -511,8 +598,9 @@ def _spawn(world: int, fn, args: tuple) -> None:
     fd, init_file = tempfile.mkstemp(prefix="megatron-rl-convert-")
     os.close(fd)
     os.unlink(init_file)  # the FileStore creates it
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, init_file, errors, fn, args))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_entry, args=(r, world, init_file, errors, fn, args)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
@@ -526,8 +614,7 @@ def _spawn(world: int, fn, args: tuple) -> None:
                     with contextlib.suppress(Exception):
                         reports.append(errors.get(timeout=5))
                     detail = "\n".join(f"rank {r}:\n{tb}" for r, tb in reports)
-                    raise RuntimeError(f"a conversion rank exited with code {p.exitcode}\n"
-                                       f"{detail}")
+                    raise RuntimeError(f"a conversion rank exited with code {p.exitcode}\n{detail}")
     finally:
         for p in procs:
             if p.is_alive():

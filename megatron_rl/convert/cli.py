@@ -19,83 +19,132 @@ import argparse
 import sys
 import time
 
+from megatron_rl.convert.checkpoint import hf_to_mcore, mcore_to_hf
+
 __all__ = ["build_parser", "main"]
 
 _DTYPES = ("keep", "bf16", "fp16", "fp32")
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> int:
-    from megatron_rl.convert.checkpoint import hf_to_mcore
 
     start = time.perf_counter()
-    out = hf_to_mcore(args.hf, args.out, tensor_parallel=args.tp, pipeline_parallel=args.pp,
-                      dtype=args.dtype, overwrite=args.overwrite)
-    print(f"megatron-rl convert: {args.hf} -> {out} (written at TP={args.tp} PP={args.pp}) in "
-          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    out = hf_to_mcore(
+        args.hf,
+        args.out,
+        tensor_parallel=args.tp,
+        pipeline_parallel=args.pp,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"megatron-rl convert: {args.hf} -> {out} (written at TP={args.tp} PP={args.pp}) in "
+        f"{time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
-    from megatron_rl.convert.checkpoint import mcore_to_hf
 
     start = time.perf_counter()
-    out = mcore_to_hf(args.mcore, args.out, hf_config=args.hf_config, dtype=args.dtype,
-                      max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-    print(f"megatron-rl convert: {args.mcore} -> {out} in {time.perf_counter() - start:.1f} s",
-          file=sys.stderr)
+    out = mcore_to_hf(
+        args.mcore,
+        args.out,
+        hf_config=args.hf_config,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"megatron-rl convert: {args.mcore} -> {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr
+    )
     return 0
 
 
 def _guarded(run):
     """Report a user error (mismatched config, existing output, bad argument) as one line."""
+
     def call(args: argparse.Namespace) -> int:
         try:
             return run(args)
         except (ValueError, FileExistsError, FileNotFoundError) as err:
             print(f"megatron-rl convert: {err}", file=sys.stderr)
             return 2
+
     return call
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``convert`` parser (``parser``: a subparser to fill, or None for a new one)."""
-    p = parser or argparse.ArgumentParser(prog="megatron-rl convert",
-                                          description=__doc__.split("\n\n")[0])
+    p = parser or argparse.ArgumentParser(prog="megatron-rl convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     a = sub.add_parser(
-        "hf-to-mcore", help="HF safetensors folder -> Megatron dist checkpoint + metadata",
+        "hf-to-mcore",
+        help="HF safetensors folder -> Megatron dist checkpoint + metadata",
         description="Build the Megatron model at --tp x --pp, fill it from the HF weights and "
-                    "save it with dist_checkpointing.")
-    a.add_argument("--hf", required=True, help="HF model folder (config.json, *.safetensors, "
-                                               "tokenizer files)")
+        "save it with dist_checkpointing.",
+    )
+    a.add_argument(
+        "--hf", required=True, help="HF model folder (config.json, *.safetensors, tokenizer files)"
+    )
     a.add_argument("--out", required=True, help="output folder (must not exist)")
-    a.add_argument("--tp", type=int, default=1, help=(
-        "tensor parallel size the checkpoint is written and validated at (default 1). The files "
-        "are layout-free: every tensor is indexed by its global name, shape and offsets, so they "
-        "load at any TP/PP with the same padded vocabulary (TP 1, 2, 4, 8 pad alike; others "
-        "such as 3 pad differently); --tp/--pp choose the ranks that write the files and check "
-        "that the config splits at that layout"))
-    a.add_argument("--pp", type=int, default=1, help="pipeline parallel size written at (same "
-                                                     "caveat as --tp)")
-    a.add_argument("--dtype", choices=_DTYPES, default="keep",
-                   help="Megatron weights dtype (keep: the HF embedding's dtype)")
+    a.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help=(
+            "tensor parallel size the checkpoint is written and validated at (default 1). The files "
+            "are layout-free: every tensor is indexed by its global name, shape and offsets, so they "
+            "load at any TP/PP with the same padded vocabulary (TP 1, 2, 4, 8 pad alike; others "
+            "such as 3 pad differently); --tp/--pp choose the ranks that write the files and check "
+            "that the config splits at that layout"
+        ),
+    )
+    a.add_argument(
+        "--pp", type=int, default=1, help="pipeline parallel size written at (same caveat as --tp)"
+    )
+    a.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default="keep",
+        help="Megatron weights dtype (keep: the HF embedding's dtype)",
+    )
     a.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a.set_defaults(func=_guarded(_hf_to_mcore))
     b = sub.add_parser(
-        "mcore-to-hf", help="Megatron checkpoint -> HF safetensors folder (streams by layer)",
+        "mcore-to-hf",
+        help="Megatron checkpoint -> HF safetensors folder (streams by layer)",
         description="Read a converted checkpoint, or a bare dist checkpoint of the model (with "
-                    "--hf-config), one layer at a time and write HF safetensors shards.")
-    b.add_argument("--mcore", required=True, help=(
-        "hf-to-mcore output folder, a save_model_checkpoint folder, or a training checkpoint "
-        "step folder (its dist/)"))
+        "--hf-config), one layer at a time and write HF safetensors shards.",
+    )
+    b.add_argument(
+        "--mcore",
+        required=True,
+        help=(
+            "hf-to-mcore output folder, a save_model_checkpoint folder, or a training checkpoint "
+            "step folder (its dist/)"
+        ),
+    )
     b.add_argument("--out", required=True, help="output HF folder (must not exist)")
-    b.add_argument("--hf-config", help=(
-        "HF folder whose config.json (and tokenizer files) to export with; required for a bare "
-        "dist checkpoint, else checked field by field against the stored config"))
-    b.add_argument("--dtype", choices=_DTYPES, default="keep",
-                   help="HF tensors dtype (keep: the dtypes recorded at conversion, else stored)")
-    b.add_argument("--max-shard-size", default="5GB",
-                   help="largest safetensors shard (HF units: 5GB = 5e9 bytes; default 5GB)")
+    b.add_argument(
+        "--hf-config",
+        help=(
+            "HF folder whose config.json (and tokenizer files) to export with; required for a bare "
+            "dist checkpoint, else checked field by field against the stored config"
+        ),
+    )
+    b.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default="keep",
+        help="HF tensors dtype (keep: the dtypes recorded at conversion, else stored)",
+    )
+    b.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="largest safetensors shard (HF units: 5GB = 5e9 bytes; default 5GB)",
+    )
     b.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     b.set_defaults(func=_guarded(_mcore_to_hf))
     return p

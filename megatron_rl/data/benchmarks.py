@@ -32,8 +32,15 @@ from typing import Any
 from megatron_rl.data.problems import DataError, Problem, problem_from_json, read_records
 from megatron_rl.data.report import CurationReport
 
-__all__ = ["FORMATS", "sample_file", "load_benchmark", "load_aime", "load_gpqa",
-           "load_livecodebench", "detect_format"]
+__all__ = [
+    "FORMATS",
+    "detect_format",
+    "load_aime",
+    "load_benchmark",
+    "load_gpqa",
+    "load_livecodebench",
+    "sample_file",
+]
 
 FORMATS = ("auto", "problems", "aime", "gpqa", "lcb")
 LETTERS = "ABCDEFGHIJ"
@@ -79,8 +86,16 @@ def load_aime(path) -> tuple[list[Problem], CurationReport]:
             value = None
         if value is None or not 0 <= value <= 999:
             raise DataError(f"{where}: answer: AIME answers are integers 0..999, got {raw!r}")
-        out.append(Problem(id=_id(obj, where), problem=text, task="math", answer=str(value),
-                           lang=obj.get("lang"), meta=_meta(obj, used + ("lang",))))
+        out.append(
+            Problem(
+                id=_id(obj, where),
+                problem=text,
+                task="math",
+                answer=str(value),
+                lang=obj.get("lang"),
+                meta=_meta(obj, used + ("lang",)),
+            )
+        )
         report.keep()
     return out, report
 
@@ -94,7 +109,7 @@ def _gpqa_options(obj: dict, where: str, seed: int) -> tuple[list[str], int]:
         ans = obj.get("answer")
         if isinstance(ans, int) and not isinstance(ans, bool) and 0 <= ans < len(options):
             return options, ans
-        if isinstance(ans, str) and ans.strip().strip("()").upper() in LETTERS[:len(options)]:
+        if isinstance(ans, str) and ans.strip().strip("()").upper() in LETTERS[: len(options)]:
             return options, LETTERS.index(ans.strip().strip("()").upper())
         if isinstance(ans, str) and ans in options:
             return options, options.index(ans)
@@ -102,8 +117,7 @@ def _gpqa_options(obj: dict, where: str, seed: int) -> tuple[list[str], int]:
     right = obj.get("Correct Answer")
     wrong = [obj.get(f"Incorrect Answer {i}") for i in (1, 2, 3)]
     if not isinstance(right, str) or not all(isinstance(w, str) for w in wrong):
-        raise DataError(f"{where}: choices: missing (or GPQA's 'Correct Answer' and "
-                        "'Incorrect Answer 1..3')")
+        raise DataError(f"{where}: choices: missing (or GPQA's 'Correct Answer' and 'Incorrect Answer 1..3')")
     options = [right.strip(), *(w.strip() for w in wrong)]
     # A fixed shuffle per problem: GPQA lists the right answer first.
     order = sorted(range(4), key=lambda i: zlib.crc32(f"{seed}:{_id(obj, where)}:{i}".encode()))
@@ -113,8 +127,20 @@ def _gpqa_options(obj: dict, where: str, seed: int) -> tuple[list[str], int]:
 def load_gpqa(path, *, seed: int = 0) -> tuple[list[Problem], CurationReport]:
     report = CurationReport("load gpqa")
     out = []
-    used = ("id", "ID", "Record ID", "question", "Question", "choices", "answer", "Correct Answer",
-            "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3", "lang")
+    used = (
+        "id",
+        "ID",
+        "Record ID",
+        "question",
+        "Question",
+        "choices",
+        "answer",
+        "Correct Answer",
+        "Incorrect Answer 1",
+        "Incorrect Answer 2",
+        "Incorrect Answer 3",
+        "lang",
+    )
     for where, obj in read_records(path):
         report.total += 1
         text = _first(obj, ("question", "Question"))
@@ -122,11 +148,19 @@ def load_gpqa(path, *, seed: int = 0) -> tuple[list[Problem], CurationReport]:
             raise DataError(f"{where}: question: missing (or Question)")
         options, right = _gpqa_options(obj, where, seed)
         listed = "\n".join(f"({LETTERS[i]}) {o}" for i, o in enumerate(options))
-        statement = (f"{text.strip()}\n\n{listed}\n\n"
-                     "Give the letter of the correct option as your final answer.")
-        out.append(Problem(id=_id(obj, where), problem=statement, task="math",
-                           answer=LETTERS[right], lang=obj.get("lang"),
-                           meta={**_meta(obj, used), "choices_listed": options}))
+        statement = (
+            f"{text.strip()}\n\n{listed}\n\nGive the letter of the correct option as your final answer."
+        )
+        out.append(
+            Problem(
+                id=_id(obj, where),
+                problem=statement,
+                task="math",
+                answer=LETTERS[right],
+                lang=obj.get("lang"),
+                meta={**_meta(obj, used), "choices_listed": options},
+            )
+        )
         report.keep()
     return out, report
 
@@ -151,8 +185,9 @@ def _decode_tests(raw: Any, where: str, field_name: str) -> list[dict]:
                 raw = _DataOnlyUnpickler(io.BytesIO(blob)).load()
                 raw = json.loads(raw) if isinstance(raw, (str, bytes)) else raw
             except Exception as e:  # noqa: BLE001 -- any decoding failure is the record's fault
-                raise DataError(f"{where}: {field_name}: neither JSON nor base64+zlib+pickle "
-                                f"({type(e).__name__}: {e})") from None
+                raise DataError(
+                    f"{where}: {field_name}: neither JSON nor base64+zlib+pickle ({type(e).__name__}: {e})"
+                ) from None
     if not isinstance(raw, list) or not all(isinstance(t, dict) for t in raw):
         raise DataError(f"{where}: {field_name}: expected a list of test objects")
     return raw
@@ -167,8 +202,9 @@ def load_livecodebench(path) -> tuple[list[Problem], CurationReport]:
         text = obj.get("question_content")
         if not isinstance(text, str) or not text.strip():
             raise DataError(f"{where}: question_content: missing or empty")
-        tests = (_decode_tests(obj.get("public_test_cases"), where, "public_test_cases")
-                 + _decode_tests(obj.get("private_test_cases"), where, "private_test_cases"))
+        tests = _decode_tests(obj.get("public_test_cases"), where, "public_test_cases") + _decode_tests(
+            obj.get("private_test_cases"), where, "private_test_cases"
+        )
         if any(t.get("testtype", "stdin") != "stdin" for t in tests):
             report.drop("functional tests (stdin/stdout only)")
             continue
@@ -178,9 +214,16 @@ def load_livecodebench(path) -> tuple[list[Problem], CurationReport]:
         for k, t in enumerate(tests):
             if not isinstance(t.get("input"), str) or not isinstance(t.get("output"), str):
                 raise DataError(f"{where}: tests[{k}]: needs string 'input' and 'output'")
-        out.append(Problem(id=_id(obj, where), problem=text.strip(), task="code",
-                           tests=[{"input": t["input"], "output": t["output"]} for t in tests],
-                           lang=obj.get("lang"), meta=_meta(obj, used)))
+        out.append(
+            Problem(
+                id=_id(obj, where),
+                problem=text.strip(),
+                task="code",
+                tests=[{"input": t["input"], "output": t["output"]} for t in tests],
+                lang=obj.get("lang"),
+                meta=_meta(obj, used),
+            )
+        )
         report.keep()
     return out, report
 
@@ -213,8 +256,12 @@ def load_benchmark(path, fmt: str = "auto", *, seed: int = 0) -> tuple[list[Prob
     if fmt not in FORMATS:
         raise ValueError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     fmt = detect_format(path) if fmt == "auto" else fmt
-    loader = {"problems": _load_problems, "aime": load_aime, "lcb": load_livecodebench,
-              "gpqa": lambda p: load_gpqa(p, seed=seed)}[fmt]
+    loader = {
+        "problems": _load_problems,
+        "aime": load_aime,
+        "lcb": load_livecodebench,
+        "gpqa": lambda p: load_gpqa(p, seed=seed),
+    }[fmt]
     problems, report = loader(path)
     seen = set()
     for p in problems:

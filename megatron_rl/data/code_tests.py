@@ -35,23 +35,37 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
-from megatron_rl.config_checks import ConfigFieldError, check_range
+from tqdm import tqdm
+
+from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.data.problems import DataError, Problem
 from megatron_rl.data.report import CurationReport
 from megatron_rl.rewards.code import CodeConfig, compile_cpp, ensure_pch, normalise_language, outputs_match
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 from megatron_rl.rewards.sandbox import run_sandboxed
 
-__all__ = ["CodeCurationConfig", "SolutionRun", "run_solution", "curate_tests",
-           "statement_for_language", "curate_code_problems"]
+__all__ = [
+    "CodeCurationConfig",
+    "SolutionRun",
+    "curate_code_problems",
+    "curate_tests",
+    "run_solution",
+    "statement_for_language",
+]
 
 LANGUAGE_NAMES = {"python": "Python", "cpp": "C++"}
 # How a sandbox status reads in the report (the verifier's vocabulary).
-_STATUS = {"exit_nonzero": "runtime_error", "signal": "runtime_error", "timeout": "timeout",
-           "memory": "memory", "output_limit": "output_limit", "sandbox_error": "sandbox_error"}
+_STATUS = {
+    "exit_nonzero": "runtime_error",
+    "signal": "runtime_error",
+    "timeout": "timeout",
+    "memory": "memory",
+    "output_limit": "output_limit",
+    "sandbox_error": "sandbox_error",
+}
 
 
 @dataclass(kw_only=True)
@@ -74,8 +88,9 @@ class CodeCurationConfig:
         check_range("workers", self.workers, low=1)
         bad = [lang for lang in self.languages if lang not in LANGUAGE_NAMES]
         if bad or not self.languages:
-            raise ConfigFieldError("languages", f"must be a non-empty subset of "
-                                                f"{list(LANGUAGE_NAMES)}, got {self.languages!r}")
+            raise ConfigFieldError(
+                "languages", f"must be a non-empty subset of {list(LANGUAGE_NAMES)}, got {self.languages!r}"
+            )
 
 
 @dataclass
@@ -101,11 +116,13 @@ def _rmtree(path: str) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             func(p)
+
     shutil.rmtree(path, onerror=fix)
 
 
-def run_solution(code: str, language: str, inputs: Sequence[str],
-                 cfg: CodeConfig) -> tuple[str, list[SolutionRun]]:
+def run_solution(
+    code: str, language: str, inputs: Sequence[str], cfg: CodeConfig
+) -> tuple[str, list[SolutionRun]]:
     """Build ``code`` once and run it on every input, each in a fresh sandbox working directory.
     Returns ``("", runs)``, or ``(why, [])`` when it cannot be built. Runs in a pool worker."""
     language = normalise_language(language)
@@ -132,22 +149,32 @@ def run_solution(code: str, language: str, inputs: Sequence[str],
             work = os.path.join(root, f"test_{i}")
             os.mkdir(work, 0o700)
             try:
-                res = run_sandboxed(argv, stdin=stdin.encode(), workdir=work,
-                                    timeout_s=cfg.test_timeout_s, memory_mb=cfg.memory_mb,
-                                    output_limit_bytes=cfg.output_limit_mb << 20,
-                                    max_processes=cfg.max_processes, mode=cfg.sandbox,
-                                    extra_ro_paths=ro)
+                res = run_sandboxed(
+                    argv,
+                    stdin=stdin.encode(),
+                    workdir=work,
+                    timeout_s=cfg.test_timeout_s,
+                    memory_mb=cfg.memory_mb,
+                    output_limit_bytes=cfg.output_limit_mb << 20,
+                    max_processes=cfg.max_processes,
+                    mode=cfg.sandbox,
+                    extra_ro_paths=ro,
+                )
             finally:
                 _rmtree(work)
-            runs.append(SolutionRun("ok", res.stdout.decode(errors="replace")) if res.status == "ok"
-                        else SolutionRun(_STATUS.get(res.status, res.status)))
+            runs.append(
+                SolutionRun("ok", res.stdout.decode(errors="replace"))
+                if res.status == "ok"
+                else SolutionRun(_STATUS.get(res.status, res.status))
+            )
         return "", runs
     finally:
         _rmtree(root)
 
 
-def curate_tests(tests: Sequence[dict], runs: Sequence[Sequence[SolutionRun]],
-                 min_agree_to_repair: int) -> tuple[list[dict], list[str]]:
+def curate_tests(
+    tests: Sequence[dict], runs: Sequence[Sequence[SolutionRun]], min_agree_to_repair: int
+) -> tuple[list[dict], list[str]]:
     """The kept tests (expected outputs repaired or generated where the solutions agree) and one
     event per input test (see the module docstring). ``runs[s][t]``: solution s on test t."""
     kept, events = [], []
@@ -183,16 +210,21 @@ def statement_for_language(problem: str, language: str) -> str:
 def _validate(p: Problem) -> None:
     for k, t in enumerate(p.tests or ()):
         if t.get("type") == "function":
-            raise DataError(f"problem {p.id!r}: tests[{k}]: function-call tests cannot be "
-                            "curated (stdin/stdout tests only)")
+            raise DataError(
+                f"problem {p.id!r}: tests[{k}]: function-call tests cannot be "
+                "curated (stdin/stdout tests only)"
+            )
 
 
-def curate_code_problems(problems: Sequence[Problem], cfg: CodeCurationConfig | None = None, *,
-                         pool: VerifierPool | None = None,
-                         progress: bool = True) -> tuple[list[Problem], CurationReport]:
+def curate_code_problems(
+    problems: Sequence[Problem],
+    cfg: CodeCurationConfig | None = None,
+    *,
+    pool: VerifierPool | None = None,
+    progress: bool = True,
+) -> tuple[list[Problem], CurationReport]:
     """Curate every code problem (math problems pass through untouched); see the module
     docstring. Returns the kept problems (one per language where duplicated) and the report."""
-    from tqdm import tqdm
 
     cfg = cfg or CodeCurationConfig()
     report = CurationReport("curate code-tests", total=len(problems))
@@ -207,18 +239,25 @@ def curate_code_problems(problems: Sequence[Problem], cfg: CodeCurationConfig | 
         jobs: dict[str, list] = {}
         for p in code:
             tests = p.tests or []
-            solutions = (p.solutions or [])[:cfg.max_solutions]
+            solutions = (p.solutions or [])[: cfg.max_solutions]
             if len(p.solutions or ()) < cfg.min_solutions:
                 continue
             if len(tests) < cfg.min_tests:
                 continue
             limit = cfg.code.compile_timeout_s + len(tests) * (cfg.code.test_timeout_s + 3) + 15
-            jobs[p.id] = [pool.submit(run_solution, s["code"], s["language"],
-                                      [t["input"] for t in tests], cfg.code, timeout_s=limit)
-                          for s in solutions]
+            jobs[p.id] = [
+                pool.submit(
+                    run_solution,
+                    s["code"],
+                    s["language"],
+                    [t["input"] for t in tests],
+                    cfg.code,
+                    timeout_s=limit,
+                )
+                for s in solutions
+            ]
         out: list[Problem] = []
-        for p in tqdm(problems, desc="code-tests", unit="problem", file=sys.stderr,
-                      disable=not progress):
+        for p in tqdm(problems, desc="code-tests", unit="problem", file=sys.stderr, disable=not progress):
             if p.task != "code":
                 report.note("math_passed_through")
                 report.keep()
@@ -226,11 +265,20 @@ def curate_code_problems(problems: Sequence[Problem], cfg: CodeCurationConfig | 
                 continue
             kept = _curate_one(p, jobs.get(p.id), cfg, report)
             if kept is not None:
-                copies = ([kept] if kept.language else
-                          [replace(kept, id=f"{kept.id}/{lang}", language=lang,
-                                   problem=statement_for_language(kept.problem, lang),
-                                   meta={**kept.meta, "source_id": kept.id})
-                           for lang in cfg.languages])
+                copies = (
+                    [kept]
+                    if kept.language
+                    else [
+                        replace(
+                            kept,
+                            id=f"{kept.id}/{lang}",
+                            language=lang,
+                            problem=statement_for_language(kept.problem, lang),
+                            meta={**kept.meta, "source_id": kept.id},
+                        )
+                        for lang in cfg.languages
+                    ]
+                )
                 report.keep(len(copies))
                 out.extend(copies)
         return out, report
@@ -239,8 +287,7 @@ def curate_code_problems(problems: Sequence[Problem], cfg: CodeCurationConfig | 
             pool.close()
 
 
-def _curate_one(p: Problem, futures, cfg: CodeCurationConfig,
-                report: CurationReport) -> Problem | None:
+def _curate_one(p: Problem, futures, cfg: CodeCurationConfig, report: CurationReport) -> Problem | None:
     if len(p.solutions or ()) < cfg.min_solutions:
         report.drop("no_solutions" if not p.solutions else "too_few_solutions")
         return None
@@ -254,8 +301,11 @@ def _curate_one(p: Problem, futures, cfg: CodeCurationConfig,
         except PoolTaskError as e:
             why, result = f"{e.reason}: {e.detail}", []
         if why:
-            report.note("solution_build_failed" if not why.startswith("worker_") else
-                        f"solution_run_failed ({why.split(':')[0]})")
+            report.note(
+                "solution_build_failed"
+                if not why.startswith("worker_")
+                else f"solution_run_failed ({why.split(':')[0]})"
+            )
             continue
         runs.append(result)
     if not runs:

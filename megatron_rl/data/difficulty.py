@@ -41,18 +41,27 @@ from __future__ import annotations
 import re
 import sys
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
-from megatron_rl.config_checks import ConfigFieldError, check_range
+from tqdm import tqdm
+
+from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.data.problems import DataError, Problem, read_records
 from megatron_rl.data.report import CurationReport
 from megatron_rl.data.sampling import Attempt, extract_answer
 from megatron_rl.rewards.math import MathConfig, verify_math
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 
-__all__ = ["DifficultyConfig", "Difficulty", "normalise_answer", "cluster_answers",
-           "difficulty_filter", "attempts_from_scored"]
+__all__ = [
+    "Difficulty",
+    "DifficultyConfig",
+    "attempts_from_scored",
+    "cluster_answers",
+    "difficulty_filter",
+    "normalise_answer",
+]
 
 
 class Scored(Protocol):
@@ -154,12 +163,16 @@ def _decide(d: Difficulty, cfg: DifficultyConfig) -> str:
     return "kept"
 
 
-def difficulty_filter(problems: Sequence[Problem], attempts: Mapping[str, Sequence[Scored]],
-                      cfg: DifficultyConfig | None = None, *, pool: VerifierPool | None = None,
-                      progress: bool = True) -> tuple[list[Problem], list[Difficulty], CurationReport]:
+def difficulty_filter(
+    problems: Sequence[Problem],
+    attempts: Mapping[str, Sequence[Scored]],
+    cfg: DifficultyConfig | None = None,
+    *,
+    pool: VerifierPool | None = None,
+    progress: bool = True,
+) -> tuple[list[Problem], list[Difficulty], CurationReport]:
     """Kept problems (with ``pass_rate`` and ``pass_samples`` added to their record), the verdict
     on every problem, and the report. ``attempts`` maps a problem id to its scored completions."""
-    from tqdm import tqdm
 
     cfg = cfg or DifficultyConfig()
     report = CurationReport("curate difficulty", total=len(problems))
@@ -179,8 +192,9 @@ def difficulty_filter(problems: Sequence[Problem], attempts: Mapping[str, Sequen
                 future = pool.submit(cluster_answers, wrong, cfg.math, timeout_s=limit)
             jobs.append((p, tries, wrong, future))
         kept, details = [], []
-        for p, tries, wrong, future in tqdm(jobs, desc="difficulty", unit="problem",
-                                            file=sys.stderr, disable=not progress):
+        for p, tries, wrong, future in tqdm(
+            jobs, desc="difficulty", unit="problem", file=sys.stderr, disable=not progress
+        ):
             labels = _exact_clusters(wrong)
             if future is not None:
                 try:
@@ -189,9 +203,16 @@ def difficulty_filter(problems: Sequence[Problem], attempts: Mapping[str, Sequen
                     report.note(f"answer clustering failed ({e.reason}); exact match used")
             answer, count = _majority(wrong, labels)
             n, c = len(tries), sum(bool(a.correct) for a in tries)
-            d = Difficulty(problem_id=p.id, samples=n, correct=c, pass_rate=c / n if n else 0.0,
-                           majority_answer=answer, majority_count=count,
-                           flagged=n > 0 and count > cfg.majority * n, decision="")
+            d = Difficulty(
+                problem_id=p.id,
+                samples=n,
+                correct=c,
+                pass_rate=c / n if n else 0.0,
+                majority_answer=answer,
+                majority_count=count,
+                flagged=n > 0 and count > cfg.majority * n,
+                decision="",
+            )
             d.decision = _decide(d, cfg)
             details.append(d)
             if d.flagged:
@@ -226,9 +247,16 @@ def attempts_from_scored(path: str) -> dict[str, list[Attempt]]:
         # ("answer" in a scored line is the reference, as in `megatron-rl reward` input.)
         answer = extract_answer(obj["completion"], obj.get("task", "math"))
         tries = out.setdefault(str(pid), [])
-        tries.append(Attempt(index=len(tries), completion=obj["completion"],
-                             num_tokens=int(obj.get("num_tokens") or 0), finish_reason="stop",
-                             reward=float(obj.get("reward", float(correct))),
-                             reason=str(obj.get("reason", "ok" if correct else "wrong_answer")),
-                             correct=correct, answer=answer))
+        tries.append(
+            Attempt(
+                index=len(tries),
+                completion=obj["completion"],
+                num_tokens=int(obj.get("num_tokens") or 0),
+                finish_reason="stop",
+                reward=float(obj.get("reward", float(correct))),
+                reason=str(obj.get("reason", "ok" if correct else "wrong_answer")),
+                correct=correct,
+                answer=answer,
+            )
+        )
     return out

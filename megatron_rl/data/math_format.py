@@ -32,20 +32,25 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
-from megatron_rl.config_checks import check_range
+from tqdm import tqdm
+
+from megatron_rl.config import check_range
 from megatron_rl.data.problems import Problem
 from megatron_rl.data.report import CurationReport
 from megatron_rl.rewards.math import MathConfig, verify_math
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 from megatron_rl.rewards.result import Verdict
 
-__all__ = ["MathFormatConfig", "find_options", "text_reason", "check_reference", "format_filter"]
+__all__ = ["MathFormatConfig", "check_reference", "find_options", "format_filter", "text_reason"]
 
-_PROOF = re.compile(r"\b(prove|proves|proving|proof|show that|show why|demonstrate that|"
-                    r"justify|verify that)\b", re.IGNORECASE)
+_PROOF = re.compile(
+    r"\b(prove|proves|proving|proof|show that|show why|demonstrate that|"
+    r"justify|verify that)\b",
+    re.IGNORECASE,
+)
 _SUB_LETTER = re.compile(r"(?<![\w\\^_])\(([a-h])\)")
 _SUB_ROMAN = re.compile(r"(?<![\w\\^_])\((i|ii|iii|iv|v|vi)\)")
 _PART = re.compile(r"\bpart\s*\(?([a-d1-4]|i{1,3}|iv)\)?(?![\w])", re.IGNORECASE)
@@ -55,9 +60,14 @@ _MATH_SPANS = re.compile(r"\$\$.*?\$\$|\$[^$]*\$|\\\[.*?\\\]|\\\(.*?\\\)", re.DO
 _REFERS_TO_OPTIONS = re.compile(
     r"which of the following|of the following|which one|which choice|which option|"
     r"among the (options|choices|answers)|(options|choices|answers) (above|below)|"
-    r"none of the|all of the", re.IGNORECASE)
-_NOT_A_STATEMENT = re.compile(r"none of (the|these)|all of (the|these)|cannot be determined|"
-                              r"not enough information", re.IGNORECASE)
+    r"none of the|all of the",
+    re.IGNORECASE,
+)
+_NOT_A_STATEMENT = re.compile(
+    r"none of (the|these)|all of (the|these)|cannot be determined|"
+    r"not enough information",
+    re.IGNORECASE,
+)
 _OPTION_FORMS = [  # (pattern, fewest options for the form to count)
     (re.compile(r"\\(?:textbf|text|mathrm|mathbf)\{\s*\(([A-E])\)\s*\}"), 2),
     (re.compile(r"(?<![\w\\^_])\(([A-E])\)"), 3),
@@ -95,8 +105,9 @@ def find_options(problem: Problem) -> tuple[str, dict[str, str]] | None:
         choices = problem.choices
         if isinstance(choices, list):
             choices = {chr(ord("A") + i): c for i, c in enumerate(choices)}
-        return problem.problem.strip(), {k.strip("() ").upper(): _strip_wrappers(v)
-                                         for k, v in choices.items()}
+        return problem.problem.strip(), {
+            k.strip("() ").upper(): _strip_wrappers(v) for k, v in choices.items()
+        }
     text = problem.problem
     for pattern, fewest in _OPTION_FORMS:
         marks = list(pattern.finditer(text))
@@ -109,8 +120,8 @@ def find_options(problem: Problem) -> tuple[str, dict[str, str]] | None:
             continue
         options = {}
         for m, nxt in zip(run, run[1:] + [None]):
-            options[m.group(1)] = _strip_wrappers(text[m.end():nxt.start() if nxt else len(text)])
-        stem = text[:run[0].start()].rstrip()
+            options[m.group(1)] = _strip_wrappers(text[m.end() : nxt.start() if nxt else len(text)])
+        stem = text[: run[0].start()].rstrip()
         stem = stem[:-1].rstrip() if stem.endswith("$") and stem.count("$") % 2 else stem
         return stem, options
     return None
@@ -123,8 +134,13 @@ def _multi_part(text: str) -> bool:
     parts = {m.group(1).lower() for m in _PART.finditer(prose)}
     # Numbered lines are sub-questions only when they ask something (else they are conditions).
     numbered = {m.group(1) for m in _NUMBERED.finditer(prose) if _ASKS.search(m.group(2))}
-    return ({"a", "b"} <= letters or {"i", "ii"} <= romans or len(parts) >= 2
-            or len(numbered) >= 2 or prose.count("?") >= 2)
+    return (
+        {"a", "b"} <= letters
+        or {"i", "ii"} <= romans
+        or len(parts) >= 2
+        or len(numbered) >= 2
+        or prose.count("?") >= 2
+    )
 
 
 def text_reason(problem: Problem, cfg: MathFormatConfig) -> tuple[Problem | None, str]:
@@ -167,11 +183,14 @@ def check_reference(answer: str, cfg: MathConfig) -> Verdict:
     return verify_math(f"\\boxed{{{inner.strip('$')}}}", answer, cfg)
 
 
-def format_filter(problems: Sequence[Problem], cfg: MathFormatConfig | None = None, *,
-                  pool: VerifierPool | None = None,
-                  progress: bool = True) -> tuple[list[Problem], CurationReport]:
+def format_filter(
+    problems: Sequence[Problem],
+    cfg: MathFormatConfig | None = None,
+    *,
+    pool: VerifierPool | None = None,
+    progress: bool = True,
+) -> tuple[list[Problem], CurationReport]:
     """Apply the rules of the module docstring; kept problems in input order, and the report."""
-    from tqdm import tqdm
 
     cfg = cfg or MathFormatConfig()
     report = CurationReport("curate math-format", total=len(problems))
@@ -188,8 +207,9 @@ def format_filter(problems: Sequence[Problem], cfg: MathFormatConfig | None = No
             future = pool.submit(check_reference, q.answer, cfg.math, timeout_s=timeout) if q else None
             staged.append((q, why, future))
         kept = []
-        for q, why, future in tqdm(staged, desc="math-format", unit="problem", file=sys.stderr,
-                                   disable=not progress):
+        for q, why, future in tqdm(
+            staged, desc="math-format", unit="problem", file=sys.stderr, disable=not progress
+        ):
             if q is None:
                 report.drop(why)
                 continue

@@ -14,23 +14,34 @@ programming language a code problem asks for), ``solutions``, ``choices`` (multi
 ``lang`` (the natural language of the statement, e.g. ``fr``). Every other field is kept in
 ``meta`` and written back unchanged, so curation never loses a user's columns.
 
-Writers go through a temporary file in the same folder and ``os.replace``: an output either does
-not exist or is complete.
+:func:`write_problems` writes through :mod:`megatron_rl.fileio`: an output either does not exist or
+is complete.
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
-__all__ = ["DataError", "Problem", "read_records", "read_problems", "problem_from_json",
-           "write_jsonl", "write_json", "write_text", "atomic_path"]
+from megatron_rl.fileio import JsonlError, iter_jsonl, write_jsonl
+from megatron_rl.rewards.compose import RewardInput
+
+__all__ = [
+    "DataError",
+    "Problem",
+    "check_scorable",
+    "problem_from_json",
+    "read_problems",
+    "read_records",
+    "reward_input",
+    "write_problems",
+]
 
 _KNOWN = ("id", "problem", "task", "answer", "tests", "language", "solutions", "choices", "lang")
 
@@ -87,9 +98,12 @@ def _check_solutions(solutions: Any, where: str) -> None:
     if not isinstance(solutions, list):
         raise _fail(where, "solutions", f"expected a list, got {type(solutions).__name__}")
     for k, s in enumerate(solutions):
-        if (not isinstance(s, dict) or not isinstance(s.get("code"), str)
-                or not isinstance(s.get("language"), str)):
-            raise _fail(where, f"solutions[{k}]", "expected {\"language\": str, \"code\": str}")
+        if (
+            not isinstance(s, dict)
+            or not isinstance(s.get("code"), str)
+            or not isinstance(s.get("language"), str)
+        ):
+            raise _fail(where, f"solutions[{k}]", 'expected {"language": str, "code": str}')
 
 
 def problem_from_json(obj: Any, where: str) -> Problem:
@@ -114,45 +128,52 @@ def problem_from_json(obj: Any, where: str) -> Problem:
             raise _fail(where, name, f"expected a string, got {obj[name]!r}")
     choices = obj.get("choices")
     options = choices.values() if isinstance(choices, dict) else choices
-    if choices is not None and not (isinstance(choices, (list, dict))
-                                    and all(isinstance(c, str) for c in options)):
+    if choices is not None and not (
+        isinstance(choices, (list, dict)) and all(isinstance(c, str) for c in options)
+    ):
         raise _fail(where, "choices", "expected a list of strings or an object of strings")
     pid = obj.get("id")
     if pid is None:
         pid = hashlib.sha1(text.encode()).hexdigest()[:12]
     elif not isinstance(pid, (str, int)) or isinstance(pid, bool):
         raise _fail(where, "id", f"expected a string or an integer, got {pid!r}")
-    return Problem(id=str(pid), problem=text, task=task,
-                   answer=None if answer is None else str(answer),
-                   tests=obj.get("tests"), language=obj.get("language"),
-                   solutions=obj.get("solutions"), choices=choices, lang=obj.get("lang"),
-                   meta={k: v for k, v in obj.items() if k not in _KNOWN})
+    return Problem(
+        id=str(pid),
+        problem=text,
+        task=task,
+        answer=None if answer is None else str(answer),
+        tests=obj.get("tests"),
+        language=obj.get("language"),
+        solutions=obj.get("solutions"),
+        choices=choices,
+        lang=obj.get("lang"),
+        meta={k: v for k, v in obj.items() if k not in _KNOWN},
+    )
 
 
 def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         first = f.read(1)
-        f.seek(0)
-        if first == "[":  # a JSON array of records
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-            for i, obj in enumerate(data):
-                yield f"{path}:record {i}", obj
-            return
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    if first == b"[":  # a JSON array of records
+        try:
+            data = json.loads(path.read_bytes())
+        except UnicodeDecodeError:
+            raise DataError(f"{path}: not UTF-8") from None
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+        for i, obj in enumerate(data):
+            yield f"{path}:record {i}", obj
+        return
+    try:
+        for lineno, obj in iter_jsonl(path, objects=False):
+            yield f"{path}:{lineno}", obj
+    except JsonlError as e:
+        raise DataError(str(e)) from None
 
 
 def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: optional dependency (Parquet inputs)
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
     row = 0
@@ -164,11 +185,12 @@ def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
 
 def _hf(spec: str) -> Iterator[tuple[str, Any]]:
     try:
-        import datasets
+        import datasets  # lazy: optional dependency (hf: inputs)
     except ImportError:
-        raise DataError(f"{spec}: reading a Hugging Face dataset needs `datasets` "
-                        "(pip install datasets)") from None
-    name, _, split = spec[len("hf:"):].partition(":")
+        raise DataError(
+            f"{spec}: reading a Hugging Face dataset needs `datasets` (pip install datasets)"
+        ) from None
+    name, _, split = spec[len("hf:") :].partition(":")
     for i, obj in enumerate(datasets.load_dataset(name, split=split or "train")):
         yield f"{spec}:row {i}", dict(obj)
 
@@ -209,37 +231,45 @@ def read_problems(path: str | os.PathLike, *, limit: int | None = None) -> list[
     return out
 
 
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success it replaces ``path``, on error it is
-    removed (for writers that want a file name, e.g. ``savefig``)."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}{final.suffix}")
-    try:
-        yield tmp
-        os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+def check_scorable(p: Problem, where: str | None = None) -> None:
+    """Raise :class:`DataError` (naming ``where`` or the problem id, and the field) unless the
+    reward can score completions of ``p``: math needs a reference answer, code a non-empty list
+    of tests, each with an expected output, in a language the code verifier runs."""
+    at = where or f"problem {p.id!r}"
+    if p.task == "math" and (p.answer is None or not str(p.answer).strip()):
+        raise _fail(at, "answer", "a math problem needs a reference answer to be scored")
+    if p.task == "code":
+        if not p.tests:
+            raise _fail(at, "tests", "a code problem needs a non-empty list of tests to be scored")
+        for k, t in enumerate(p.tests):
+            if t.get("type") != "function" and not isinstance(t.get("output"), str):
+                raise _fail(
+                    at,
+                    f"tests[{k}].output",
+                    "expected a string (run `megatron-rl curate code-tests` to generate missing outputs)",
+                )
+        if p.language not in (None, "python", "cpp"):
+            raise _fail(at, "language", f"must be 'python' or 'cpp', got {p.language!r}")
 
 
-def write_jsonl(path: str | os.PathLike, records: Iterable[dict | Problem]) -> int:
-    """Write one JSON object per line, atomically; returns the number of lines."""
-    n = 0
-    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json() if isinstance(r, Problem) else r, ensure_ascii=False) + "\n")
-            n += 1
-    return n
+def reward_input(
+    p: Problem, completion: str, *, num_tokens: int | None = None, group_id: str | None = None
+) -> RewardInput:
+    """The one conversion of a problem and a completion into what the reward scores (the RL loop,
+    sampling and evaluation, and ``megatron-rl reward`` all use it). ``group_id`` (default: the
+    problem id) makes the completions of one group draw the same code tests."""
+    return RewardInput(
+        problem=p.problem,
+        completion=completion,
+        task=p.task,
+        answer=p.answer,
+        tests=p.tests,
+        language=p.language if p.task == "code" else None,
+        group_id=p.id if group_id is None else group_id,
+        num_tokens=num_tokens,
+    )
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write ``obj`` as indented JSON, atomically."""
-    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text``, atomically."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+def write_problems(path: str | os.PathLike, problems: Iterable[dict | Problem]) -> int:
+    """Write problems (or plain records) one per line, atomically; returns the number of lines."""
+    return write_jsonl(path, (p.to_json() if isinstance(p, Problem) else p for p in problems))

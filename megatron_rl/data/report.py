@@ -45,5 +45,10 @@ class CurationReport:
         print(self.summary(), file=file or sys.stderr)
 
     def to_json(self) -> dict:
-        return {"tool": self.tool, "total": self.total, "kept": self.kept,
-                "dropped": dict(self.dropped.most_common()), "notes": dict(self.notes.most_common())}
+        return {
+            "tool": self.tool,
+            "total": self.total,
+            "kept": self.kept,
+            "dropped": dict(self.dropped.most_common()),
+            "notes": dict(self.notes.most_common()),
+        }

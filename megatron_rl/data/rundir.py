@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.data.problems import DataError
+from megatron_rl.fileio import JsonlError, iter_jsonl
 from megatron_rl.rewards.result import REASONS
 
 if TYPE_CHECKING:
     from megatron_rl.types import Prompt, ScoredCompletion
 
-__all__ = ["SAMPLES_FILE", "Sample", "samples_path", "read_samples", "SampleWriter"]
+__all__ = ["SAMPLES_FILE", "Sample", "SampleWriter", "read_samples", "samples_path"]
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -57,16 +58,26 @@ class Sample:
         return asdict(self)
 
     @classmethod
-    def from_scored(cls, step: int, prompt: "Prompt", scored: "ScoredCompletion") -> "Sample":
+    def from_scored(cls, step: int, prompt: Prompt, scored: ScoredCompletion) -> Sample:
         """The line for one scored completion of the loop's typed records."""
         c = scored.completion
-        return cls(step=step, prompt_id=prompt.prompt_id, problem=prompt.text, task=prompt.task,
-                   prompt_ids=list(prompt.token_ids), completion_ids=list(c.token_ids),
-                   completion=c.text, reward=float(scored.reward), parts=dict(scored.parts),
-                   reason=scored.reason, correct=scored.correct, versions=list(c.versions))
+        return cls(
+            step=step,
+            prompt_id=prompt.prompt_id,
+            problem=prompt.text,
+            task=prompt.task,
+            prompt_ids=list(prompt.token_ids),
+            completion_ids=list(c.token_ids),
+            completion=c.text,
+            reward=float(scored.reward),
+            parts=dict(scored.parts),
+            reason=scored.reason,
+            correct=scored.correct,
+            versions=list(c.versions),
+        )
 
     @classmethod
-    def from_json(cls, obj: Any, where: str) -> "Sample":
+    def from_json(cls, obj: Any, where: str) -> Sample:
         """Validate one decoded line; errors start with ``where`` (``file:line``) and the field."""
         if not isinstance(obj, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
@@ -84,22 +95,27 @@ class Sample:
         def int_list(v):
             return isinstance(v, list) and all(is_int(t) for t in v)
 
-        s = cls(step=need("step", lambda v: is_int(v) and v >= 0, "a non-negative integer"),
-                prompt_id=str(need("prompt_id", lambda v: isinstance(v, (str, int)), "a string")),
-                problem=need("problem", lambda v: isinstance(v, str), "a string"),
-                task=need("task", lambda v: v in ("math", "code"), "'math' or 'code'"),
-                prompt_ids=need("prompt_ids", lambda v: int_list(v) and v, "a non-empty list of token ids"),
-                completion_ids=need("completion_ids", int_list, "a list of token ids"),
-                completion=need("completion", lambda v: isinstance(v, str), "a string"),
-                reward=float(need("reward", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                                  "a number")),
-                parts=need("parts", lambda v: isinstance(v, dict), "an object"),
-                reason=need("reason", lambda v: v in REASONS, f"one of {', '.join(REASONS)}"),
-                correct=need("correct", lambda v: v is None or isinstance(v, bool), "true, false or null"),
-                versions=need("versions", int_list, "a list of integers"))
+        s = cls(
+            step=need("step", lambda v: is_int(v) and v >= 0, "a non-negative integer"),
+            prompt_id=str(need("prompt_id", lambda v: isinstance(v, (str, int)), "a string")),
+            problem=need("problem", lambda v: isinstance(v, str), "a string"),
+            task=need("task", lambda v: v in ("math", "code"), "'math' or 'code'"),
+            prompt_ids=need("prompt_ids", lambda v: int_list(v) and v, "a non-empty list of token ids"),
+            completion_ids=need("completion_ids", int_list, "a list of token ids"),
+            completion=need("completion", lambda v: isinstance(v, str), "a string"),
+            reward=float(
+                need("reward", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+            ),
+            parts=need("parts", lambda v: isinstance(v, dict), "an object"),
+            reason=need("reason", lambda v: v in REASONS, f"one of {', '.join(REASONS)}"),
+            correct=need("correct", lambda v: v is None or isinstance(v, bool), "true, false or null"),
+            versions=need("versions", int_list, "a list of integers"),
+        )
         if len(s.versions) != len(s.completion_ids):
-            raise DataError(f"{where}: versions: {len(s.versions)} entries for "
-                            f"{len(s.completion_ids)} completion tokens (one per token)")
+            raise DataError(
+                f"{where}: versions: {len(s.versions)} entries for "
+                f"{len(s.completion_ids)} completion tokens (one per token)"
+            )
         return s
 
 
@@ -114,27 +130,18 @@ def read_samples(path: str | os.PathLike) -> Iterator[Sample]:
     file = samples_path(path)
     if not file.is_file():
         raise DataError(f"{file}: no such file (a run directory holds {SAMPLES_FILE})")
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{file}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                if not line.endswith("\n"):  # only the last line can lack its newline
-                    warnings.warn(f"{where}: ignoring a cut-off last line (the writer was "
-                                  "interrupted mid-line)", stacklevel=2)
-                    return
-                raise DataError(f"{where}: invalid JSON: {e.msg} (column {e.colno})") from None
-            yield Sample.from_json(obj, where)
+    try:
+        for lineno, obj in iter_jsonl(file, objects=False, cut_tail="warn"):
+            yield Sample.from_json(obj, f"{file}:{lineno}")
+    except JsonlError as e:
+        raise DataError(str(e)) from None
 
 
 class SampleWriter:
     """Appends samples to ``RUN/samples.jsonl`` (created with its folder), one flushed line each.
 
-        with SampleWriter(run_dir) as w:
-            w.write(sample)           # or w.write_many(samples)
+    with SampleWriter(run_dir) as w:
+        w.write(sample)           # or w.write_many(samples)
     """
 
     def __init__(self, run_dir: str | os.PathLike):
@@ -155,7 +162,7 @@ class SampleWriter:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "SampleWriter":
+    def __enter__(self) -> SampleWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -17,19 +17,34 @@ from __future__ import annotations
 import os
 import sys
 import zlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from megatron_rl.config_checks import check_range
-from megatron_rl.data.problems import Problem
+from tqdm import tqdm
+
+from megatron_rl.config import check_range
+from megatron_rl.data.problems import Problem, check_scorable, reward_input
+from megatron_rl.generation.api import GenRequest, LocalGenerator
+from megatron_rl.generation.client import FleetClient
 from megatron_rl.rewards.code import ensure_pch
-from megatron_rl.rewards.compose import RewardConfig, RewardInput, hard_timeout_s, score
+from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, score
 from megatron_rl.rewards.format import check_format, last_boxed
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 from megatron_rl.rewards.template import SYSTEM_PROMPT, build_messages
 
-__all__ = ["SamplingConfig", "Attempt", "render_prompt", "decode_completion", "extract_answer", "stop_token_ids",
-           "open_generator", "close_generator", "load_tokenizer", "sample_and_score"]
+__all__ = [
+    "Attempt",
+    "SamplingConfig",
+    "close_generator",
+    "decode_completion",
+    "extract_answer",
+    "load_tokenizer",
+    "open_generator",
+    "render_prompt",
+    "sample_and_score",
+    "stop_token_ids",
+]
 
 
 @dataclass(kw_only=True)
@@ -108,26 +123,32 @@ def decode_completion(tokenizer, token_ids) -> str:
 
 def load_tokenizer(folder: str):
     """A local Hugging Face tokenizer (no downloads)."""
-    from transformers import AutoTokenizer
+    from transformers import (
+        AutoTokenizer,  # lazy: transformers takes seconds to import; only this path needs it
+    )
 
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"{folder}: no such tokenizer folder")
     return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
-def open_generator(*, model: str | None = None, servers: Sequence[str] | None = None,
-                   max_len: int = 8192, max_slots: int = 16, eos_token_ids=None):
+def open_generator(
+    *,
+    model: str | None = None,
+    servers: Sequence[str] | None = None,
+    max_len: int = 8192,
+    max_slots: int = 16,
+    eos_token_ids=None,
+):
     """A :class:`LocalGenerator` over the HF folder ``model``, or a fleet client over ``servers``."""
     if (model is None) == (not servers):
         raise ValueError("give exactly one of a model folder (--model) or server URLs (--servers)")
     if model is not None:
-        from megatron_rl.generation.api import LocalGenerator
-
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise FileNotFoundError(f"{model}: not a Hugging Face model folder (no config.json)")
-        return LocalGenerator.from_pretrained(model, max_slots=max_slots, max_len=max_len,
-                                              eos_token_ids=eos_token_ids)
-    from megatron_rl.generation.client import FleetClient  # HTTP machinery: imported on use
+        return LocalGenerator.from_pretrained(
+            model, max_slots=max_slots, max_len=max_len, eos_token_ids=eos_token_ids
+        )
 
     return FleetClient(list(servers))
 
@@ -139,57 +160,53 @@ def close_generator(generator) -> None:
         close()
 
 
-def _reward_input(p: Problem, completion: str, num_tokens: int) -> RewardInput:
-    return RewardInput(problem=p.problem, completion=completion, task=p.task, answer=p.answer,
-                       tests=p.tests, language=p.language, group_id=p.id, num_tokens=num_tokens)
-
-
-def _check_scorable(problems: Sequence[Problem]) -> None:
-    for p in problems:
-        if p.task == "math" and p.answer is None:
-            raise ValueError(f"problem {p.id!r}: a math problem needs a reference 'answer' to be scored")
-        if p.task == "code" and not p.tests:
-            raise ValueError(f"problem {p.id!r}: a code problem needs 'tests' to be scored")
-
-
-def sample_and_score(problems: Sequence[Problem], generator, tokenizer, cfg: SamplingConfig,
-                     reward_cfg: RewardConfig, *, pool: VerifierPool | None = None,
-                     progress: bool = True, keep_tokens: bool = False,
-                     desc: str = "sampling") -> dict[str, list[Attempt]]:
+def sample_and_score(
+    problems: Sequence[Problem],
+    generator,
+    tokenizer,
+    cfg: SamplingConfig,
+    reward_cfg: RewardConfig,
+    *,
+    pool: VerifierPool | None = None,
+    progress: bool = True,
+    keep_tokens: bool = False,
+    desc: str = "sampling",
+) -> dict[str, list[Attempt]]:
     """``cfg.k`` completions of every problem, scored; ``{problem id: [Attempt] in sample order}``.
 
     A verifier that fails (hard time-out, crash) scores its sample 0 with that reason, as in
     training. ``pool`` is reused when given, else one of ``reward_cfg.workers`` is started.
     """
-    from tqdm import tqdm
 
-    from megatron_rl.generation.api import GenRequest
-
-    _check_scorable(problems)
+    for p in problems:
+        check_scorable(p)
     if any(p.task == "code" and p.language in (None, "cpp") for p in problems):
         ensure_pch(reward_cfg.code)  # once, outside the per-sample hard time limits
-    prompts = [render_prompt(tokenizer, p.problem, p.task, system_prompt=cfg.system_prompt)
-               for p in problems]
+    prompts = [render_prompt(tokenizer, p.problem, p.task, system_prompt=cfg.system_prompt) for p in problems]
     stops = stop_token_ids(tokenizer)
 
     def requests():
         for i, p in enumerate(problems):
             for j in range(cfg.k):
-                yield GenRequest(request_id=f"{i}/{j}", input_ids=prompts[i],
-                                 max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, stop_token_ids=stops,
-                                 seed=zlib.crc32(f"{cfg.seed}:{p.id}:{j}".encode()))
+                yield GenRequest(
+                    request_id=f"{i}/{j}",
+                    input_ids=prompts[i],
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    stop_token_ids=stops,
+                    seed=zlib.crc32(f"{cfg.seed}:{p.id}:{j}".encode()),
+                )
 
     own = pool is None
     pool = pool or VerifierPool(reward_cfg.workers)
     pending: list[tuple[int, int, Any, str, Any]] = []
-    bar = tqdm(total=len(problems) * cfg.k, desc=desc, unit="sample", file=sys.stderr,
-               disable=not progress)
+    bar = tqdm(total=len(problems) * cfg.k, desc=desc, unit="sample", file=sys.stderr, disable=not progress)
     try:
         for res in generator.generate(requests()):
             i, j = (int(x) for x in res.request_id.split("/"))
             text = decode_completion(tokenizer, res.token_ids)
-            inp = _reward_input(problems[i], text, len(res.token_ids))
+            inp = reward_input(problems[i], text, num_tokens=len(res.token_ids))
             future = pool.submit(score, inp, reward_cfg, timeout_s=hard_timeout_s(inp, reward_cfg))
             pending.append((i, j, res, text, future))
             bar.update(1)
@@ -201,12 +218,21 @@ def sample_and_score(problems: Sequence[Problem], generator, tokenizer, cfg: Sam
                 reward, reason, correct, parts = r.reward, r.reason, r.correct, r.parts
             except PoolTaskError as e:
                 reward, reason, correct, parts = 0.0, e.reason, False, {}
-            out[p.id].append(Attempt(
-                index=j, completion=text, num_tokens=len(res.token_ids),
-                finish_reason=res.finish_reason, reward=reward, reason=reason, correct=correct,
-                answer=extract_answer(text, p.task), parts=parts,
-                prompt_ids=list(res.prompt_ids) if keep_tokens else None,
-                completion_ids=list(res.token_ids) if keep_tokens else None))
+            out[p.id].append(
+                Attempt(
+                    index=j,
+                    completion=text,
+                    num_tokens=len(res.token_ids),
+                    finish_reason=res.finish_reason,
+                    reward=reward,
+                    reason=reason,
+                    correct=correct,
+                    answer=extract_answer(text, p.task),
+                    parts=parts,
+                    prompt_ids=list(res.prompt_ids) if keep_tokens else None,
+                    completion_ids=list(res.token_ids) if keep_tokens else None,
+                )
+            )
         return out
     finally:
         bar.close()

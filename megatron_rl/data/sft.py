@@ -31,16 +31,25 @@ import math
 import random
 import sys
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from megatron_rl.config_checks import check_range
+from tqdm import tqdm
+
+from megatron_rl.config import check_range
 from megatron_rl.data.problems import DataError, read_records
 from megatron_rl.data.report import CurationReport
 from megatron_rl.data.rundir import Sample
 
-__all__ = ["SFTTraceConfig", "collect_traces", "render_general", "load_general", "mix_general",
-           "read_sft_pairs"]
+__all__ = [
+    "SFTTraceConfig",
+    "collect_traces",
+    "load_general",
+    "mix_general",
+    "read_sft_pairs",
+    "render_general",
+]
 
 
 @dataclass(kw_only=True)
@@ -62,16 +71,15 @@ class SFTTraceConfig:
         check_range("general_share", self.general_share, low=0.0, high=1.0, high_open=True)
 
 
-def collect_traces(samples: Iterable[Sample], cfg: SFTTraceConfig,
-                   progress: bool = True) -> tuple[list[dict[str, Any]], CurationReport]:
+def collect_traces(
+    samples: Iterable[Sample], cfg: SFTTraceConfig, progress: bool = True
+) -> tuple[list[dict[str, Any]], CurationReport]:
     """Steps 1-4 of the module docstring: trace records (repeats included), and the report."""
-    from tqdm import tqdm
 
     report = CurationReport("curate sft-traces")
     checked: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # prompt_id -> [correct, checked]
     correct: dict[str, list[Sample]] = defaultdict(list)
-    for s in tqdm(samples, desc="reading samples", unit="sample", file=sys.stderr,
-                  disable=not progress):
+    for s in tqdm(samples, desc="reading samples", unit="sample", file=sys.stderr, disable=not progress):
         report.total += 1
         if s.step < cfg.min_step:
             report.drop(f"before min_step {cfg.min_step}")
@@ -95,7 +103,7 @@ def collect_traces(samples: Iterable[Sample], cfg: SFTTraceConfig,
                 continue
             seen.add(key)
             distinct.append(s)
-        chosen = distinct[:cfg.max_per_problem]
+        chosen = distinct[: cfg.max_per_problem]
         if len(distinct) > len(chosen):
             report.drop(f"over max_per_problem {cfg.max_per_problem}", len(distinct) - len(chosen))
         copies = 1
@@ -107,9 +115,17 @@ def collect_traces(samples: Iterable[Sample], cfg: SFTTraceConfig,
             report.note("repeated traces added", (copies - 1) * len(chosen))
         for s in chosen:
             for c in range(copies):
-                traces.append({"prompt_ids": s.prompt_ids, "answer_ids": s.completion_ids,
-                               "source": "trace", "prompt_id": pid, "step": s.step,
-                               "pass_rate": rate, "copy": c})
+                traces.append(
+                    {
+                        "prompt_ids": s.prompt_ids,
+                        "answer_ids": s.completion_ids,
+                        "source": "trace",
+                        "prompt_id": pid,
+                        "step": s.step,
+                        "pass_rate": rate,
+                        "copy": c,
+                    }
+                )
     return traces, report
 
 
@@ -122,10 +138,12 @@ def render_general(messages: Sequence[dict], tokenizer) -> tuple[list[int], list
     prompt = tokenizer.apply_chat_template(list(messages[:-1]), tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template(list(messages), tokenize=False)
     if not full.startswith(prompt):
-        raise ValueError("the chat template renders the conversation differently from its prefix; "
-                         "cannot split prompt and answer")
+        raise ValueError(
+            "the chat template renders the conversation differently from its prefix; "
+            "cannot split prompt and answer"
+        )
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    answer = tokenizer(full[len(prompt):], add_special_tokens=False)["input_ids"]
+    answer = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
     return list(ids), list(answer)
 
 
@@ -138,11 +156,14 @@ def load_general(path: str, tokenizer) -> list[dict[str, Any]]:
         if "messages" in obj:
             messages = obj["messages"]
             if not isinstance(messages, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+            ):
                 raise DataError(f"{where}: messages: expected a list of {{role, content}} objects")
         elif isinstance(obj.get("prompt"), str) and isinstance(obj.get("response"), str):
-            messages = [{"role": "user", "content": obj["prompt"]},
-                        {"role": "assistant", "content": obj["response"]}]
+            messages = [
+                {"role": "user", "content": obj["prompt"]},
+                {"role": "assistant", "content": obj["response"]},
+            ]
         else:
             raise DataError(f"{where}: messages: missing (or give 'prompt' and 'response' strings)")
         try:
@@ -155,8 +176,9 @@ def load_general(path: str, tokenizer) -> list[dict[str, Any]]:
     return out
 
 
-def mix_general(traces: list[dict], general: list[dict], cfg: SFTTraceConfig,
-                report: CurationReport) -> list[dict]:
+def mix_general(
+    traces: list[dict], general: list[dict], cfg: SFTTraceConfig, report: CurationReport
+) -> list[dict]:
     """Traces plus enough general examples to make ``general_share`` of the result, shuffled."""
     rng = random.Random(cfg.seed)
     want = round(cfg.general_share / (1 - cfg.general_share) * len(traces))
@@ -175,8 +197,11 @@ def read_sft_pairs(path: str) -> list[tuple[list[int], list[int]]]:
     for where, obj in read_records(path):
         for key in ("prompt_ids", "answer_ids"):
             v = obj.get(key) if isinstance(obj, dict) else None
-            if not isinstance(v, list) or not v or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in v):
+            if (
+                not isinstance(v, list)
+                or not v
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+            ):
                 raise DataError(f"{where}: {key}: expected a non-empty list of token ids")
         pairs.append((obj["prompt_ids"], obj["answer_ids"]))
     return pairs

@@ -22,32 +22,57 @@ import hashlib
 import importlib
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Callable, Sequence
+
+from tqdm import tqdm
 
 from megatron_rl.data.problems import Problem
 from megatron_rl.data.report import CurationReport
+from megatron_rl.data.sampling import stop_token_ids
+from megatron_rl.generation.api import GenRequest
 
-__all__ = ["Translator", "LANGUAGE_NAMES", "mark_for_translation", "translate_marked",
-           "GeneratorTranslator", "load_translator"]
+__all__ = [
+    "LANGUAGE_NAMES",
+    "GeneratorTranslator",
+    "Translator",
+    "load_translator",
+    "mark_for_translation",
+    "translate_marked",
+]
 
 Translator = Callable[[Sequence[str], str], list[str]]
 
-LANGUAGE_NAMES = {"en": "English", "fr": "French", "de": "German", "es": "Spanish",
-                  "it": "Italian", "pt": "Portuguese", "ru": "Russian", "zh": "Chinese",
-                  "ja": "Japanese", "ko": "Korean", "ar": "Arabic", "hi": "Hindi",
-                  "nl": "Dutch", "pl": "Polish", "tr": "Turkish", "uk": "Ukrainian"}
+LANGUAGE_NAMES = {
+    "en": "English",
+    "fr": "French",
+    "de": "German",
+    "es": "Spanish",
+    "it": "Italian",
+    "pt": "Portuguese",
+    "ru": "Russian",
+    "zh": "Chinese",
+    "ja": "Japanese",
+    "ko": "Korean",
+    "ar": "Arabic",
+    "hi": "Hindi",
+    "nl": "Dutch",
+    "pl": "Polish",
+    "tr": "Turkish",
+    "uk": "Ukrainian",
+}
 
 
 def _unit(seed: int, key: str) -> float:
     """A number in [0, 1) fixed by (seed, key). (A cryptographic hash: CRC32 is linear, and
     ids that differ in one digit would land close together.)"""
     digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") / 2 ** 64
+    return int.from_bytes(digest, "big") / 2**64
 
 
-def mark_for_translation(problems: Sequence[Problem], *, fraction: float = 0.1,
-                         languages: Sequence[str], seed: int = 0) -> tuple[list[Problem], CurationReport]:
+def mark_for_translation(
+    problems: Sequence[Problem], *, fraction: float = 0.1, languages: Sequence[str], seed: int = 0
+) -> tuple[list[Problem], CurationReport]:
     """Every problem, ``fraction`` of them with ``translate_to`` set (see the module docstring).
     A problem already in a target language is not marked for it."""
     if not 0.0 <= fraction <= 1.0:
@@ -72,11 +97,11 @@ def mark_for_translation(problems: Sequence[Problem], *, fraction: float = 0.1,
     return out, report
 
 
-def translate_marked(problems: Sequence[Problem], translator: Translator, *, batch_size: int = 32,
-                     progress: bool = True) -> tuple[list[Problem], CurationReport]:
+def translate_marked(
+    problems: Sequence[Problem], translator: Translator, *, batch_size: int = 32, progress: bool = True
+) -> tuple[list[Problem], CurationReport]:
     """The problems followed by a translated copy of each marked one (see the module docstring).
     An empty translation is not written (``empty_translation``)."""
-    from tqdm import tqdm
 
     report = CurationReport("curate translate", total=len(problems))
     by_lang: dict[str, list[Problem]] = {}
@@ -84,12 +109,17 @@ def translate_marked(problems: Sequence[Problem], translator: Translator, *, bat
         if p.meta.get("translate_to"):
             by_lang.setdefault(p.meta["translate_to"], []).append(p)
     copies: list[Problem] = []
-    bar = tqdm(total=sum(map(len, by_lang.values())), desc="translate", unit="problem",
-               file=sys.stderr, disable=not progress)
+    bar = tqdm(
+        total=sum(map(len, by_lang.values())),
+        desc="translate",
+        unit="problem",
+        file=sys.stderr,
+        disable=not progress,
+    )
     try:
         for lang, todo in by_lang.items():
             for start in range(0, len(todo), batch_size):
-                batch = todo[start:start + batch_size]
+                batch = todo[start : start + batch_size]
                 texts = translator([p.problem for p in batch], lang)
                 if len(texts) != len(batch):
                     raise ValueError(f"translator returned {len(texts)} texts for {len(batch)}")
@@ -98,8 +128,15 @@ def translate_marked(problems: Sequence[Problem], translator: Translator, *, bat
                         report.drop("empty_translation")
                         continue
                     meta = {k: v for k, v in p.meta.items() if k != "translate_to"}
-                    copies.append(replace(p, id=f"{p.id}@{lang}", problem=text.strip(), lang=lang,
-                                          meta={**meta, "translated_from": p.id}))
+                    copies.append(
+                        replace(
+                            p,
+                            id=f"{p.id}@{lang}",
+                            problem=text.strip(),
+                            lang=lang,
+                            meta={**meta, "translated_from": p.id},
+                        )
+                    )
                     report.note(f"translated to {lang}")
                 bar.update(len(batch))
     finally:
@@ -113,7 +150,8 @@ _THOUGHTS = re.compile(r"^.*?</think>", re.DOTALL)
 TRANSLATION_PROMPT = (
     "Translate the following problem into {language}. Keep every number, formula, LaTeX command, "
     "code identifier and input/output example exactly as it is; translate only the prose. Reply "
-    "with the translation only.\n\n{text}")
+    "with the translation only.\n\n{text}"
+)
 
 
 class GeneratorTranslator:
@@ -123,27 +161,31 @@ class GeneratorTranslator:
     A reasoning model's ``<think>...</think>`` part, if any, is cut from the reply.
     """
 
-    def __init__(self, generator, tokenizer, *, max_new_tokens: int = 2048,
-                 prompt: str = TRANSLATION_PROMPT):
+    def __init__(self, generator, tokenizer, *, max_new_tokens: int = 2048, prompt: str = TRANSLATION_PROMPT):
         self.generator = generator
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.prompt = prompt
 
     def __call__(self, texts: Sequence[str], language: str) -> list[str]:
-        from megatron_rl.data.sampling import stop_token_ids
-        from megatron_rl.generation.api import GenRequest
 
         name = LANGUAGE_NAMES.get(language, language)
         requests = []
         for i, text in enumerate(texts):
             messages = [{"role": "user", "content": self.prompt.format(language=name, text=text)}]
-            rendered = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                          add_generation_prompt=True)
+            rendered = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
             ids = self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
-            requests.append(GenRequest(request_id=str(i), input_ids=list(ids),
-                                       max_new_tokens=self.max_new_tokens, temperature=0.0,
-                                       stop_token_ids=stop_token_ids(self.tokenizer)))
+            requests.append(
+                GenRequest(
+                    request_id=str(i),
+                    input_ids=list(ids),
+                    max_new_tokens=self.max_new_tokens,
+                    temperature=0.0,
+                    stop_token_ids=stop_token_ids(self.tokenizer),
+                )
+            )
         out = [""] * len(texts)
         for res in self.generator.generate(requests):
             reply = self.tokenizer.decode(res.token_ids, skip_special_tokens=True)

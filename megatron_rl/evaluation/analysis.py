@@ -24,15 +24,19 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
+from tqdm import tqdm
 
-from megatron_rl.data.problems import DataError, read_records, write_json
+from megatron_rl.data.problems import DataError, read_records
 from megatron_rl.evaluation import plots
+from megatron_rl.fileio import atomic_write_json
+from megatron_rl.hf.files import HFWeights
 
-__all__ = ["read_metrics", "fit_log", "reward_length", "weight_pca", "main"]
+__all__ = ["fit_log", "main", "read_metrics", "reward_length", "weight_pca"]
 
 
 def read_metrics(path, keys: Sequence[str]) -> list[dict[str, Any]]:
@@ -65,9 +69,14 @@ def fit_log(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
     return {"a": a, "b": b, "r2": 1.0 - ss_res / ss_tot if ss_tot else 1.0}
 
 
-def reward_length(metrics, out_png, *, reward_key: str = "reward/mean",
-                  penalty_key: str = "reward/length_penalty",
-                  length_key: str = "length/mean") -> dict[str, Any]:
+def reward_length(
+    metrics,
+    out_png,
+    *,
+    reward_key: str = "reward/mean",
+    penalty_key: str = "reward/length_penalty",
+    length_key: str = "length/mean",
+) -> dict[str, Any]:
     """Fit and plot reward (length penalty removed) against mean length; returns the fit."""
     rows = read_metrics(metrics, ("step", reward_key, penalty_key, length_key))
     if len(rows) < 2:
@@ -75,10 +84,11 @@ def reward_length(metrics, out_png, *, reward_key: str = "reward/mean",
     lengths = [float(r[length_key]) for r in rows]
     rewards = [float(r[reward_key]) - float(r[penalty_key]) for r in rows]
     fit = fit_log(lengths, rewards)
-    plots.reward_length_plot(lengths, rewards, [int(r["step"]) for r in rows], fit["a"], fit["b"],
-                             out_png, r2=fit["r2"])
+    plots.reward_length_plot(
+        lengths, rewards, [int(r["step"]) for r in rows], fit["a"], fit["b"], out_png, r2=fit["r2"]
+    )
     result = {**fit, "points": len(rows), "steps": [rows[0]["step"], rows[-1]["step"]]}
-    write_json(Path(out_png).with_suffix(".json"), result)
+    atomic_write_json(Path(out_png).with_suffix(".json"), result)
     return result
 
 
@@ -101,12 +111,10 @@ def _coordinates(first, max_coords: int, seed: int) -> dict[str, torch.Tensor | 
     return out
 
 
-def weight_pca(folders: Sequence[str], out_png, *, max_coords: int = 2_000_000,
-               seed: int = 0, progress: bool = True) -> dict[str, Any]:
+def weight_pca(
+    folders: Sequence[str], out_png, *, max_coords: int = 2_000_000, seed: int = 0, progress: bool = True
+) -> dict[str, Any]:
     """Project the checkpoints on the first two principal components; plot and return them."""
-    from tqdm import tqdm
-
-    from megatron_rl.convert.hf_files import HFWeights
 
     if len(folders) < 2:
         raise ValueError("weight-pca: give two or more checkpoints")
@@ -121,10 +129,12 @@ def weight_pca(folders: Sequence[str], out_png, *, max_coords: int = 2_000_000,
                 raise DataError(f"{f}: {n}: shape {w.shape(n)} differs from {weights[0].shape(n)}")
     picks = _coordinates(weights[0], max_coords, seed)
     rows = []
-    for w in tqdm(weights, desc="reading checkpoints", unit="checkpoint", file=sys.stderr,
-                  disable=not progress):
-        parts = [(w[n].reshape(-1) if idx is None else w[n].reshape(-1)[idx]).double()
-                 for n, idx in picks.items()]
+    for w in tqdm(
+        weights, desc="reading checkpoints", unit="checkpoint", file=sys.stderr, disable=not progress
+    ):
+        parts = [
+            (w[n].reshape(-1) if idx is None else w[n].reshape(-1)[idx]).double() for n, idx in picks.items()
+        ]
         rows.append(torch.cat(parts))
     x = torch.stack(rows)
     x = x - x.mean(dim=0, keepdim=True)
@@ -136,15 +146,21 @@ def weight_pca(folders: Sequence[str], out_png, *, max_coords: int = 2_000_000,
     explained = (evals / evals.sum()).tolist() if evals.sum() > 0 else [0.0] * len(evals)
     labels = [_label(Path(f)) for f in folders]
     plots.trajectory_plot(coords.tolist(), labels, explained[:2], out_png)
-    result = {"checkpoints": list(map(str, folders)), "labels": labels, "coords": coords.tolist(),
-              "explained_variance": explained[:2], "coordinates_used": int(x.shape[1])}
-    write_json(Path(out_png).with_suffix(".json"), result)
+    result = {
+        "checkpoints": list(map(str, folders)),
+        "labels": labels,
+        "coords": coords.tolist(),
+        "explained_variance": explained[:2],
+        "coordinates_used": int(x.shape[1]),
+    }
+    atomic_write_json(Path(out_png).with_suffix(".json"), result)
     return result
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_rl.evaluation.analysis",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_rl.evaluation.analysis", description=__doc__.split("\n\n")[0]
+    )
     sub = p.add_subparsers(dest="what", required=True)
     r = sub.add_parser("reward-length", help="reward without length penalty against mean length, log fit")
     r.add_argument("--metrics", required=True, help="metrics JSONL, one object per step")
@@ -164,15 +180,24 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.what == "reward-length":
-            res = reward_length(args.metrics, args.out, reward_key=args.reward_key,
-                                penalty_key=args.penalty_key, length_key=args.length_key)
-            print(f"reward = {res['a']:.4f} + {res['b']:.4f} ln(length), R² {res['r2']:.3f} "
-                  f"over {res['points']} steps -> {args.out}")
+            res = reward_length(
+                args.metrics,
+                args.out,
+                reward_key=args.reward_key,
+                penalty_key=args.penalty_key,
+                length_key=args.length_key,
+            )
+            print(
+                f"reward = {res['a']:.4f} + {res['b']:.4f} ln(length), R² {res['r2']:.3f} "
+                f"over {res['points']} steps -> {args.out}"
+            )
         else:
             res = weight_pca(args.checkpoints, args.out, max_coords=args.max_coords, seed=args.seed)
             ev = ", ".join(f"{100 * v:.1f}%" for v in res["explained_variance"])
-            print(f"PCA of {len(args.checkpoints)} checkpoints over {res['coordinates_used']} "
-                  f"coordinates: explained variance {ev} -> {args.out}")
+            print(
+                f"PCA of {len(args.checkpoints)} checkpoints over {res['coordinates_used']} "
+                f"coordinates: explained variance {ev} -> {args.out}"
+            )
         return 0
     except (DataError, ValueError, FileNotFoundError) as e:
         print(f"analysis {args.what}: {e}", file=sys.stderr)

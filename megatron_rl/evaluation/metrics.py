@@ -15,11 +15,19 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
-__all__ = ["pass_at_k", "majority_score", "default_ks", "ProblemEval", "evaluate_problem",
-           "length_stats", "aggregate"]
+__all__ = [
+    "ProblemEval",
+    "aggregate",
+    "default_ks",
+    "evaluate_problem",
+    "length_stats",
+    "majority_score",
+    "pass_at_k",
+]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -72,15 +80,28 @@ class ProblemEval:
     reasons: Counter = field(default_factory=Counter)
 
     def to_json(self) -> dict[str, Any]:
-        return {"problem_id": self.problem_id, "task": self.task, "lang": self.lang,
-                "samples": self.samples, "correct": self.correct,
-                "pass_at": {str(k): v for k, v in self.pass_at.items()}, "maj": self.maj,
-                "mean_length": statistics.fmean(self.lengths) if self.lengths else 0.0,
-                "truncated": self.truncated, "reasons": dict(self.reasons)}
+        return {
+            "problem_id": self.problem_id,
+            "task": self.task,
+            "lang": self.lang,
+            "samples": self.samples,
+            "correct": self.correct,
+            "pass_at": {str(k): v for k, v in self.pass_at.items()},
+            "maj": self.maj,
+            "mean_length": statistics.fmean(self.lengths) if self.lengths else 0.0,
+            "truncated": self.truncated,
+            "reasons": dict(self.reasons),
+        }
 
 
-def evaluate_problem(problem_id: str, task: str, lang: str, attempts: Sequence,
-                     ks: Sequence[int], labels: Sequence[int | None] | None = None) -> ProblemEval:
+def evaluate_problem(
+    problem_id: str,
+    task: str,
+    lang: str,
+    attempts: Sequence,
+    ks: Sequence[int],
+    labels: Sequence[int | None] | None = None,
+) -> ProblemEval:
     """Metrics of one problem from its scored attempts (``.correct``, ``.num_tokens``,
     ``.finish_reason``, ``.reason``). ``labels``: a cluster label per attempt (None: no answer),
     where every correct attempt carries the same label -- needed for maj (math only)."""
@@ -92,12 +113,19 @@ def evaluate_problem(problem_id: str, task: str, lang: str, attempts: Sequence,
         if len(right) > 1:
             raise ValueError(f"{problem_id}: correct attempts must share one cluster label, got {right}")
         maj = majority_score(labels, next(iter(right), None))
-    return ProblemEval(problem_id=problem_id, task=task, lang=lang, samples=n, correct=c,
-                       pass_at={k: pass_at_k(n, c, k) for k in ks if k <= n}, maj=maj,
-                       lengths=[a.num_tokens for a in attempts],
-                       correct_mask=[bool(a.correct) for a in attempts],
-                       truncated=sum(a.finish_reason == "length" for a in attempts),
-                       reasons=Counter(a.reason for a in attempts))
+    return ProblemEval(
+        problem_id=problem_id,
+        task=task,
+        lang=lang,
+        samples=n,
+        correct=c,
+        pass_at={k: pass_at_k(n, c, k) for k in ks if k <= n},
+        maj=maj,
+        lengths=[a.num_tokens for a in attempts],
+        correct_mask=[bool(a.correct) for a in attempts],
+        truncated=sum(a.finish_reason == "length" for a in attempts),
+        reasons=Counter(a.reason for a in attempts),
+    )
 
 
 def length_stats(lengths: Sequence[int]) -> dict[str, float]:
@@ -105,10 +133,14 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
     if not lengths:
         return {"count": 0, "mean": 0.0, "median": 0.0, "p90": 0.0, "min": 0, "max": 0}
     ordered = sorted(lengths)
-    return {"count": len(ordered), "mean": statistics.fmean(ordered),
-            "median": float(statistics.median(ordered)),
-            "p90": float(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]),
-            "min": ordered[0], "max": ordered[-1]}
+    return {
+        "count": len(ordered),
+        "mean": statistics.fmean(ordered),
+        "median": float(statistics.median(ordered)),
+        "p90": float(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]),
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
 
 
 def _summary(results: Sequence[ProblemEval], ks: Sequence[int]) -> dict[str, Any]:
@@ -121,13 +153,20 @@ def _summary(results: Sequence[ProblemEval], ks: Sequence[int]) -> dict[str, Any
     for r in results:
         reasons.update(r.reasons)
     return {
-        "problems": len(results), "samples": samples,
-        "pass_at": {str(k): statistics.fmean(r.pass_at[k] for r in results)
-                    for k in ks if results and all(k in r.pass_at for r in results)},
+        "problems": len(results),
+        "samples": samples,
+        "pass_at": {
+            str(k): statistics.fmean(r.pass_at[k] for r in results)
+            for k in ks
+            if results and all(k in r.pass_at for r in results)
+        },
         "maj": statistics.fmean(majs) if majs else None,
         "maj_problems": len(majs),
-        "length": {"all": length_stats(every), "correct": length_stats(right),
-                   "incorrect": length_stats(wrong)},
+        "length": {
+            "all": length_stats(every),
+            "correct": length_stats(right),
+            "incorrect": length_stats(wrong),
+        },
         "truncated_share": sum(r.truncated for r in results) / samples if samples else 0.0,
         "reasons": dict(reasons.most_common()),
     }

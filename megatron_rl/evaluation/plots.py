@@ -5,21 +5,27 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-from megatron_rl.data.problems import atomic_path
+from megatron_rl.fileio import atomic_path
 
-__all__ = ["pass_rate_histogram", "pass_at_k_curve", "length_histogram", "language_bars",
-           "reward_length_plot", "trajectory_plot"]
+__all__ = [
+    "language_bars",
+    "length_histogram",
+    "pass_at_k_curve",
+    "pass_rate_histogram",
+    "reward_length_plot",
+    "trajectory_plot",
+]
 
 
 def _pyplot():
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib is heavy; only plotting needs it
     except ImportError:
         raise RuntimeError("plots need matplotlib (pip install matplotlib)") from None
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy; only plotting needs it
 
     return plt
 
@@ -33,14 +39,20 @@ def _save(fig, path: str | os.PathLike) -> None:
         plt.close(fig)
 
 
-def pass_rate_histogram(rates: Sequence[float], path, *, low: float, high: float,
-                        samples: int | None = None, title: str = "Pass rate per problem") -> None:
+def pass_rate_histogram(
+    rates: Sequence[float],
+    path,
+    *,
+    low: float,
+    high: float,
+    samples: int | None = None,
+    title: str = "Pass rate per problem",
+) -> None:
     """Histogram of per-problem pass rates with the kept interval (low, high) shaded. With a
     common sample count k, one bar per possible rate 0/k .. k/k."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    bins = ([(i - 0.5) / samples for i in range(samples + 2)] if samples
-            else [i / 20 for i in range(21)])
+    bins = [(i - 0.5) / samples for i in range(samples + 2)] if samples else [i / 20 for i in range(21)]
     ax.hist(list(rates), bins=bins, color="#4477aa", edgecolor="white")
     ax.axvspan(low, high, color="#66aa55", alpha=0.12, label=f"kept: {low:g} < rate < {high:g}")
     ax.set_xlabel("pass rate" + (f" (of {samples} samples)" if samples else ""))
@@ -50,8 +62,9 @@ def pass_rate_histogram(rates: Sequence[float], path, *, low: float, high: float
     _save(fig, path)
 
 
-def pass_at_k_curve(ks: Sequence[int], curves: Mapping[str, Sequence[float]], path, *,
-                    title: str = "pass@k") -> None:
+def pass_at_k_curve(
+    ks: Sequence[int], curves: Mapping[str, Sequence[float]], path, *, title: str = "pass@k"
+) -> None:
     """pass@k against k (log2 axis), one line per label (e.g. per task or language)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -68,17 +81,22 @@ def pass_at_k_curve(ks: Sequence[int], curves: Mapping[str, Sequence[float]], pa
     _save(fig, path)
 
 
-def length_histogram(correct: Sequence[int], wrong: Sequence[int], path, *,
-                     title: str = "Completion length") -> None:
+def length_histogram(
+    correct: Sequence[int], wrong: Sequence[int], path, *, title: str = "Completion length"
+) -> None:
     """Completion lengths (tokens) of correct and incorrect samples, overlaid."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     both = list(correct) + list(wrong)
     top = max(both) if both else 1
     bins = [top * i / 30 for i in range(31)] if top > 0 else [0, 1]
-    ax.hist([list(correct), list(wrong)], bins=bins, label=[f"correct ({len(correct)})",
-                                                            f"incorrect ({len(wrong)})"],
-            color=["#66aa55", "#cc6677"], stacked=True)
+    ax.hist(
+        [list(correct), list(wrong)],
+        bins=bins,
+        label=[f"correct ({len(correct)})", f"incorrect ({len(wrong)})"],
+        color=["#66aa55", "#cc6677"],
+        stacked=True,
+    )
     ax.set_xlabel("completion tokens")
     ax.set_ylabel("samples")
     ax.set_title(title)
@@ -86,8 +104,9 @@ def length_histogram(correct: Sequence[int], wrong: Sequence[int], path, *,
     _save(fig, path)
 
 
-def language_bars(values: Mapping[str, float], path, *, metric: str = "pass@1",
-                  title: str = "Results per language") -> None:
+def language_bars(
+    values: Mapping[str, float], path, *, metric: str = "pass@1", title: str = "Results per language"
+) -> None:
     """One bar per language."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(values) + 2), 4))
@@ -99,8 +118,16 @@ def language_bars(values: Mapping[str, float], path, *, metric: str = "pass@1",
     _save(fig, path)
 
 
-def reward_length_plot(lengths: Sequence[float], rewards: Sequence[float], steps: Sequence[int],
-                       a: float, b: float, path, *, r2: float) -> None:
+def reward_length_plot(
+    lengths: Sequence[float],
+    rewards: Sequence[float],
+    steps: Sequence[int],
+    a: float,
+    b: float,
+    path,
+    *,
+    r2: float,
+) -> None:
     """Reward (without the length penalty) against mean completion length, coloured by step, with
     the fit ``reward = a + b ln(length)`` (Magistral, Figure 9)."""
     plt = _pyplot()
@@ -110,8 +137,12 @@ def reward_length_plot(lengths: Sequence[float], rewards: Sequence[float], steps
     lo, hi = min(lengths), max(lengths)
     xs = [lo * (hi / lo) ** (i / 100) for i in range(101)] if lo > 0 else []
     if xs:
-        ax.plot(xs, [a + b * math.log(x) for x in xs], color="#cc3311",
-                label=f"{a:.3f} + {b:.3f} ln(length),  R² = {r2:.3f}")
+        ax.plot(
+            xs,
+            [a + b * math.log(x) for x in xs],
+            color="#cc3311",
+            label=f"{a:.3f} + {b:.3f} ln(length),  R² = {r2:.3f}",
+        )
         ax.legend()
     ax.set_xscale("log")
     ax.set_xlabel("mean completion length (tokens)")
@@ -120,8 +151,9 @@ def reward_length_plot(lengths: Sequence[float], rewards: Sequence[float], steps
     _save(fig, path)
 
 
-def trajectory_plot(coords: Sequence[Sequence[float]], labels: Sequence[str],
-                    explained: Sequence[float], path) -> None:
+def trajectory_plot(
+    coords: Sequence[Sequence[float]], labels: Sequence[str], explained: Sequence[float], path
+) -> None:
     """Checkpoints in the plane of the first two principal components, joined in order
     (Magistral, Figure 8)."""
     plt = _pyplot()

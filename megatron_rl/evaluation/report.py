@@ -13,34 +13,43 @@ Every file is written atomically.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
+
+from tqdm import tqdm
 
 from megatron_rl.data.difficulty import cluster_answers, normalise_answer
-from megatron_rl.data.problems import Problem, write_json, write_jsonl, write_text
+from megatron_rl.data.problems import Problem
 from megatron_rl.evaluation import plots
 from megatron_rl.evaluation.metrics import ProblemEval, aggregate, evaluate_problem
+from megatron_rl.fileio import atomic_write_json, atomic_write_text, write_jsonl
+from megatron_rl.rewards.language import detect_language
 from megatron_rl.rewards.math import MathConfig
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 
-__all__ = ["problem_language", "evaluate", "markdown", "write_report"]
+__all__ = ["evaluate", "markdown", "problem_language", "write_report"]
 
 
 def problem_language(problem: Problem) -> str:
     """The statement's language: its ``lang`` field, else fastText's guess, else ``und``."""
     if problem.lang:
         return problem.lang
-    from megatron_rl.rewards.language import detect_language
 
     lang, _ = detect_language(problem.problem)
     return lang or "und"
 
 
-def evaluate(problems: Sequence[Problem], attempts: Mapping[str, Sequence], ks: Sequence[int], *,
-             pool: VerifierPool, math_cfg: MathConfig | None = None,
-             progress: bool = True) -> list[ProblemEval]:
+def evaluate(
+    problems: Sequence[Problem],
+    attempts: Mapping[str, Sequence],
+    ks: Sequence[int],
+    *,
+    pool: VerifierPool,
+    math_cfg: MathConfig | None = None,
+    progress: bool = True,
+) -> list[ProblemEval]:
     """:class:`ProblemEval` of every problem; wrong math answers are clustered in ``pool``."""
-    from tqdm import tqdm
 
     math_cfg = math_cfg or MathConfig()
     jobs = []
@@ -53,8 +62,9 @@ def evaluate(problems: Sequence[Problem], attempts: Mapping[str, Sequence], ks: 
             future = pool.submit(cluster_answers, wrong, math_cfg, timeout_s=limit)
         jobs.append((p, tries, wrong, future))
     results = []
-    for p, tries, wrong, future in tqdm(jobs, desc="metrics", unit="problem", file=sys.stderr,
-                                        disable=not progress):
+    for p, tries, wrong, future in tqdm(
+        jobs, desc="metrics", unit="problem", file=sys.stderr, disable=not progress
+    ):
         wrong_labels = [0] * len(wrong)
         if future is not None:
             try:
@@ -77,8 +87,14 @@ def _table(groups: Mapping[str, Mapping[str, Any]], ks: Sequence[int], n: int) -
     head = ["", "problems", *(f"pass@{k}" for k in ks), f"maj@{n}", "mean length", "truncated"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in groups.items():
-        row = [name, str(s["problems"]), *(_pct(s["pass_at"].get(str(k))) for k in ks),
-               _pct(s["maj"]), f"{s['length']['all']['mean']:.0f}", _pct(s["truncated_share"])]
+        row = [
+            name,
+            str(s["problems"]),
+            *(_pct(s["pass_at"].get(str(k))) for k in ks),
+            _pct(s["maj"]),
+            f"{s['length']['all']['mean']:.0f}",
+            _pct(s["truncated_share"]),
+        ]
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -92,42 +108,71 @@ def markdown(summary: Mapping[str, Any], settings: Mapping[str, Any], ks: Sequen
     lines += ["", "## Per task", "", *_table(summary["by_task"], ks, n)]
     lines += ["", "## Per language", "", *_table(summary["by_lang"], ks, n)]
     length = summary["overall"]["length"]
-    lines += ["", "## Completion length (tokens)", "",
-              "| | count | mean | median | p90 | min | max |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Completion length (tokens)",
+        "",
+        "| | count | mean | median | p90 | min | max |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in ("all", "correct", "incorrect"):
         s = length[name]
-        lines.append(f"| {name} | {s['count']} | {s['mean']:.1f} | {s['median']:.0f} | "
-                     f"{s['p90']:.0f} | {s['min']} | {s['max']} |")
+        lines.append(
+            f"| {name} | {s['count']} | {s['mean']:.1f} | {s['median']:.0f} | "
+            f"{s['p90']:.0f} | {s['min']} | {s['max']} |"
+        )
     lines += ["", "## Reasons", "", "| reason | samples |", "|---|---|"]
     lines += [f"| {r} | {c} |" for r, c in summary["overall"]["reasons"].items()]
-    lines += ["", "pass@k: unbiased estimator (Chen et al., 2021) over all samples; "
-              f"maj@{n}: majority answer over all samples (math only).", ""]
+    lines += [
+        "",
+        "pass@k: unbiased estimator (Chen et al., 2021) over all samples; "
+        f"maj@{n}: majority answer over all samples (math only).",
+        "",
+    ]
     return "\n".join(lines)
 
 
-def write_report(out_dir: str | Path, problems: Sequence[Problem], attempts: Mapping[str, Sequence],
-                 results: Sequence[ProblemEval], ks: Sequence[int],
-                 settings: Mapping[str, Any]) -> dict[str, Any]:
+def write_report(
+    out_dir: str | Path,
+    problems: Sequence[Problem],
+    attempts: Mapping[str, Sequence],
+    results: Sequence[ProblemEval],
+    ks: Sequence[int],
+    settings: Mapping[str, Any],
+) -> dict[str, Any]:
     """Write the files of the module docstring into ``out_dir``; returns the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = aggregate(results, ks)
-    write_json(out / "report.json", {"settings": dict(settings), "ks": list(ks),
-                                     "summary": summary,
-                                     "problems": [r.to_json() for r in results]})
-    write_text(out / "report.md", markdown(summary, settings, ks))
-    write_jsonl(out / "samples.jsonl", ({"problem_id": p.id, **a.to_json()}
-                                        for p in problems for a in attempts.get(p.id, [])))
+    atomic_write_json(
+        out / "report.json",
+        {
+            "settings": dict(settings),
+            "ks": list(ks),
+            "summary": summary,
+            "problems": [r.to_json() for r in results],
+        },
+    )
+    atomic_write_text(out / "report.md", markdown(summary, settings, ks))
+    write_jsonl(
+        out / "samples.jsonl",
+        ({"problem_id": p.id, **a.to_json()} for p in problems for a in attempts.get(p.id, [])),
+    )
+
     def curve(s):  # nan where some problem has fewer than k samples
         return [s["pass_at"].get(str(k), float("nan")) for k in ks]
 
     curves = {f"task {name}": curve(s) for name, s in summary["by_task"].items()}
     if len(summary["by_lang"]) > 1:
         curves.update({f"lang {name}": curve(s) for name, s in summary["by_lang"].items()})
-        plots.language_bars({name: s["pass_at"].get("1", 0.0) for name, s in summary["by_lang"].items()},
-                            out / "languages.png")
+        plots.language_bars(
+            {name: s["pass_at"].get("1", 0.0) for name, s in summary["by_lang"].items()},
+            out / "languages.png",
+        )
     plots.pass_at_k_curve(ks, curves, out / "pass_at_k.png")
-    plots.length_histogram([n for r in results for n, ok in zip(r.lengths, r.correct_mask) if ok],
-                           [n for r in results for n, ok in zip(r.lengths, r.correct_mask) if not ok],
-                           out / "lengths.png")
+    plots.length_histogram(
+        [n for r in results for n, ok in zip(r.lengths, r.correct_mask) if ok],
+        [n for r in results for n, ok in zip(r.lengths, r.correct_mask) if not ok],
+        out / "lengths.png",
+    )
     return summary

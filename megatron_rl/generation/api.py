@@ -14,8 +14,11 @@ and the policy version that sampled it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal, Protocol
+from typing import Literal, Protocol
+
+from megatron_rl.generation.engine import Engine, EngineConfig
 
 __all__ = ["GenRequest", "GenResult", "Generator", "LocalGenerator"]
 
@@ -65,13 +68,15 @@ class LocalGenerator:
         self.engine = engine
 
     @classmethod
-    def from_pretrained(cls, folder, *, max_slots: int = 16, max_len: int = 1024,
-                        eos_token_ids=None) -> "LocalGenerator":
-        from megatron_rl.generation.engine import Engine, EngineConfig
+    def from_pretrained(
+        cls, folder, *, max_slots: int = 16, max_len: int = 1024, eos_token_ids=None
+    ) -> LocalGenerator:
 
-        return cls(Engine.from_pretrained(folder, EngineConfig(max_slots=max_slots,
-                                                               max_len=max_len),
-                                          eos_token_ids=eos_token_ids))
+        return cls(
+            Engine.from_pretrained(
+                folder, EngineConfig(max_slots=max_slots, max_len=max_len), eos_token_ids=eos_token_ids
+            )
+        )
 
     @property
     def version(self) -> int:
@@ -80,13 +85,25 @@ class LocalGenerator:
     def generate(self, requests: Iterable[GenRequest]) -> Iterator[GenResult]:
         pending = 0
         for r in requests:
-            self.engine.add_request(r.request_id, r.input_ids, max_new_tokens=r.max_new_tokens,
-                                    temperature=r.temperature, top_p=r.top_p, seed=r.seed,
-                                    stop_token_ids=r.stop_token_ids)
+            self.engine.add_request(
+                r.request_id,
+                r.input_ids,
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                seed=r.seed,
+                stop_token_ids=r.stop_token_ids,
+            )
             pending += 1
         while pending:
             for f in self.engine.step():
                 pending -= 1
-                yield GenResult(request_id=f.request_id, prompt_ids=f.prompt_ids,
-                                token_ids=f.token_ids, logprobs=f.logprobs, versions=f.versions,
-                                finish_reason=f.finish_reason, server="local")
+                yield GenResult(
+                    request_id=f.request_id,
+                    prompt_ids=f.prompt_ids,
+                    token_ids=f.token_ids,
+                    logprobs=f.logprobs,
+                    versions=f.versions,
+                    finish_reason=f.finish_reason,
+                    server="local",
+                )

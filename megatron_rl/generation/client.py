@@ -31,23 +31,33 @@ import http.client
 import json
 import threading
 import urllib.parse
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from megatron_rl.generation.api import GenRequest, GenResult
-from megatron_rl.generation.protocol import (abort_payload, generate_payload, init_group_payload,
-                                             parse_generate, pause_payload)
+from megatron_rl.generation.protocol import (
+    ROUTES,
+    SGLANG_VERSION,
+    ProtocolError,
+    abort_payload,
+    generate_payload,
+    init_group_payload,
+    parse_generate,
+    pause_payload,
+)
 
-__all__ = ["FleetClient", "ServerLost", "ServerError", "ServerState"]
+__all__ = ["FleetClient", "ServerError", "ServerLost", "ServerState"]
 
 
 class ServerLost(ConnectionError):
     """The server went away with a request in flight."""
 
     def __init__(self, url: str, request_id: str | None, cause: BaseException):
-        super().__init__(f"{url}: lost{' request ' + request_id if request_id else ''} "
-                         f"({type(cause).__name__}: {cause})")
+        super().__init__(
+            f"{url}: lost{' request ' + request_id if request_id else ''} ({type(cause).__name__}: {cause})"
+        )
         self.url, self.request_id, self.cause = url, request_id, cause
 
 
@@ -71,8 +81,22 @@ class ServerState:
     info: dict | None = None
 
 
-def _post_json(url: str, route: str, body: Any, *, method: str = "POST",
-               timeout: float | None = None, request_id: str | None = None) -> Any:
+def _post_json(
+    url: str,
+    route: str,
+    body: Any,
+    *,
+    method: str = "POST",
+    timeout: float | None = None,
+    request_id: str | None = None,
+) -> Any:
+    # Only routes the SGLang contract test has checked (protocol.ROUTES), with their method; our
+    # own extensions of the built-in engine live under /megatron_rl/.
+    if ROUTES.get(route, "GET" if route.startswith("/megatron_rl/") else None) != method:
+        raise ProtocolError(
+            f"{method} {route} is not a route of SGLang {SGLANG_VERSION}'s API "
+            "that the client speaks (generation/protocol.py ROUTES)"
+        )
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
     try:
@@ -97,9 +121,16 @@ def _post_json(url: str, route: str, body: Any, *, method: str = "POST",
 class FleetClient:
     """Least-loaded routing over SGLang-API servers; see the module docstring."""
 
-    def __init__(self, urls: Iterable[str], *, update_urls: Iterable[str] | None = None,
-                 request_timeout_s: float | None = None, control_timeout_s: float = 600.0,
-                 initial_version: int = 0, max_workers: int = 256):
+    def __init__(
+        self,
+        urls: Iterable[str],
+        *,
+        update_urls: Iterable[str] | None = None,
+        request_timeout_s: float | None = None,
+        control_timeout_s: float = 600.0,
+        initial_version: int = 0,
+        max_workers: int = 256,
+    ):
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         if not self.servers:
             raise ValueError("urls: need at least one server")
@@ -123,8 +154,7 @@ class FleetClient:
         is then that of the update targets behind it."""
         for s in self.servers:
             try:
-                info = _post_json(s.url, "/server_info", None, method="GET",
-                                  timeout=self.control_timeout_s)
+                info = _post_json(s.url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
             except ServerLost:
                 s.alive = False
                 continue
@@ -141,8 +171,7 @@ class FleetClient:
             if u in routed:
                 continue
             try:
-                info = _post_json(u, "/server_info", None, method="GET",
-                                  timeout=self.control_timeout_s)
+                info = _post_json(u, "/server_info", None, method="GET", timeout=self.control_timeout_s)
                 self._update_capacity += int(info.get("max_total_num_tokens") or 0)
                 self._update_tp[u] = int(info.get("tp_size") or 1)
             except (ServerLost, ServerError):
@@ -178,19 +207,24 @@ class FleetClient:
 
     def _pick(self, exclude: set[str] = frozenset()) -> ServerState:
         with self._lock:
-            live = [s for s in self.servers if s.alive and s.url not in exclude] or \
-                   [s for s in self.servers if s.alive]
+            live = [s for s in self.servers if s.alive and s.url not in exclude] or [
+                s for s in self.servers if s.alive
+            ]
             if not live:
-                raise ServerLost(",".join(s.url for s in self.servers), None,
-                                 ConnectionError("no live server in the fleet"))
+                raise ServerLost(
+                    ",".join(s.url for s in self.servers),
+                    None,
+                    ConnectionError("no live server in the fleet"),
+                )
             best = min(live, key=lambda s: (s.in_flight + 1) / max(s.capacity_tokens, 1))
             best.in_flight += 1
             return best
 
     # ------------------------------------------------------------------ generation
 
-    def submit(self, req: GenRequest, *, url: str | None = None,
-               exclude: set[str] = frozenset()) -> "Future[GenResult]":
+    def submit(
+        self, req: GenRequest, *, url: str | None = None, exclude: set[str] = frozenset()
+    ) -> Future[GenResult]:
         """Send one request (to ``url``, or the least-loaded live server not in ``exclude``).
 
         The future fails with :class:`ServerLost` if its server dies (recorded in :attr:`lost`),
@@ -206,8 +240,13 @@ class FleetClient:
 
     def _run(self, server: ServerState, req: GenRequest) -> GenResult:
         try:
-            body = _post_json(server.url, "/generate", generate_payload(req),
-                              timeout=self.request_timeout_s, request_id=req.request_id)
+            body = _post_json(
+                server.url,
+                "/generate",
+                generate_payload(req),
+                timeout=self.request_timeout_s,
+                request_id=req.request_id,
+            )
         except ServerLost:
             alive = self._answers(server.url)  # a reset connection is not always a dead server
             with self._lock:
@@ -219,8 +258,7 @@ class FleetClient:
                 server.in_flight -= 1
         return parse_generate(req, body, server=server.url, initial_version=self.initial_version)
 
-    def generate(self, requests: Iterable[GenRequest], *,
-                 resend_lost: bool = True) -> Iterator[GenResult]:
+    def generate(self, requests: Iterable[GenRequest], *, resend_lost: bool = True) -> Iterator[GenResult]:
         """Yield a result per request as each finishes; lost requests are re-sent elsewhere
         (``resend_lost``) or raise :class:`ServerLost`."""
         pending: dict[Future, tuple[GenRequest, set[str]]] = {}
@@ -246,8 +284,7 @@ class FleetClient:
 
     def _broadcast_control(self, route: str, body: Any, urls: list[str] | None = None) -> list:
         urls = urls if urls is not None else [s.url for s in self.alive]
-        futs = [self._pool.submit(_post_json, u, route, body, timeout=self.control_timeout_s)
-                for u in urls]
+        futs = [self._pool.submit(_post_json, u, route, body, timeout=self.control_timeout_s) for u in urls]
         return [f.result() for f in futs]
 
     def pause(self, mode: str = "in_place") -> None:
@@ -270,8 +307,7 @@ class FleetClient:
     def live_update_urls(self) -> list[str]:
         """Update targets that answer (routed servers by their state, others by ``/health``)."""
         routed = {s.url: s.alive for s in self.servers}
-        return [u for u in self.update_urls if routed.get(u, None) or
-                (u not in routed and self._answers(u))]
+        return [u for u in self.update_urls if routed.get(u, None) or (u not in routed and self._answers(u))]
 
     def update_ranks(self) -> dict[str, int]:
         """Rank offset of each update target in the update group (rank 0 is the trainer)."""
@@ -286,40 +322,59 @@ class FleetClient:
         tp = {**self._update_tp, **{s.url: s.tp_size for s in self.servers}}
         return 1 + sum(tp.get(u, 1) for u in self.update_urls)
 
-    def init_update_group_async(self, *, master_address: str, master_port: int,
-                                group_name: str, backend: str) -> list[Future]:
+    def init_update_group_async(
+        self, *, master_address: str, master_port: int, group_name: str, backend: str
+    ) -> list[Future]:
         """Ask every update target to join the group; the futures complete once the trainer
         (rank 0) has joined too, so call this first, then join, then wait on them."""
         world = self.update_world_size()
-        return [self._pool.submit(
-            _post_json, u, "/init_weights_update_group",
-            init_group_payload(master_address=master_address, master_port=master_port,
-                               rank_offset=r, world_size=world, group_name=group_name,
-                               backend=backend), timeout=self.control_timeout_s)
-            for u, r in self.update_ranks().items()]
+        return [
+            self._pool.submit(
+                _post_json,
+                u,
+                "/init_weights_update_group",
+                init_group_payload(
+                    master_address=master_address,
+                    master_port=master_port,
+                    rank_offset=r,
+                    world_size=world,
+                    group_name=group_name,
+                    backend=backend,
+                ),
+                timeout=self.control_timeout_s,
+            )
+            for u, r in self.update_ranks().items()
+        ]
 
     def update_weights_async(self, payload: dict) -> list[Future]:
         """Post one ``/update_weights_from_distributed`` to every update target; they return
         after receiving the broadcast the caller makes next."""
-        return [self._pool.submit(_post_json, u, "/update_weights_from_distributed", payload,
-                                  timeout=self.control_timeout_s)
-                for u in self.update_urls]
+        return [
+            self._pool.submit(
+                _post_json, u, "/update_weights_from_distributed", payload, timeout=self.control_timeout_s
+            )
+            for u in self.update_urls
+        ]
 
     def server_info(self, url: str) -> dict:
-        return _post_json(url, "/server_info", None, method="GET",
-                          timeout=self.control_timeout_s)
+        return _post_json(url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
 
     def weights_digest(self, url: str) -> dict[str, str]:
         """sha256 per parameter (built-in engine's ``/megatron_rl/weights_digest`` extension)."""
-        return _post_json(url, "/megatron_rl/weights_digest", None, method="GET",
-                          timeout=self.control_timeout_s)
+        return _post_json(
+            url, "/megatron_rl/weights_digest", None, method="GET", timeout=self.control_timeout_s
+        )
 
     def destroy_update_group(self, group_name: str) -> None:
         """Ask every live update target to leave the group (best effort)."""
         for u in self._live_update_urls():
             try:
-                _post_json(u, "/destroy_weights_update_group", {"group_name": group_name},
-                           timeout=self.control_timeout_s)
+                _post_json(
+                    u,
+                    "/destroy_weights_update_group",
+                    {"group_name": group_name},
+                    timeout=self.control_timeout_s,
+                )
             except (ServerLost, ServerError):
                 pass
 

@@ -37,19 +37,36 @@ tensors' bytes back to back in ``names`` order, each starting at a multiple of i
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from megatron_rl.generation.api import GenRequest, GenResult
 
-__all__ = ["SGLANG_VERSION", "ROUTES", "generate_payload", "parse_generate", "versions_per_token",
-           "init_group_payload", "update_weights_payload", "pause_payload", "abort_payload",
-           "bucket_layout", "pack_bucket", "unpack_bucket", "dtype_name", "ProtocolError"]
+__all__ = [
+    "ROUTES",
+    "SGLANG_VERSION",
+    "ProtocolError",
+    "abort_payload",
+    "bucket_layout",
+    "dtype_name",
+    "generate_payload",
+    "init_group_payload",
+    "pack_bucket",
+    "parse_generate",
+    "pause_payload",
+    "tensor_digest",
+    "unpack_bucket",
+    "update_weights_payload",
+    "versions_per_token",
+]
 
 SGLANG_VERSION = "0.5.23"
 
-# route -> HTTP method, for every route the client calls on an SGLang server.
+# route -> HTTP method, for every route the client calls on an SGLang server: the client refuses
+# any other, and tests/generation/test_sglang_contract.py checks each against SGLang's own routes.
 ROUTES = {
     "/generate": "POST",
     "/pause_generation": "POST",
@@ -94,8 +111,7 @@ def generate_payload(req: GenRequest) -> dict[str, Any]:
     }
 
 
-def versions_per_token(spans: Sequence[dict] | None, n_tokens: int, *,
-                       initial_version: int = 0) -> list[int]:
+def versions_per_token(spans: Sequence[dict] | None, n_tokens: int, *, initial_version: int = 0) -> list[int]:
     """Expand SGLang's ``weight_versions`` spans into one policy version per output token."""
     if not spans:
         return [initial_version] * n_tokens
@@ -116,8 +132,7 @@ def versions_per_token(spans: Sequence[dict] | None, n_tokens: int, *,
     return out
 
 
-def parse_generate(req: GenRequest, body: dict, *, server: str = "",
-                   initial_version: int = 0) -> GenResult:
+def parse_generate(req: GenRequest, body: dict, *, server: str = "", initial_version: int = 0) -> GenResult:
     """Read a ``/generate`` reply (one request) into a :class:`GenResult`."""
     try:
         meta = body["meta_info"]
@@ -128,17 +143,24 @@ def parse_generate(req: GenRequest, body: dict, *, server: str = "",
         raise ProtocolError(f"/generate reply from {server or 'server'} lacks {e}") from None
     # SGLang: [[logprob, token_id, text_or_None], ...] for the output tokens.
     if len(lp) != len(token_ids) or any(int(e[1]) != t for e, t in zip(lp, token_ids)):
-        raise ProtocolError(f"/generate reply from {server or 'server'}: "
-                            "output_token_logprobs do not match output_ids")
+        raise ProtocolError(
+            f"/generate reply from {server or 'server'}: output_token_logprobs do not match output_ids"
+        )
     reason = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
     if reason not in ("stop", "length", "abort"):
         reason = "stop"
-    return GenResult(request_id=req.request_id, prompt_ids=list(req.input_ids),
-                     token_ids=token_ids, logprobs=[float(e[0]) for e in lp],
-                     versions=versions_per_token(meta.get("weight_versions"), len(token_ids),
-                                                 initial_version=initial_version),
-                     finish_reason=reason, server=server,
-                     meta={"finish_reason": finish, "weight_version": meta.get("weight_version")})
+    return GenResult(
+        request_id=req.request_id,
+        prompt_ids=list(req.input_ids),
+        token_ids=token_ids,
+        logprobs=[float(e[0]) for e in lp],
+        versions=versions_per_token(
+            meta.get("weight_versions"), len(token_ids), initial_version=initial_version
+        ),
+        finish_reason=reason,
+        server=server,
+        meta={"finish_reason": finish, "weight_version": meta.get("weight_version")},
+    )
 
 
 def pause_payload(mode: str = "in_place") -> dict[str, Any]:
@@ -153,12 +175,18 @@ def abort_payload(rid: str | None = None) -> dict[str, Any]:
     return {"abort_all": True} if rid is None else {"rid": rid}
 
 
-def init_group_payload(*, master_address: str, master_port: int, rank_offset: int,
-                       world_size: int, group_name: str, backend: str) -> dict[str, Any]:
+def init_group_payload(
+    *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+) -> dict[str, Any]:
     """``/init_weights_update_group``: the server's workers take ranks ``rank_offset + tp_rank``."""
-    return {"master_address": master_address, "master_port": int(master_port),
-            "rank_offset": int(rank_offset), "world_size": int(world_size),
-            "group_name": group_name, "backend": backend}
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -166,20 +194,33 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def update_weights_payload(*, names: Sequence[str], dtypes: Sequence[str],
-                           shapes: Sequence[Sequence[int]], group_name: str, weight_version: int,
-                           flattened_bucket: bool = True) -> dict[str, Any]:
+def update_weights_payload(
+    *,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group_name: str,
+    weight_version: int,
+    flattened_bucket: bool = True,
+) -> dict[str, Any]:
     """``/update_weights_from_distributed`` for one bucket; never flushes the cache."""
-    payload = {"names": list(names), "dtypes": list(dtypes),
-               "shapes": [list(map(int, s)) for s in shapes], "group_name": group_name,
-               "flush_cache": False, "abort_all_requests": False,
-               "weight_version": str(int(weight_version))}
+    payload = {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(map(int, s)) for s in shapes],
+        "group_name": group_name,
+        "flush_cache": False,
+        "abort_all_requests": False,
+        "weight_version": str(int(weight_version)),
+    }
     if flattened_bucket:
         payload["load_format"] = "flattened_bucket"
     return payload
 
 
-def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tuple[list[tuple[int, int]], int]:
+def bucket_layout(
+    dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> tuple[list[tuple[int, int]], int]:
     """Byte ``(start, end)`` of each tensor in a flattened bucket, and its total size."""
     spans, offset = [], 0
     for dtype, shape in zip(dtypes, shapes, strict=True):
@@ -194,21 +235,37 @@ def bucket_layout(dtypes: Sequence[str], shapes: Sequence[Sequence[int]]) -> tup
     return spans, offset
 
 
-def pack_bucket(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[str], list[str], list[list[int]], torch.Tensor]:
+def pack_bucket(
+    named: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[list[str], list[str], list[list[int]], torch.Tensor]:
     """``(names, dtypes, shapes, flat uint8 tensor)`` for the tensors, larger dtypes first."""
     items = sorted(named, key=lambda nt: -nt[1].element_size())  # stable: model order per dtype
     if not items:
         raise ValueError("bucket: no tensors")
     flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in items])
-    return ([n for n, _ in items], [dtype_name(t.dtype) for _, t in items],
-            [list(t.shape) for _, t in items], flat)
+    return (
+        [n for n, _ in items],
+        [dtype_name(t.dtype) for _, t in items],
+        [list(t.shape) for _, t in items],
+        flat,
+    )
 
 
-def unpack_bucket(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-                  flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+def unpack_bucket(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], flat: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
     """Views of each tensor inside a received flat ``uint8`` bucket."""
     spans, total = bucket_layout(dtypes, shapes)
     if flat.numel() != total:
         raise ValueError(f"bucket: {flat.numel()} bytes received, the metadata says {total}")
-    return [(n, flat[a:b].view(getattr(torch, d)).view(list(s)))
-            for n, d, s, (a, b) in zip(names, dtypes, shapes, spans)]
+    return [
+        (n, flat[a:b].view(getattr(torch, d)).view(list(s)))
+        for n, d, s, (a, b) in zip(names, dtypes, shapes, spans)
+    ]
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's bytes (what ``/megatron_rl/weights_digest`` reports per parameter)."""
+    return hashlib.sha256(
+        t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    ).hexdigest()

@@ -8,10 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
+from megatron_rl.config import ConfigFieldError, check_choice, check_range
 
-__all__ = ["LoopConfig", "DataConfig", "FleetConfig", "ModelConfig", "RunDirConfig",
-           "StageConfig"]
+__all__ = [
+    "DataConfig",
+    "FleetConfig",
+    "LoopConfig",
+    "ModelConfig",
+    "RunDirConfig",
+    "StageConfig",
+]
 
 
 @dataclass(kw_only=True)
@@ -35,13 +41,16 @@ class LoopConfig:
         check_range("group_size", self.group_size, low=2)
         check_range("n_batch", self.n_batch, low=self.group_size)
         if self.n_batch % self.group_size:
-            raise ConfigFieldError("n_batch", f"must be a multiple of group_size "
-                                              f"({self.group_size}), got {self.n_batch}")
+            raise ConfigFieldError(
+                "n_batch", f"must be a multiple of group_size ({self.group_size}), got {self.n_batch}"
+            )
         check_range("n_minibatch", self.n_minibatch, low=0, high=self.n_batch)
-        if self.n_minibatch and (self.n_batch % self.n_minibatch
-                                 or self.n_minibatch % self.group_size):
-            raise ConfigFieldError("n_minibatch", f"must divide n_batch ({self.n_batch}) and be a "
-                                                  f"multiple of group_size, got {self.n_minibatch}")
+        if self.n_minibatch and (self.n_batch % self.n_minibatch or self.n_minibatch % self.group_size):
+            raise ConfigFieldError(
+                "n_minibatch",
+                f"must divide n_batch ({self.n_batch}) and be a "
+                f"multiple of group_size, got {self.n_minibatch}",
+            )
         check_range("n_async", self.n_async, low=self.group_size)
         check_range("max_async_ratio", self.max_async_ratio, low=0.0, low_open=True)
         check_range("queue_groups", self.queue_groups, low=0)
@@ -159,8 +168,9 @@ class StageConfig:
 
     def __post_init__(self):
         if (self.at_step is None) == (self.metric is None):
-            raise ConfigFieldError("at_step", "a stage needs exactly one trigger: at_step, or "
-                                              "metric + threshold")
+            raise ConfigFieldError(
+                "at_step", "a stage needs exactly one trigger: at_step, or metric + threshold"
+            )
         if self.metric is not None and self.threshold is None:
             raise ConfigFieldError("threshold", f"required with metric {self.metric!r}")
         check_range("window", self.window, low=1)

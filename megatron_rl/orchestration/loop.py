@@ -22,14 +22,11 @@ optimizer steps, the weight broadcast and the checkpoints.
 
 from __future__ import annotations
 
-import json
-import os
 import queue
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,8 +65,17 @@ class Orchestrator:
     ``rollouts``: rank 0's :class:`Rollouts` (None on other ranks).
     """
 
-    def __init__(self, cfg: Any, *, trainer: Any, broadcaster: Any, rollouts: Rollouts | None,
-                 rank: int = 0, world_size: int = 1, sync_weights: bool = True):
+    def __init__(
+        self,
+        cfg: Any,
+        *,
+        trainer: Any,
+        broadcaster: Any,
+        rollouts: Rollouts | None,
+        rank: int = 0,
+        world_size: int = 1,
+        sync_weights: bool = True,
+    ):
         self.cfg = cfg  # RunConfig
         self.trainer, self.broadcaster, self.rollouts = trainer, broadcaster, rollouts
         self.rank, self.world_size = rank, world_size
@@ -107,8 +113,7 @@ class Orchestrator:
         """Rank 0 in async mode: start generating (returns at once)."""
         if self.rollouts is None or self.loop.mode != "async" or self._threads:
             return
-        for target, name in ((self._generate_forever, "generate"),
-                             (self._assemble_forever, "assemble")):
+        for target, name in ((self._generate_forever, "generate"), (self._assemble_forever, "assemble")):
             t = threading.Thread(target=target, name=f"rl-{name}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -239,14 +244,17 @@ class Orchestrator:
                 self.rollouts.sampler.reissue.append(rec.key)
         t_wait = time.monotonic() - t0
         per_mini = n_mini // self.loop.group_size
-        chunks = [groups[i:i + per_mini] for i in range(0, len(groups), per_mini)]
+        chunks = [groups[i : i + per_mini] for i in range(0, len(groups), per_mini)]
         n_chunks = self.broadcast_object(len(chunks))
         metrics: Counter = Counter()
         stats_list: list[dict[str, float]] = []
         versions = [torch.tensor(s.completion.versions) for rec in groups for s in rec.scored]
         for i in range(n_chunks):
-            batch = build_train_batch([g.to_group() for g in chunks[i]], self.cfg.algorithm) \
-                if self.rank == 0 else None
+            batch = (
+                build_train_batch([g.to_group() for g in chunks[i]], self.cfg.algorithm)
+                if self.rank == 0
+                else None
+            )
             batch = self.broadcast_object(batch)
             stats_list.append(self.trainer.rl_step(batch))
         t_train = time.monotonic() - t0 - t_wait
@@ -258,8 +266,9 @@ class Orchestrator:
             return StepResult(new_version, {}, [])
         for rec in groups:
             self.rollouts.retire(rec)
-        metrics = self._metrics(groups, stale, stats_list, versions, version, new_version,
-                                t_wait, t_train, sync_stats)
+        metrics = self._metrics(
+            groups, stale, stats_list, versions, version, new_version, t_wait, t_train, sync_stats
+        )
         return StepResult(new_version, metrics, groups)
 
     def broadcast_object(self, obj):
@@ -272,29 +281,49 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ metrics (rank 0)
 
-    def _metrics(self, groups, stale, stats_list, versions, version, new_version, t_wait,
-                 t_train, sync_stats) -> dict[str, float]:
+    def _metrics(
+        self, groups, stale, stats_list, versions, version, new_version, t_wait, t_train, sync_stats
+    ) -> dict[str, float]:
         r = self.rollouts
         scored = [s for rec in groups for s in rec.scored]
         m: dict[str, float] = {"step": float(new_version), "version/trained_from": float(version)}
         if scored:
             rewards = torch.tensor([s.reward for s in scored])
             lengths = torch.tensor([float(len(s.completion.token_ids)) for s in scored])
-            m.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-                      "pass_rate": sum(bool(s.correct) for s in scored) / len(scored),
-                      "format_rate": sum(bool(s.format_ok) for s in scored) / len(scored),
-                      "length/mean": float(lengths.mean()), "length/max": float(lengths.max()),
-                      "length/truncated": sum(s.completion.finish_reason == "length"
-                                              for s in scored) / len(scored),
-                      "sequences": float(len(scored)), "groups/trained": float(len(groups))})
+            m.update(
+                {
+                    "reward/mean": float(rewards.mean()),
+                    "reward/std": float(rewards.std()),
+                    "pass_rate": sum(bool(s.correct) for s in scored) / len(scored),
+                    "format_rate": sum(bool(s.format_ok) for s in scored) / len(scored),
+                    "length/mean": float(lengths.mean()),
+                    "length/max": float(lengths.max()),
+                    "length/truncated": sum(s.completion.finish_reason == "length" for s in scored)
+                    / len(scored),
+                    "sequences": float(len(scored)),
+                    "groups/trained": float(len(groups)),
+                }
+            )
             for part in ("format", "correct", "length", "language"):
                 m[f"reward/{part}"] = sum(s.parts.get(part, 0.0) for s in scored) / len(scored)
-        for key in ("loss", "grad_norm", "lr", "entropy_mean", "clip_low_frac", "clip_high_frac",
-                    "ratio_mean", "ratio_max", "approx_kl_mean", "tokens_per_s", "step_time_s"):
+        for key in (
+            "loss",
+            "grad_norm",
+            "lr",
+            "entropy_mean",
+            "clip_low_frac",
+            "clip_high_frac",
+            "ratio_mean",
+            "ratio_max",
+            "approx_kl_mean",
+            "tokens_per_s",
+            "step_time_s",
+        ):
             vals = [s[key] for s in stats_list if key in s]
             if vals:
-                m[f"train/{key}"] = float(sum(vals) / len(vals)) if not key.endswith("_max") \
-                    else float(max(vals))
+                m[f"train/{key}"] = (
+                    float(sum(vals) / len(vals)) if not key.endswith("_max") else float(max(vals))
+                )
         m["train/optimizer_steps"] = float(len([s for s in stats_list if not s.get("skipped")]))
         m.update(staleness_stats(versions, version))
         dropped = r.drain_dropped()
@@ -313,52 +342,21 @@ class Orchestrator:
         dt = max(now - self._last["t"], 1e-9)
         busy = self.busy_seconds()
         m["generator/busy_fraction"] = min(1.0, (busy - self._last["busy"]) / dt)
-        m["throughput/generated_tokens_per_s"] = (r.stats["generated_tokens"]
-                                                  - self._last["tokens"]) / dt
-        m["throughput/completions_per_s"] = (r.stats["completions"]
-                                             - self._last["completions"]) / dt
+        m["throughput/generated_tokens_per_s"] = (r.stats["generated_tokens"] - self._last["tokens"]) / dt
+        m["throughput/completions_per_s"] = (r.stats["completions"] - self._last["completions"]) / dt
         m["throughput/train_tokens_per_s"] = sum(
-            len(s.completion.token_ids) + len(rec.prompt_ids)
-            for rec in groups for s in rec.scored) / max(t_train, 1e-9)
+            len(s.completion.token_ids) + len(rec.prompt_ids) for rec in groups for s in rec.scored
+        ) / max(t_train, 1e-9)
         m["time/wait_for_batch_s"] = t_wait
         m["time/train_s"] = t_train
         m["time/step_s"] = dt
         m["requests/lost"] = float(r.stats["requests_lost"])
         for k, v in sync_stats.items():
             m[k] = float(v)
-        self._last = {"t": now, "tokens": r.stats["generated_tokens"], "busy": busy,
-                      "completions": r.stats["completions"]}
+        self._last = {
+            "t": now,
+            "tokens": r.stats["generated_tokens"],
+            "busy": busy,
+            "completions": r.stats["completions"],
+        }
         return m
-
-
-def write_jsonl(path: Path, records: list[dict]) -> None:
-    """Append records (one JSON object per line) and flush to disk."""
-    if not records:
-        return
-    with open(path, "a") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def truncate_jsonl(path: Path, max_step: int) -> int:
-    """Keep only records with ``step <= max_step`` (atomic rewrite); returns lines dropped."""
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            step = json.loads(line).get("step", 0)
-        except ValueError:  # a line cut by the crash
-            dropped += 1
-            continue
-        if step is not None and step > max_step:
-            dropped += 1
-        else:
-            kept.append(line)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
-    return dropped
-

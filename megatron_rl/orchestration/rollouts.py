@@ -27,19 +27,19 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from megatron_rl.algorithms.filtering import filter_groups
+from megatron_rl.data.problems import Problem, reward_input
 from megatron_rl.data.sampling import decode_completion, render_prompt
 from megatron_rl.generation.api import GenRequest, GenResult
 from megatron_rl.generation.client import ServerLost
-from megatron_rl.data.problems import Problem
 from megatron_rl.orchestration.sampler import PromptSampler
-from megatron_rl.rewards.compose import (RewardConfig, RewardInput, hard_timeout_s,
-                                         prepare_verifiers, score)
+from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, prepare_verifiers, score
 from megatron_rl.rewards.pool import PoolTaskError
 from megatron_rl.rewards.result import RewardResult
 from megatron_rl.types import Completion, Group, Prompt, ScoredCompletion
@@ -77,24 +77,42 @@ class GroupRecord:
         return (self.problem.id, self.epoch)
 
     def min_version(self) -> int:
-        return min((min(r.versions) for r in self.results if r and r.versions),
-                   default=self.issued_version)
+        return min((min(r.versions) for r in self.results if r and r.versions), default=self.issued_version)
 
     def to_group(self) -> Group:
         p = self.problem
-        prompt = Prompt(prompt_id=f"{p.id}@{self.epoch}", token_ids=self.prompt_ids,
-                        text=p.problem, task=p.task, answer=p.answer, tests=p.tests,
-                        language=p.language)
+        prompt = Prompt(
+            prompt_id=f"{p.id}@{self.epoch}",
+            token_ids=self.prompt_ids,
+            text=p.problem,
+            task=p.task,
+            answer=p.answer,
+            tests=p.tests,
+            language=p.language,
+        )
         return Group(prompt=prompt, completions=list(self.scored))
 
 
 class Rollouts:
     """Generation + scoring of groups (see the module docstring)."""
 
-    def __init__(self, *, fleet: Any, pool: Any, sampler: PromptSampler, tokenizer: Any,
-                 reward: RewardConfig, group_size: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seed: int, system_prompt: str,
-                 filter_tolerance: float = 0.0, version: Callable[[], int] = lambda: 0):
+    def __init__(
+        self,
+        *,
+        fleet: Any,
+        pool: Any,
+        sampler: PromptSampler,
+        tokenizer: Any,
+        reward: RewardConfig,
+        group_size: int,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seed: int,
+        system_prompt: str,
+        filter_tolerance: float = 0.0,
+        version: Callable[[], int] = lambda: 0,
+    ):
         self.fleet, self.pool, self.sampler, self.tok = fleet, pool, sampler, tokenizer
         self.reward, self.group_size = reward, group_size
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
@@ -119,8 +137,7 @@ class Rollouts:
     def render(self, problem: Problem) -> list[int]:
         ids = self._prompt_cache.get(problem.id)
         if ids is None:
-            ids = render_prompt(self.tok, problem.problem, problem.task,
-                                system_prompt=self.system_prompt)
+            ids = render_prompt(self.tok, problem.problem, problem.task, system_prompt=self.system_prompt)
             self._prompt_cache[problem.id] = ids
         return ids
 
@@ -131,10 +148,17 @@ class Rollouts:
         if problem is None:
             problem, epoch = self.sampler.next()
         ids = self.render(problem)
-        rec = GroupRecord(problem=problem, epoch=int(epoch or 0), index=next(self._index),
-                          prompt_ids=ids, issued_version=self.version(),
-                          issued_at=time.monotonic(), results=[None] * self.group_size,
-                          scored=[None] * self.group_size, _remaining=self.group_size)
+        rec = GroupRecord(
+            problem=problem,
+            epoch=int(epoch or 0),
+            index=next(self._index),
+            prompt_ids=ids,
+            issued_version=self.version(),
+            issued_at=time.monotonic(),
+            results=[None] * self.group_size,
+            scored=[None] * self.group_size,
+            _remaining=self.group_size,
+        )
         with self.cond:
             self.pending[rec.key] = rec
             self.in_flight += self.group_size
@@ -144,11 +168,15 @@ class Rollouts:
         return rec
 
     def _request(self, rec: GroupRecord, i: int) -> GenRequest:
-        return GenRequest(request_id=f"{rec.problem.id}@{rec.epoch}#{rec.index}.{i}",
-                          input_ids=rec.prompt_ids, max_new_tokens=self.max_new_tokens,
-                          temperature=self.temperature, top_p=self.top_p,
-                          seed=request_seed(self.seed, rec.problem.id, rec.epoch, i),
-                          stop_token_ids=(self.eos,) if self.eos is not None else ())
+        return GenRequest(
+            request_id=f"{rec.problem.id}@{rec.epoch}#{rec.index}.{i}",
+            input_ids=rec.prompt_ids,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=request_seed(self.seed, rec.problem.id, rec.epoch, i),
+            stop_token_ids=(self.eos,) if self.eos is not None else (),
+        )
 
     def _submit(self, rec: GroupRecord, i: int, exclude: frozenset = frozenset()) -> None:
         try:
@@ -187,16 +215,12 @@ class Rollouts:
         self.stats["generated_tokens"] += n
         self.stats["completions"] += 1
         text = self._completion_text(result.token_ids)
-        inp = RewardInput(problem=rec.problem.problem, completion=text, task=rec.problem.task,
-                          answer=rec.problem.answer, tests=rec.problem.tests,
-                          language=rec.problem.language if rec.problem.task == "code" else None,
-                          group_id=f"{rec.problem.id}@{rec.epoch}", num_tokens=n)
+        inp = reward_input(rec.problem, text, num_tokens=n, group_id=f"{rec.problem.id}@{rec.epoch}")
         if inp.task == "code" and not self._prepared_code:
             prepare_verifiers([inp], self.reward)
             self._prepared_code = True
         try:
-            sfut = self.pool.submit(score, inp, self.reward,
-                                    timeout_s=hard_timeout_s(inp, self.reward))
+            sfut = self.pool.submit(score, inp, self.reward, timeout_s=hard_timeout_s(inp, self.reward))
         except BaseException as e:  # noqa: BLE001 - a broken pool: the sample scores 0, says why
             self._on_scored(rec, i, text, None, e)
             return
@@ -218,11 +242,21 @@ class Rollouts:
         r = rec.results[i]
         self.stats[f"reason/{res.reason}"] += 1
         rec.scored[i] = ScoredCompletion(
-            completion=Completion(prompt_id=f"{rec.problem.id}@{rec.epoch}", sample_index=i,
-                                  token_ids=r.token_ids, logprobs=r.logprobs,
-                                  versions=r.versions, finish_reason=r.finish_reason, text=text),
-            reward=float(res.reward), parts=dict(res.parts), reason=res.reason,
-            correct=res.correct, format_ok=res.format_ok)
+            completion=Completion(
+                prompt_id=f"{rec.problem.id}@{rec.epoch}",
+                sample_index=i,
+                token_ids=r.token_ids,
+                logprobs=r.logprobs,
+                versions=r.versions,
+                finish_reason=r.finish_reason,
+                text=text,
+            ),
+            reward=float(res.reward),
+            parts=dict(res.parts),
+            reason=res.reason,
+            correct=res.correct,
+            format_ok=res.format_ok,
+        )
         with rec._lock:
             rec._remaining -= 1
             last = rec._remaining == 0
@@ -232,10 +266,14 @@ class Rollouts:
     def _group_done(self, rec: GroupRecord) -> None:
         rec.done_at = time.monotonic()
         rewards = torch.tensor([s.reward for s in rec.scored], dtype=torch.float64)
-        flags = lambda name: torch.tensor([bool(getattr(s, name)) for s in rec.scored])  # noqa: E731
-        keep, report = filter_groups(rewards, torch.zeros(len(rewards), dtype=torch.long),
-                                     tolerance=self.filter_tolerance, correct=flags("correct"),
-                                     format_ok=flags("format_ok"))
+        flags = lambda name: torch.tensor([bool(getattr(s, name)) for s in rec.scored])
+        keep, report = filter_groups(
+            rewards,
+            torch.zeros(len(rewards), dtype=torch.long),
+            tolerance=self.filter_tolerance,
+            correct=flags("correct"),
+            format_ok=flags("format_ok"),
+        )
         rec.kept = bool(keep.all())
         if all(s.correct for s in rec.scored):
             self.sampler.solved.add(rec.problem.id)

@@ -35,24 +35,41 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import yaml
+from tqdm import tqdm
 
-from megatron_rl.orchestration.loop import Orchestrator, truncate_jsonl, write_jsonl
-from megatron_rl.training.checkpoint import atomic_write_text
+from megatron_rl.config import ConfigError, config_to_dict
+from megatron_rl.data.problems import read_problems
+from megatron_rl.data.sampling import SamplingConfig, load_tokenizer, sample_and_score
+from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
+from megatron_rl.generation.client import FleetClient
+from megatron_rl.generation.engine.launch import EngineProcess
+from megatron_rl.orchestration.loop import Orchestrator
+from megatron_rl.orchestration.recipe import load_config
+from megatron_rl.orchestration.rollouts import Rollouts
+from megatron_rl.orchestration.sampler import PromptSampler
+from megatron_rl.rewards.pool import VerifierPool
+from megatron_rl.rewards.template import SYSTEM_PROMPT
+from megatron_rl.training.checkpoint import latest_checkpoint
+from megatron_rl.training.trainer import PolicyTrainer
+from megatron_rl.weight_sync.broadcast import WeightBroadcaster
 
-__all__ = ["run_training", "main"]
+__all__ = ["main", "run_training"]
 
-_PLOTS = [("reward/mean", "reward"), ("pass_rate", "pass rate (train)"),
-          ("length/mean", "completion length"), ("train/entropy_mean", "entropy"),
-          ("train/clip_high_frac", "clip-high fraction"), ("staleness/mean", "staleness"),
-          ("generator/busy_fraction", "generator busy fraction"),
-          ("throughput/generated_tokens_per_s", "generated tokens/s")]
+_PLOTS = [
+    ("reward/mean", "reward"),
+    ("pass_rate", "pass rate (train)"),
+    ("length/mean", "completion length"),
+    ("train/entropy_mean", "entropy"),
+    ("train/clip_high_frac", "clip-high fraction"),
+    ("staleness/mean", "staleness"),
+    ("generator/busy_fraction", "generator busy fraction"),
+    ("throughput/generated_tokens_per_s", "generated tokens/s"),
+]
 
 
 def _system_prompt(value: str) -> str:
-    from megatron_rl.rewards.template import SYSTEM_PROMPT
 
     return {"paper": SYSTEM_PROMPT, "none": ""}.get(value, value)
 
@@ -71,7 +88,7 @@ class _Curriculum:
         st = self.stages[self.index]
         if st.at_step is not None:
             return step >= st.at_step
-        vals = [h[st.metric] for h in history[-st.window:] if st.metric in h]
+        vals = [h[st.metric] for h in history[-st.window :] if st.metric in h]
         if len(vals) < st.window:
             return False
         mean = sum(vals) / len(vals)
@@ -82,8 +99,9 @@ class _Curriculum:
         names = []
         while self.index < upto:
             st = self.stages[self.index]
-            loop = {k: getattr(st, k) for k in ("n_batch", "n_minibatch", "n_async")
-                    if getattr(st, k) is not None}
+            loop = {
+                k: getattr(st, k) for k in ("n_batch", "n_minibatch", "n_async") if getattr(st, k) is not None
+            }
             if loop:
                 self.cfg.loop = dataclasses.replace(self.cfg.loop, **loop)
                 if orch is not None:
@@ -108,43 +126,60 @@ class _Curriculum:
 
 def _evaluate(fleet, pool, tok, problems, cfg, *, label: str, progress: bool) -> dict:
     """Held-out pass@1: mean correctness over ``run.eval_k`` samples per problem."""
-    from megatron_rl.data.sampling import SamplingConfig, sample_and_score
 
-    sc = SamplingConfig(k=cfg.run.eval_k, max_new_tokens=cfg.reward.l_max, temperature=cfg.algorithm.temperature,
-                        top_p=cfg.loop.top_p, seed=cfg.loop.seed + 7919,
-                        system_prompt=_system_prompt(cfg.data.system_prompt))
-    attempts = sample_and_score(problems, fleet, tok, sc, cfg.reward, pool=pool,
-                                progress=progress, desc=f"eval {label}")
+    sc = SamplingConfig(
+        k=cfg.run.eval_k,
+        max_new_tokens=cfg.reward.l_max,
+        temperature=cfg.algorithm.temperature,
+        top_p=cfg.loop.top_p,
+        seed=cfg.loop.seed + 7919,
+        system_prompt=_system_prompt(cfg.data.system_prompt),
+    )
+    attempts = sample_and_score(
+        problems, fleet, tok, sc, cfg.reward, pool=pool, progress=progress, desc=f"eval {label}"
+    )
     flat = [a for v in attempts.values() for a in v]
-    return {"label": label, "pass@1": sum(a.correct for a in flat) / max(1, len(flat)),
-            "format_rate": sum(a.reason != "format_error" for a in flat) / max(1, len(flat)),
-            "length/mean": sum(a.num_tokens for a in flat) / max(1, len(flat)),
-            "problems": len(attempts)}
+    return {
+        "label": label,
+        "pass@1": sum(a.correct for a in flat) / max(1, len(flat)),
+        "format_rate": sum(a.reason != "format_error" for a in flat) / max(1, len(flat)),
+        "length/mean": sum(a.num_tokens for a in flat) / max(1, len(flat)),
+        "problems": len(attempts),
+    }
 
 
 def plot_metrics(metrics_path: Path, evals: list[dict], out_dir: Path) -> list[Path]:
     """PNG plots of the run's metrics against step (and held-out pass@1 when evaluated)."""
-    import matplotlib
+    import matplotlib  # lazy: matplotlib is heavy; only plotting needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy; only plotting needs it
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(metrics_path, cut_tail="warn")
     out_dir.mkdir(parents=True, exist_ok=True)
     keys = [(k, t) for k, t in _PLOTS if any(k in r for r in rows)]
     if not rows or not keys:
         return []
     cols = 2
-    fig, axes = plt.subplots((len(keys) + 1 + cols - 1) // cols, cols, figsize=(10, 2.6 * ((len(keys) + 2) // cols)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        (len(keys) + 1 + cols - 1) // cols, cols, figsize=(10, 2.6 * ((len(keys) + 2) // cols)), squeeze=False
+    )
     for ax, (k, title) in zip(axes.flat, keys):
         pts = [(r["step"], r[k]) for r in rows if k in r]
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         ax.plot(xs, ys, marker=".", ms=2, lw=0.6, alpha=0.45, color="C0")
         if len(ys) >= 10:  # per-step values are noisy: a trailing mean shows the trend
             w = max(5, len(ys) // 20)
-            ax.plot(xs, [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1])
-                         for i in range(len(ys))], lw=1.8, color="C1", label=f"mean of {w}")
+            ax.plot(
+                xs,
+                [
+                    sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1])
+                    for i in range(len(ys))
+                ],
+                lw=1.8,
+                color="C1",
+                label=f"mean of {w}",
+            )
             ax.legend(fontsize=7, loc="best")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
@@ -155,14 +190,13 @@ def plot_metrics(metrics_path: Path, evals: list[dict], out_dir: Path) -> list[P
         ax.set_title("held-out pass@1", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
-    for extra in list(axes.flat)[len(keys) + 1:]:
+    for extra in list(axes.flat)[len(keys) + 1 :]:
         extra.axis("off")
     fig.tight_layout()
     path = out_dir / "training.png"
-    tmp = out_dir / f".training.{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
     return [path]
 
 
@@ -210,9 +244,6 @@ class _Run:
     # ------------------------------------------------------------------ set-up
 
     def set_up(self) -> None:
-        from megatron_rl.data.sampling import load_tokenizer
-        from megatron_rl.training.checkpoint import latest_checkpoint
-        from megatron_rl.training.trainer import PolicyTrainer
 
         cfg = self.cfg
         self.tok = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
@@ -236,21 +267,24 @@ class _Run:
         self._connect_broadcaster()
         if self.rank0:
             self.rollouts = self._make_rollouts()
-        self.orch = Orchestrator(cfg, trainer=self.trainer, broadcaster=self.broadcaster,
-                                 rollouts=self.rollouts, rank=self.rank, world_size=self.world)
+        self.orch = Orchestrator(
+            cfg,
+            trainer=self.trainer,
+            broadcaster=self.broadcaster,
+            rollouts=self.rollouts,
+            rank=self.rank,
+            world_size=self.world,
+        )
         self.stack.callback(self.orch.stop)
         self.curriculum.apply(self.curriculum.index, self.orch, self.sampler)  # re-bind to orch
         if self.rank0 and cfg.data.eval:
-            from megatron_rl.data.problems import read_problems
-
             self.eval_problems = read_problems(cfg.data.eval)
             if cfg.run.eval_samples:
-                self.eval_problems = self.eval_problems[:cfg.run.eval_samples]
+                self.eval_problems = self.eval_problems[: cfg.run.eval_samples]
 
     def _prepare_run_dir(self) -> None:
         """Config snapshot (checked against the old one on resume), JSONL files cut back to the
         checkpoint's step, the evaluations made so far."""
-        from megatron_rl.config import config_to_dict
 
         run_dir, step0 = self.run_dir, self.trainer.step
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -260,39 +294,42 @@ class _Run:
             _check_resume_config(run_dir / "config.yaml", snapshot)
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(snapshot, sort_keys=False))
         for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
-            truncate_jsonl(run_dir / name, step0)
+            truncate_jsonl(run_dir / name, lambda r: r.get("step") is None or r["step"] <= step0)
         if (run_dir / "eval.jsonl").exists():
-            self.evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()
-                          if x.strip()]
+            self.evals = read_jsonl(run_dir / "eval.jsonl")
 
     def _start_services(self) -> None:
         """Rank 0: local engine servers (unless ``fleet.urls``), the fleet client, the verifier
         pool and the prompt sampler (at the checkpoint's cursor)."""
-        from megatron_rl.data.problems import read_problems
-        from megatron_rl.generation.client import FleetClient
-        from megatron_rl.orchestration.sampler import PromptSampler
-        from megatron_rl.rewards.pool import VerifierPool
 
         cfg, stack = self.cfg, self.stack
         urls, engines = list(cfg.fleet.urls), []
         if not urls:
-            from megatron_rl.generation.engine.launch import EngineProcess
-
             for i in range(cfg.fleet.local_servers):
-                srv = EngineProcess(cfg.model.hf, max_slots=cfg.fleet.max_slots,
-                                    max_len=cfg.fleet.max_len, threads=cfg.fleet.threads,
-                                    log_path=self.run_dir / "logs" / f"engine-{i}.log")
+                srv = EngineProcess(
+                    cfg.model.hf,
+                    max_slots=cfg.fleet.max_slots,
+                    max_len=cfg.fleet.max_len,
+                    threads=cfg.fleet.threads,
+                    log_path=self.run_dir / "logs" / f"engine-{i}.log",
+                )
                 stack.callback(srv.stop)
                 urls.append(srv.start().url)
                 engines.append({"url": srv.url, "pid": srv.pid})
-        atomic_write_text(self.run_dir / "logs" / "pids.json", json.dumps(
-            {"trainer": os.getpid(), "engines": engines, "urls": urls}))
-        self.fleet = FleetClient(urls, update_urls=cfg.fleet.update_urls or None,
-                                 request_timeout_s=cfg.fleet.request_timeout_s or None)
+        atomic_write_text(
+            self.run_dir / "logs" / "pids.json",
+            json.dumps({"trainer": os.getpid(), "engines": engines, "urls": urls}),
+        )
+        self.fleet = FleetClient(
+            urls,
+            update_urls=cfg.fleet.update_urls or None,
+            request_timeout_s=cfg.fleet.request_timeout_s or None,
+        )
         stack.callback(self.fleet.close)
         self.pool = stack.enter_context(VerifierPool(cfg.reward.workers))
-        self.sampler = PromptSampler(read_problems(cfg.data.train), seed=cfg.loop.seed,
-                                     shuffle=cfg.data.shuffle)
+        self.sampler = PromptSampler(
+            read_problems(cfg.data.train), seed=cfg.loop.seed, shuffle=cfg.data.shuffle
+        )
         for k in ("min_difficulty", "max_difficulty", "drop_solved"):
             setattr(self.sampler, k, getattr(cfg.data, k))
         self.curriculum.apply(0, None, self.sampler)
@@ -302,46 +339,55 @@ class _Run:
     def _connect_broadcaster(self) -> None:
         """Data-parallel rank 0 of every stage joins the update group; the fleet then gets the
         trainer's weights (the initial or the checkpoint's) before it generates anything."""
-        from megatron.core import parallel_state as ps
-
-        from megatron_rl.training.model import padded_vocab_size
-        from megatron_rl.weight_sync.broadcast import WeightBroadcaster
+        from megatron.core import (
+            parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         if ps.get_data_parallel_rank() != 0:
             return
-        tp = ps.get_tensor_model_parallel_world_size()
-        self.broadcaster = WeightBroadcaster(
-            self.trainer.chunks, self.cfg.model.hf, self.fleet, self.cfg.weight_sync,
-            padded_vocab=padded_vocab_size(self.trainer.vocab_size, tp), tensor_parallel=tp)
+        self.broadcaster = WeightBroadcaster(self.trainer.hf_tensors, self.fleet, self.cfg.weight_sync)
         self.broadcaster.connect()
         self.stack.callback(self.broadcaster.close)
         self.broadcaster.sync(self.trainer.step)
 
     def _make_rollouts(self):
-        from megatron_rl.orchestration.rollouts import Rollouts
 
         cfg, trainer = self.cfg, self.trainer
-        return Rollouts(fleet=self.fleet, pool=self.pool, sampler=self.sampler, tokenizer=self.tok,
-                        reward=cfg.reward, group_size=cfg.loop.group_size,
-                        temperature=cfg.algorithm.temperature, top_p=cfg.loop.top_p,
-                        max_new_tokens=cfg.reward.l_max, seed=cfg.loop.seed,
-                        system_prompt=_system_prompt(cfg.data.system_prompt),
-                        filter_tolerance=cfg.algorithm.filter_tolerance,
-                        version=lambda: int(trainer.step))
+        return Rollouts(
+            fleet=self.fleet,
+            pool=self.pool,
+            sampler=self.sampler,
+            tokenizer=self.tok,
+            reward=cfg.reward,
+            group_size=cfg.loop.group_size,
+            temperature=cfg.algorithm.temperature,
+            top_p=cfg.loop.top_p,
+            max_new_tokens=cfg.reward.l_max,
+            seed=cfg.loop.seed,
+            system_prompt=_system_prompt(cfg.data.system_prompt),
+            filter_tolerance=cfg.algorithm.filter_tolerance,
+            version=lambda: int(trainer.step),
+        )
 
     # ------------------------------------------------------------------ the loop
 
     def train(self, stop_after: int | None) -> None:
         """Optimizer steps until ``loop.max_steps`` (or ``stop_after`` steps of this call), with
         curriculum stages, metrics, samples, checkpoints and periodic evaluation."""
-        from tqdm import tqdm
 
         cfg, trainer, rank0 = self.cfg, self.trainer, self.rank0
         if rank0 and trainer.step == 0 and not self.evals:
             self.evaluate("before")
         self.orch.start()
-        bar = tqdm(total=cfg.loop.max_steps, initial=trainer.step, desc="RL steps", unit="step",
-                   file=sys.stderr, disable=not (self.progress and rank0), dynamic_ncols=True)
+        bar = tqdm(
+            total=cfg.loop.max_steps,
+            initial=trainer.step,
+            desc="RL steps",
+            unit="step",
+            file=sys.stderr,
+            disable=not (self.progress and rank0),
+            dynamic_ncols=True,
+        )
         self.stack.callback(bar.close)
         tb = _tensorboard(self.run_dir / "tb") if rank0 and cfg.run.tensorboard else None
         if tb is not None:
@@ -355,12 +401,22 @@ class _Run:
             if limit_s and self.orch.broadcast_object(time.monotonic() - self.t_start >= limit_s):
                 self.stopped = "time_limit"
                 if rank0:
-                    print(f"[time limit] {cfg.run.time_limit_min:g} min reached at step "
-                          f"{trainer.step}: finishing here (run again to resume)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[time limit] {cfg.run.time_limit_min:g} min reached at step "
+                        f"{trainer.step}: finishing here (run again to resume)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if not (cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0):
-                    _checkpoint(trainer, self.ckpt_root, cfg, self.rollouts, self.sampler,
-                                self.curriculum, self.history)
+                    _checkpoint(
+                        trainer,
+                        self.ckpt_root,
+                        cfg,
+                        self.rollouts,
+                        self.sampler,
+                        self.curriculum,
+                        self.history,
+                    )
                 break
             self._advance_curriculum()
             result = self.orch.step()
@@ -369,16 +425,23 @@ class _Run:
                 self._record(result, tb)
                 bar.update(1)
                 m = result.metrics
-                bar.set_postfix(reward=f"{m.get('reward/mean', 0):.2f}",
-                                pass_=f"{m.get('pass_rate', 0):.2f}",
-                                len=f"{m.get('length/mean', 0):.0f}",
-                                stale=f"{m.get('staleness/mean', 0):.1f}")
+                bar.set_postfix(
+                    reward=f"{m.get('reward/mean', 0):.2f}",
+                    pass_=f"{m.get('pass_rate', 0):.2f}",
+                    len=f"{m.get('length/mean', 0):.0f}",
+                    stale=f"{m.get('staleness/mean', 0):.1f}",
+                )
             due = cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0
             if due or trainer.step >= cfg.loop.max_steps:
-                _checkpoint(trainer, self.ckpt_root, cfg, self.rollouts, self.sampler,
-                            self.curriculum, self.history)
-            if rank0 and cfg.run.eval_every and trainer.step % cfg.run.eval_every == 0 \
-                    and trainer.step < cfg.loop.max_steps:
+                _checkpoint(
+                    trainer, self.ckpt_root, cfg, self.rollouts, self.sampler, self.curriculum, self.history
+                )
+            if (
+                rank0
+                and cfg.run.eval_every
+                and trainer.step % cfg.run.eval_every == 0
+                and trainer.step < cfg.loop.max_steps
+            ):
                 self.evaluate(f"step {trainer.step}")
         bar.close()
         self.orch.stop()
@@ -399,7 +462,7 @@ class _Run:
         m["time/elapsed_s"] = time.monotonic() - self.t_start
         self.history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
         self.history = self.history[-50:]
-        write_jsonl(self.run_dir / "metrics.jsonl", [m])
+        append_jsonl(self.run_dir / "metrics.jsonl", [m])
         if tb is not None:
             for k, v in m.items():
                 tb.add_scalar(k, v, int(m["step"]))
@@ -409,14 +472,18 @@ class _Run:
         """Rank 0: held-out pass@1 now, appended to eval.jsonl."""
         if self.eval_problems is None:
             return
-        res = _evaluate(self.fleet, self.pool, self.tok, self.eval_problems, self.cfg,
-                        label=label, progress=self.progress)
+        res = _evaluate(
+            self.fleet, self.pool, self.tok, self.eval_problems, self.cfg, label=label, progress=self.progress
+        )
         res["step"] = int(self.trainer.step)
         self.evals.append(res)
-        write_jsonl(self.run_dir / "eval.jsonl", [res])
-        print(f"[eval {label}] step {res['step']}: held-out pass@1 {res['pass@1']:.3f} "
-              f"(format {res['format_rate']:.2f}, length {res['length/mean']:.0f})",
-              file=sys.stderr, flush=True)
+        append_jsonl(self.run_dir / "eval.jsonl", [res])
+        print(
+            f"[eval {label}] step {res['step']}: held-out pass@1 {res['pass@1']:.3f} "
+            f"(format {res['format_rate']:.2f}, length {res['length/mean']:.0f})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # ------------------------------------------------------------------ teardown
 
@@ -430,20 +497,27 @@ class _Run:
         evals = self.evals
         finished = trainer.step >= cfg.loop.max_steps or self.stopped == "time_limit"
         # A run stopped by its time limit and resumed later is evaluated again at its new end.
-        if finished and not (evals and evals[-1]["label"] == "after"
-                             and evals[-1]["step"] == trainer.step):
+        if finished and not (evals and evals[-1]["label"] == "after" and evals[-1]["step"] == trainer.step):
             self.evaluate("after")
-        plots = plot_metrics(run_dir / "metrics.jsonl", evals, run_dir / "plots") \
-            if (run_dir / "metrics.jsonl").exists() else []
+        plots = (
+            plot_metrics(run_dir / "metrics.jsonl", evals, run_dir / "plots")
+            if (run_dir / "metrics.jsonl").exists()
+            else []
+        )
 
         def pass_at_1(label: str) -> float | None:  # the latest evaluation of that label
             return next((e["pass@1"] for e in reversed(evals) if e["label"] == label), None)
 
-        summary = {"steps": int(trainer.step), "stopped": self.stopped,
-                   "wall_s": time.monotonic() - self.t_start,
-                   "resumed_from": str(self.resume_from) if self.resume_from else None,
-                   "pass@1_before": pass_at_1("before"), "pass@1_after": pass_at_1("after"),
-                   "plots": [str(p) for p in plots], "run_dir": str(run_dir)}
+        summary = {
+            "steps": int(trainer.step),
+            "stopped": self.stopped,
+            "wall_s": time.monotonic() - self.t_start,
+            "resumed_from": str(self.resume_from) if self.resume_from else None,
+            "pass@1_before": pass_at_1("before"),
+            "pass@1_after": pass_at_1("after"),
+            "plots": [str(p) for p in plots],
+            "run_dir": str(run_dir),
+        }
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
 
@@ -469,17 +543,20 @@ def _check_resume_config(path: Path, new: dict) -> None:
     changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     fixed = [k for k in changed if k in _FIXED_ON_RESUME]
     if fixed:
-        raise ValueError(f"{path}: resuming with a different {fixed[0]} ({a.get(fixed[0])!r} -> "
-                         f"{b.get(fixed[0])!r}); use a new run.dir or run.resume=never")
+        raise ValueError(
+            f"{path}: resuming with a different {fixed[0]} ({a.get(fixed[0])!r} -> "
+            f"{b.get(fixed[0])!r}); use a new run.dir or run.resume=never"
+        )
     if changed:
-        print(f"[resume] recipe fields changed since the checkpoint: {', '.join(changed)}",
-              file=sys.stderr)
+        print(f"[resume] recipe fields changed since the checkpoint: {', '.join(changed)}", file=sys.stderr)
 
 
 def _tensorboard(folder: Path):
     """A TensorBoard writer when tensorboard is installed (pip install 'megatron-rl[tensorboard]')."""
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import (
+            SummaryWriter,  # lazy: optional: TensorBoard logs only when it is installed
+        )
     except ImportError:
         return None
     return SummaryWriter(str(folder))
@@ -489,23 +566,52 @@ def _write_samples(run_dir: Path, cfg: Any, result: Any, orch: Orchestrator, tok
     """samples.jsonl (trained + dropped completions) and ledger.jsonl (one line per group)."""
     step = result.step
     dropped = orch.last_dropped
-    ledger = [{"step": step, "prompt_id": g.problem.id, "epoch": g.epoch, "index": g.index,
-               "event": "trained", "issued_version": g.issued_version} for g in result.groups]
-    ledger += [{"step": step, "prompt_id": g.problem.id, "epoch": g.epoch, "index": g.index,
-                "event": "dropped", "reason": g.drop_reason} for g in dropped]
-    write_jsonl(run_dir / "ledger.jsonl", ledger)
+    ledger = [
+        {
+            "step": step,
+            "prompt_id": g.problem.id,
+            "epoch": g.epoch,
+            "index": g.index,
+            "event": "trained",
+            "issued_version": g.issued_version,
+        }
+        for g in result.groups
+    ]
+    ledger += [
+        {
+            "step": step,
+            "prompt_id": g.problem.id,
+            "epoch": g.epoch,
+            "index": g.index,
+            "event": "dropped",
+            "reason": g.drop_reason,
+        }
+        for g in dropped
+    ]
+    append_jsonl(run_dir / "ledger.jsonl", ledger)
     if not cfg.run.save_samples:
         return
     rows = []
     for g in (*result.groups, *dropped):
         for s in g.scored:
             c = s.completion
-            rows.append({"step": step, "prompt_id": g.problem.id, "problem": g.problem.problem,
-                         "task": g.problem.task, "prompt_ids": g.prompt_ids,
-                         "completion_ids": c.token_ids, "completion": c.text,
-                         "reward": s.reward, "parts": s.parts, "reason": s.reason,
-                         "correct": s.correct, "versions": c.versions})
-    write_jsonl(run_dir / "samples.jsonl", rows)
+            rows.append(
+                {
+                    "step": step,
+                    "prompt_id": g.problem.id,
+                    "problem": g.problem.problem,
+                    "task": g.problem.task,
+                    "prompt_ids": g.prompt_ids,
+                    "completion_ids": c.token_ids,
+                    "completion": c.text,
+                    "reward": s.reward,
+                    "parts": s.parts,
+                    "reason": s.reason,
+                    "correct": s.correct,
+                    "versions": c.versions,
+                }
+            )
+    append_jsonl(run_dir / "samples.jsonl", rows)
 
 
 def _checkpoint(trainer, root: Path, cfg, rollouts, sampler, curriculum, history) -> None:
@@ -518,7 +624,6 @@ def _checkpoint(trainer, root: Path, cfg, rollouts, sampler, curriculum, history
 
 def main(argv: list[str] | None = None) -> int:
     """``megatron-rl train RECIPE.yaml [section.key=value ...]``."""
-    from megatron_rl.config import ConfigError, load_config
 
     p = argparse.ArgumentParser(prog="megatron-rl train", description=__doc__.split("\n")[0])
     p.add_argument("recipe", help="YAML recipe (see examples/)")

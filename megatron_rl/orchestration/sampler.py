@@ -78,23 +78,30 @@ class PromptSampler:
             self.position += 1
             if self.eligible(pid):
                 return self.problems[pid], self.epoch
-        raise RuntimeError("prompt sampler: no eligible problem left (difficulty bounds or "
-                           "drop_solved excluded them all)")
+        raise RuntimeError(
+            "prompt sampler: no eligible problem left (difficulty bounds or drop_solved excluded them all)"
+        )
 
     def state_dict(self, pending: list[tuple[str, int]]) -> dict:
         """The cursor; ``pending``: prompts issued but not yet trained (they are re-issued)."""
-        return {"epoch": self.epoch, "position": self.position,
-                "reissue": [list(x) for x in (*pending, *self.reissue)],
-                "solved": sorted(self.solved), "min_difficulty": self.min_difficulty,
-                "max_difficulty": self.max_difficulty, "drop_solved": self.drop_solved}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "reissue": [list(x) for x in (*pending, *self.reissue)],
+            "solved": sorted(self.solved),
+            "min_difficulty": self.min_difficulty,
+            "max_difficulty": self.max_difficulty,
+            "drop_solved": self.drop_solved,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._perm = self._permutation(self.epoch)
         missing = [pid for pid, _ in state["reissue"] if pid not in self.problems]
         if missing:
-            raise ValueError(f"resume: prompts {missing[:5]} of the checkpoint are not in the "
-                             "problem file any more")
+            raise ValueError(
+                f"resume: prompts {missing[:5]} of the checkpoint are not in the problem file any more"
+            )
         self.reissue = deque((str(pid), int(ep)) for pid, ep in state["reissue"])
         self.solved = set(state.get("solved", []))
         self.min_difficulty = state.get("min_difficulty")

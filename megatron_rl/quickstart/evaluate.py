@@ -19,9 +19,12 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megatron_rl.config_checks import check_range
+from megatron_rl.config import check_range
+from megatron_rl.data.problems import Problem as DataProblem
+from megatron_rl.data.sampling import SamplingConfig, sample_and_score
 from megatron_rl.quickstart.problems import Problem
 from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT
+from megatron_rl.rewards.compose import RewardConfig
 
 __all__ = ["EvalConfig", "EvalReport", "evaluate"]
 
@@ -55,42 +58,63 @@ class EvalReport:
 
     def summary(self) -> str:
         levels = " ".join(f"L{k}={v:.2f}" for k, v in sorted(self.by_difficulty.items()))
-        return (f"pass@1 {self.pass_at_1:.3f} ({levels}), format {self.format_ok:.3f}, "
-                f"length {self.mean_length:.1f}, reward {self.reward:.3f}, "
-                f"n {self.completions}")
+        return (
+            f"pass@1 {self.pass_at_1:.3f} ({levels}), format {self.format_ok:.3f}, "
+            f"length {self.mean_length:.1f}, reward {self.reward:.3f}, "
+            f"n {self.completions}"
+        )
 
 
-def evaluate(generator, tokenizer, problems: list[Problem], cfg: EvalConfig | None = None, *,
-             pool=None, reward_cfg=None, system_prompt: str = QUICKSTART_SYSTEM_PROMPT,
-             keep_examples: int = 4, progress: bool = False) -> EvalReport:
+def evaluate(
+    generator,
+    tokenizer,
+    problems: list[Problem],
+    cfg: EvalConfig | None = None,
+    *,
+    pool=None,
+    reward_cfg=None,
+    system_prompt: str = QUICKSTART_SYSTEM_PROMPT,
+    keep_examples: int = 4,
+    progress: bool = False,
+) -> EvalReport:
     """Generate ``cfg.samples`` completions per problem with ``generator`` (the
     :class:`~megatron_rl.generation.api.Generator` contract), score them with the full reward
     (``pool``: a :class:`VerifierPool` to reuse, else one is started), and aggregate."""
-    from megatron_rl.data.problems import Problem as DataProblem
-    from megatron_rl.data.sampling import SamplingConfig, sample_and_score
-    from megatron_rl.rewards.compose import RewardConfig
 
     cfg = cfg or EvalConfig()
     if not problems:
         raise ValueError("evaluate: no problems")
-    sampling = SamplingConfig(k=cfg.samples, max_new_tokens=cfg.max_new_tokens,
-                              temperature=cfg.temperature, seed=cfg.seed,
-                              system_prompt=system_prompt)
-    attempts = sample_and_score([DataProblem(id=p.id, problem=p.problem, task=p.task,
-                                             answer=p.answer) for p in problems],
-                                generator, tokenizer, sampling, reward_cfg or RewardConfig(),
-                                pool=pool, progress=progress, desc="eval")
+    sampling = SamplingConfig(
+        k=cfg.samples,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        system_prompt=system_prompt,
+    )
+    attempts = sample_and_score(
+        [DataProblem(id=p.id, problem=p.problem, task=p.task, answer=p.answer) for p in problems],
+        generator,
+        tokenizer,
+        sampling,
+        reward_cfg or RewardConfig(),
+        pool=pool,
+        progress=progress,
+        desc="eval",
+    )
     flat = [a for p in problems for a in attempts[p.id]]
     per_problem = [statistics.fmean(float(a.correct) for a in attempts[p.id]) for p in problems]
     levels: dict[int, list[float]] = defaultdict(list)
     for p, ok in zip(problems, per_problem):
         levels[p.difficulty].append(ok)
-    examples = [(p.problem, a.completion, bool(a.correct))
-                for p in problems for a in attempts[p.id]][:keep_examples]
+    examples = [(p.problem, a.completion, bool(a.correct)) for p in problems for a in attempts[p.id]][
+        :keep_examples
+    ]
     return EvalReport(
         pass_at_1=statistics.fmean(per_problem),
         format_ok=statistics.fmean(float(a.reason != "format_error") for a in flat),
         mean_length=statistics.fmean(a.num_tokens for a in flat),
-        reward=statistics.fmean(a.reward for a in flat), completions=len(flat),
+        reward=statistics.fmean(a.reward for a in flat),
+        completions=len(flat),
         by_difficulty={k: statistics.fmean(v) for k, v in sorted(levels.items())},
-        examples=examples)
+        examples=examples,
+    )

@@ -26,9 +26,12 @@ from typing import Any
 
 import torch
 
-from megatron_rl.config_checks import ConfigFieldError, check_range
+from megatron_rl.config import ConfigFieldError, check_range
+from megatron_rl.hf.files import write_hf_folder
+from megatron_rl.hf.layout import HFConverter
+from megatron_rl.quickstart.tokenizer import load_tokenizer
 
-__all__ = ["TinyModelConfig", "hf_config", "build_model_folder"]
+__all__ = ["TinyModelConfig", "build_model_folder", "hf_config"]
 
 
 @dataclass(kw_only=True)
@@ -47,40 +50,56 @@ class TinyModelConfig:
     seed: int = 0  # names the initial weights
 
     def __post_init__(self):
-        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_positions"):
+        for name in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "max_positions",
+        ):
             check_range(name, getattr(self, name), low=1)
         if self.num_heads % self.num_kv_heads:
-            raise ConfigFieldError("num_kv_heads", f"must divide num_heads ({self.num_heads}), "
-                                   f"got {self.num_kv_heads}")
+            raise ConfigFieldError(
+                "num_kv_heads", f"must divide num_heads ({self.num_heads}), got {self.num_kv_heads}"
+            )
         if self.hidden_size % self.num_heads:
-            raise ConfigFieldError("num_heads", f"must divide hidden_size ({self.hidden_size}), "
-                                   f"got {self.num_heads}")
+            raise ConfigFieldError(
+                "num_heads", f"must divide hidden_size ({self.hidden_size}), got {self.num_heads}"
+            )
         check_range("init_std", self.init_std, low=0.0, low_open=True)
         check_range("seed", self.seed, low=0)
 
 
 def hf_config(cfg: TinyModelConfig, tokenizer) -> Any:
     """The ``transformers.LlamaConfig``; vocabulary and special ids from ``tokenizer``."""
-    import transformers
+    import transformers  # lazy: transformers takes seconds to import; only this path needs it
 
     return transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_positions, rms_norm_eps=1e-5,
-        initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_theta=cfg.rope_theta, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, architectures=["LlamaForCausalLM"], dtype="float32")
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        rms_norm_eps=1e-5,
+        initializer_range=cfg.init_std,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        rope_theta=cfg.rope_theta,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    )
 
 
-def build_model_folder(cfg: TinyModelConfig, tokenizer_dir: str | os.PathLike,
-                       out: str | os.PathLike) -> Path:
+def build_model_folder(
+    cfg: TinyModelConfig, tokenizer_dir: str | os.PathLike, out: str | os.PathLike
+) -> Path:
     """An HF folder with randomly initialised weights and the tokenizer; returns ``out``
     (replaced if it exists)."""
-    from megatron_rl.convert.hf_files import write_hf_folder
-    from megatron_rl.quickstart.tokenizer import load_tokenizer
-    from megatron_rl.weight_sync.hf_map import HFConverter
 
     config = hf_config(cfg, load_tokenizer(tokenizer_dir))
     gen = torch.Generator().manual_seed(cfg.seed)

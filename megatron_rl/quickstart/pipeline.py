@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rl.data.problems import write_json
+from megatron_rl.fileio import atomic_write_json
 
 __all__ = ["main"]
 
@@ -43,38 +43,63 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="megatron-rl quickstart", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/quickstart", help="output folder (reused to resume)")
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the RL recipe")
-    p.add_argument("overrides", nargs="*", help="overrides for the RL recipe, e.g. "
-                                                "loop.max_steps=20")
+    p.add_argument("overrides", nargs="*", help="overrides for the RL recipe, e.g. loop.max_steps=20")
     args = p.parse_intermixed_args(argv)
     out = Path(args.out).absolute()
     warm = out / "warmup"
     t0 = time.monotonic()
     if not (warm / "warmup.json").exists():
-        _stage("1/2 warm-up: data, tokenizer, tiny model, SFT",
-               [sys.executable, "-m", "megatron_rl.quickstart.warmup", "--out", str(warm)])
+        _stage(
+            "1/2 warm-up: data, tokenizer, tiny model, SFT",
+            [sys.executable, "-m", "megatron_rl.quickstart.warmup", "--out", str(warm)],
+        )
     else:
         print(f"== 1/2 warm-up: reusing {warm}", file=sys.stderr)
     warmup = json.loads((warm / "warmup.json").read_text())
     paths = warmup["paths"]
     rl = out / "rl"
-    _stage("2/2 GRPO (asynchronous loop, full reward)",
-           [sys.executable, "-m", "megatron_rl", "train", args.recipe,
-            f"model.hf={paths['sft']}", f"data.train={paths['train']}",
-            f"data.eval={paths['held_out']}", f"run.dir={rl}", *args.overrides])
+    _stage(
+        "2/2 GRPO (asynchronous loop, full reward)",
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl",
+            "train",
+            args.recipe,
+            f"model.hf={paths['sft']}",
+            f"data.train={paths['train']}",
+            f"data.eval={paths['held_out']}",
+            f"run.dir={rl}",
+            *args.overrides,
+        ],
+    )
     summary = json.loads((rl / "summary.json").read_text())
-    report = {"pass@1_sft": summary["pass@1_before"], "pass@1_rl": summary["pass@1_after"],
-              "rl_steps": summary["steps"], "rl_stopped": summary.get("stopped"),
-              "rl_wall_s": summary["wall_s"],
-              "warmup_s": warmup["seconds"].get("total"), "total_s": time.monotonic() - t0,
-              "plots": summary["plots"], "run_dir": str(rl), "policy": str(rl / "hf")}
-    write_json(out / "quickstart.json", report)  # atomic
+    report = {
+        "pass@1_sft": summary["pass@1_before"],
+        "pass@1_rl": summary["pass@1_after"],
+        "rl_steps": summary["steps"],
+        "rl_stopped": summary.get("stopped"),
+        "rl_wall_s": summary["wall_s"],
+        "warmup_s": warmup["seconds"].get("total"),
+        "total_s": time.monotonic() - t0,
+        "plots": summary["plots"],
+        "run_dir": str(rl),
+        "policy": str(rl / "hf"),
+    }
+    atomic_write_json(out / "quickstart.json", report)  # atomic
     b, a = report["pass@1_sft"], report["pass@1_rl"]
     if report["rl_stopped"] == "time_limit":
-        print(f"\nRL stopped at its time limit (run.time_limit_min) after {report['rl_steps']} "
-              f"steps; run the same command again to continue", file=sys.stderr)
-    print(f"\nheld-out pass@1: SFT {b:.3f} -> after GRPO {a:.3f}  ({a - b:+.3f})\n"
-          f"plots: {', '.join(report['plots'])}\nRL policy (HF folder): {report['policy']}\n"
-          f"this run: {report['total_s'] / 60:.1f} min", file=sys.stderr)
+        print(
+            f"\nRL stopped at its time limit (run.time_limit_min) after {report['rl_steps']} "
+            f"steps; run the same command again to continue",
+            file=sys.stderr,
+        )
+    print(
+        f"\nheld-out pass@1: SFT {b:.3f} -> after GRPO {a:.3f}  ({a - b:+.3f})\n"
+        f"plots: {', '.join(report['plots'])}\nRL policy (HF folder): {report['policy']}\n"
+        f"this run: {report['total_s'] / 60:.1f} min",
+        file=sys.stderr,
+    )
     print(json.dumps(report))
     return 0
 

@@ -2,7 +2,7 @@
 
     problems = generate_problems(ProblemConfig(seed=0))
     train, held_out = split_problems(problems, held_out_fraction=0.1)
-    write_jsonl(train, "train.jsonl")      # fields: id, problem, answer, task, difficulty
+    write_problems("train.jsonl", (p.to_record() for p in train))   # megatron_rl.data.problems
 
 Every problem comes with its reference answer (an integer as a string, which math-verify reads)
 and the worked steps a solver writes down (``Problem.steps``), from which
@@ -37,16 +37,21 @@ problem, however the sets were generated. Duplicates within a set are dropped.
 from __future__ import annotations
 
 import hashlib
-import os
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterable
 
-from megatron_rl.config_checks import ConfigFieldError, check_range
+from megatron_rl.config import ConfigFieldError, check_range
 
-__all__ = ["Problem", "ProblemConfig", "generate_problems", "split_problems", "is_held_out",
-           "write_jsonl", "KINDS", "LEVELS"]
+__all__ = [
+    "KINDS",
+    "LEVELS",
+    "Problem",
+    "ProblemConfig",
+    "generate_problems",
+    "is_held_out",
+    "split_problems",
+]
 
 KINDS = ("arithmetic", "linear")
 LEVELS = (1, 2, 3)
@@ -66,8 +71,13 @@ class Problem:
 
     def to_record(self) -> dict:
         """The JSONL record (the fields every problem set of the project has)."""
-        return {"id": self.id, "problem": self.problem, "answer": self.answer,
-                "task": self.task, "difficulty": self.difficulty}
+        return {
+            "id": self.id,
+            "problem": self.problem,
+            "answer": self.answer,
+            "task": self.task,
+            "difficulty": self.difficulty,
+        }
 
 
 @dataclass(kw_only=True)
@@ -86,15 +96,22 @@ class ProblemConfig:
         check_range("linear_fraction", self.linear_fraction, low=0.0, high=1.0)
         w = tuple(self.difficulty_weights)
         if len(w) != len(LEVELS) or min(w) < 0 or sum(w) <= 0:
-            raise ConfigFieldError("difficulty_weights", f"need {len(LEVELS)} non-negative "
-                                   f"weights with a positive sum, got {w}")
+            raise ConfigFieldError(
+                "difficulty_weights", f"need {len(LEVELS)} non-negative weights with a positive sum, got {w}"
+            )
         self.difficulty_weights = w
 
 
 def _problem(kind: str, level: int, text: str, answer: int, steps: list[str]) -> Problem:
     digest = hashlib.sha1(text.encode()).hexdigest()[:10]
-    return Problem(id=f"{kind}-{level}-{digest}", problem=text, answer=str(answer),
-                   difficulty=level, kind=kind, steps=tuple(steps))
+    return Problem(
+        id=f"{kind}-{level}-{digest}",
+        problem=text,
+        answer=str(answer),
+        difficulty=level,
+        kind=kind,
+        steps=tuple(steps),
+    )
 
 
 def _arithmetic(rng: random.Random, level: int) -> Problem:
@@ -102,26 +119,35 @@ def _arithmetic(rng: random.Random, level: int) -> Problem:
     if level == 1:
         a, b = r(0, 9), r(0, 9)
         if rng.random() < 0.5:
-            return _problem("arithmetic", 1, f"What is {a} + {b}?", a + b,
-                            [f"We add: {a} + {b} = {a + b}."])
+            return _problem("arithmetic", 1, f"What is {a} + {b}?", a + b, [f"We add: {a} + {b} = {a + b}."])
         a, b = max(a, b), min(a, b)  # level 1 stays non-negative
-        return _problem("arithmetic", 1, f"What is {a} - {b}?", a - b,
-                        [f"We subtract: {a} - {b} = {a - b}."])
+        return _problem("arithmetic", 1, f"What is {a} - {b}?", a - b, [f"We subtract: {a} - {b} = {a - b}."])
     if level == 2:
         a, b, c = r(2, 9), r(2, 9), r(1, 9)
         op = rng.choice("+-")
         value = a * b + c if op == "+" else a * b - c
         verb = "add" if op == "+" else "subtract"
-        return _problem("arithmetic", 2, f"What is {a} * {b} {op} {c}?", value,
-                        [f"First multiply: {a} * {b} = {a * b}.",
-                         f"Then {verb}: {a * b} {op} {c} = {value}."])
+        return _problem(
+            "arithmetic",
+            2,
+            f"What is {a} * {b} {op} {c}?",
+            value,
+            [f"First multiply: {a} * {b} = {a * b}.", f"Then {verb}: {a * b} {op} {c} = {value}."],
+        )
     a, b, c, d = r(2, 9), r(2, 9), r(2, 9), r(2, 9)
     op = rng.choice("+-")
     value = a * b + c * d if op == "+" else a * b - c * d
     verb = "add" if op == "+" else "subtract"
-    return _problem("arithmetic", 3, f"What is {a} * {b} {op} {c} * {d}?", value,
-                    [f"First multiply: {a} * {b} = {a * b} and {c} * {d} = {c * d}.",
-                     f"Then {verb}: {a * b} {op} {c * d} = {value}."])
+    return _problem(
+        "arithmetic",
+        3,
+        f"What is {a} * {b} {op} {c} * {d}?",
+        value,
+        [
+            f"First multiply: {a} * {b} = {a * b} and {c} * {d} = {c * d}.",
+            f"Then {verb}: {a * b} {op} {c * d} = {value}.",
+        ],
+    )
 
 
 def _linear(rng: random.Random, level: int) -> Problem:
@@ -129,22 +155,40 @@ def _linear(rng: random.Random, level: int) -> Problem:
     if level == 1:
         x, b = r(0, 9), r(1, 9)
         if rng.random() < 0.5:
-            return _problem("linear", 1, f"Solve for x: x + {b} = {x + b}", x,
-                            [f"Subtract {b} from both sides: x = {x + b} - {b} = {x}."])
-        return _problem("linear", 1, f"Solve for x: x - {b} = {x - b}", x,
-                        [f"Add {b} to both sides: x = {x - b} + {b} = {x}."])
+            return _problem(
+                "linear",
+                1,
+                f"Solve for x: x + {b} = {x + b}",
+                x,
+                [f"Subtract {b} from both sides: x = {x + b} - {b} = {x}."],
+            )
+        return _problem(
+            "linear",
+            1,
+            f"Solve for x: x - {b} = {x - b}",
+            x,
+            [f"Add {b} to both sides: x = {x - b} + {b} = {x}."],
+        )
     a, b = r(2, 9), r(1, 9)
     # Level 3: negative solutions, and constants that make the right-hand side cross zero.
     x = r(1, 9) if level == 2 else -r(1, 9)
     if rng.random() < 0.5:
         c = a * x + b
-        return _problem("linear", level, f"Solve for x: {a}x + {b} = {c}", x,
-                        [f"Subtract {b} from both sides: {a}x = {c} - {b} = {a * x}.",
-                         f"Divide by {a}: x = {x}."])
+        return _problem(
+            "linear",
+            level,
+            f"Solve for x: {a}x + {b} = {c}",
+            x,
+            [f"Subtract {b} from both sides: {a}x = {c} - {b} = {a * x}.", f"Divide by {a}: x = {x}."],
+        )
     c = a * x - b
-    return _problem("linear", level, f"Solve for x: {a}x - {b} = {c}", x,
-                    [f"Add {b} to both sides: {a}x = {c} + {b} = {a * x}.",
-                     f"Divide by {a}: x = {x}."])
+    return _problem(
+        "linear",
+        level,
+        f"Solve for x: {a}x - {b} = {c}",
+        x,
+        [f"Add {b} to both sides: {a}x = {c} + {b} = {a * x}.", f"Divide by {a}: x = {x}."],
+    )
 
 
 def generate_problems(cfg: ProblemConfig) -> list[Problem]:
@@ -165,23 +209,15 @@ def generate_problems(cfg: ProblemConfig) -> list[Problem]:
 def is_held_out(problem_text: str, held_out_fraction: float) -> bool:
     """Whether a problem belongs to the held-out split: a hash of its text, not its position."""
     h = int.from_bytes(hashlib.sha256(problem_text.encode()).digest()[:8], "big")
-    return h / 2.0 ** 64 < held_out_fraction
+    return h / 2.0**64 < held_out_fraction
 
 
-def split_problems(problems: Iterable[Problem], held_out_fraction: float = 0.1
-                   ) -> tuple[list[Problem], list[Problem]]:
+def split_problems(
+    problems: Iterable[Problem], held_out_fraction: float = 0.1
+) -> tuple[list[Problem], list[Problem]]:
     """``(train, held_out)`` by :func:`is_held_out`; order kept within each split."""
     check_range("held_out_fraction", held_out_fraction, low=0.0, high=1.0)
     train, held_out = [], []
     for p in problems:
         (held_out if is_held_out(p.problem, held_out_fraction) else train).append(p)
     return train, held_out
-
-
-def write_jsonl(problems: Iterable[Problem], path: str | os.PathLike) -> Path:
-    """One JSON record per line (:meth:`Problem.to_record`), written atomically; returns the
-    path. ``megatron_rl.data.problems.read_problems`` reads it back (as the RL loop does)."""
-    from megatron_rl.data.problems import write_jsonl as write_records
-
-    write_records(path, (p.to_record() for p in problems))
-    return Path(path)

@@ -41,14 +41,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from megatron_rl.config_checks import ConfigFieldError, check_range
+from megatron_rl.algorithms.config import GRPOConfig
+from megatron_rl.batching.config import BatchingConfig
+from megatron_rl.batching.sft import build_sft_batch
+from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.quickstart.problems import Problem
-from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, prompt_ids, text_ids
+from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, load_tokenizer, prompt_ids, text_ids
 from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
+from megatron_rl.training.config import OptimConfig, TrainerConfig
+from megatron_rl.training.trainer import PolicyTrainer
 
-__all__ = ["SFTConfig", "SFTResult", "ThreadGovernor", "format_trace", "slipped_answer",
-           "sft_pairs", "make_trainer", "run_sft"]
+__all__ = [
+    "SFTConfig",
+    "SFTResult",
+    "ThreadGovernor",
+    "format_trace",
+    "make_trainer",
+    "run_sft",
+    "sft_pairs",
+    "slipped_answer",
+]
 
 
 @dataclass(kw_only=True)
@@ -72,8 +86,7 @@ class SFTConfig:
         check_range("min_lr", self.min_lr, low=0.0, high=self.lr)
         check_range("warmup_steps", self.warmup_steps, low=0)
         if self.warmup_steps >= self.steps:
-            raise ConfigFieldError("warmup_steps", f"must be < steps ({self.steps}), got "
-                                   f"{self.warmup_steps}")
+            raise ConfigFieldError("warmup_steps", f"must be < steps ({self.steps}), got {self.warmup_steps}")
         check_range("slip_rate", self.slip_rate, low=0.0, high=1.0)
         check_range("threads", self.threads, low=0)
         check_range("token_budget", self.token_budget, low=16)
@@ -96,9 +109,8 @@ def format_trace(problem: Problem, *, slip: str | None = None) -> str:
     answer = problem.answer
     if slip is not None:
         if not steps[-1].endswith(f" {answer}."):
-            raise ValueError(f"{problem.id}: the last step does not end with the answer: "
-                             f"{steps[-1]!r}")
-        steps[-1] = f"{steps[-1][:-len(answer) - 1]}{slip}."
+            raise ValueError(f"{problem.id}: the last step does not end with the answer: {steps[-1]!r}")
+        steps[-1] = f"{steps[-1][: -len(answer) - 1]}{slip}."
         answer = slip
     return f"{THINK_OPEN}{' '.join(steps)}{THINK_CLOSE}The answer is \\boxed{{{answer}}}."
 
@@ -112,12 +124,17 @@ def slipped_answer(answer: str, rng: random.Random) -> str:
     if i == 0 and (len(digits) > 1 or sign):
         banned.add("0")
     new = rng.choice([d for d in "0123456789" if d not in banned])
-    return f"{sign}{digits[:i]}{new}{digits[i + 1:]}"
+    return f"{sign}{digits[:i]}{new}{digits[i + 1 :]}"
 
 
-def sft_pairs(tokenizer, problems: list[Problem], *, slip_rate: float = 0.0,
-              rng: random.Random | None = None,
-              system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> list[tuple[list[int], list[int]]]:
+def sft_pairs(
+    tokenizer,
+    problems: list[Problem],
+    *,
+    slip_rate: float = 0.0,
+    rng: random.Random | None = None,
+    system_prompt: str = QUICKSTART_SYSTEM_PROMPT,
+) -> list[tuple[list[int], list[int]]]:
     """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``; each trace
     slips with probability ``slip_rate`` (drawn from ``rng``)."""
     rng = rng or random.Random(0)
@@ -125,27 +142,41 @@ def sft_pairs(tokenizer, problems: list[Problem], *, slip_rate: float = 0.0,
     pairs = []
     for p in problems:
         slip = slipped_answer(p.answer, rng) if rng.random() < slip_rate else None
-        pairs.append((prompt_ids(tokenizer, p.problem, system_prompt=system_prompt),
-                      text_ids(tokenizer, format_trace(p, slip=slip)) + [eos]))
+        pairs.append(
+            (
+                prompt_ids(tokenizer, p.problem, system_prompt=system_prompt),
+                text_ids(tokenizer, format_trace(p, slip=slip)) + [eos],
+            )
+        )
     return pairs
 
 
-def make_trainer(folder: str | os.PathLike, *, lr: float, min_lr: float = 0.0,
-                 warmup_steps: int = 0, decay_steps: int = 0, token_budget: int = 8192,
-                 grpo=None, seed: int = 1234):
+def make_trainer(
+    folder: str | os.PathLike,
+    *,
+    lr: float,
+    min_lr: float = 0.0,
+    warmup_steps: int = 0,
+    decay_steps: int = 0,
+    token_budget: int = 8192,
+    grpo=None,
+    seed: int = 1234,
+):
     """A one-rank fp32 :class:`PolicyTrainer` holding the weights of the HF folder ``folder``.
 
     Cosine decay to ``min_lr`` at ``decay_steps`` when given, else a constant ``lr`` after the
     warm-up. ``grpo``: the :class:`GRPOConfig` for RL steps (default: the paper's).
     """
-    from megatron_rl.algorithms.config import GRPOConfig
-    from megatron_rl.batching.config import BatchingConfig
-    from megatron_rl.training.config import OptimConfig, TrainerConfig
-    from megatron_rl.training.trainer import PolicyTrainer
 
     style = "cosine" if decay_steps else "constant"
-    optim = OptimConfig(lr=lr, min_lr=min_lr if decay_steps else 0.0, warmup_steps=warmup_steps,
-                        decay_steps=decay_steps, decay_style=style, clip_grad=1.0)
+    optim = OptimConfig(
+        lr=lr,
+        min_lr=min_lr if decay_steps else 0.0,
+        warmup_steps=warmup_steps,
+        decay_steps=decay_steps,
+        decay_style=style,
+        clip_grad=1.0,
+    )
     # Padded rows, not packed ones: without Transformer Engine a packed row is attended with a
     # dense [row, row] mask, quadratic in the whole microbatch (measured, one thread: 7 s for a
     # step of 64 sequences packed into one row, 0.5 s for the same sequences padded).
@@ -169,8 +200,9 @@ class ThreadGovernor:
     differ in the last bits of fp32, not in behaviour.
     """
 
-    def __init__(self, choices: tuple[int, ...] | None = None, *, every: int = 50,
-                 trials: int = 2, slack: float = 1.5):
+    def __init__(
+        self, choices: tuple[int, ...] | None = None, *, every: int = 50, trials: int = 2, slack: float = 1.5
+    ):
         cores = os.cpu_count() or 1
         self.choices = tuple(sorted(set(choices or (1, cores))))
         self.every, self.trials, self.slack = every, trials, slack
@@ -217,13 +249,15 @@ def _batches(problems: list[Problem], batch_size: int, seed: int):
         del order[:batch_size]
 
 
-def run_sft(init_folder: str | os.PathLike, problems: list[Problem], out: str | os.PathLike,
-            cfg: SFTConfig | None = None, *, progress: bool = True) -> SFTResult:
+def run_sft(
+    init_folder: str | os.PathLike,
+    problems: list[Problem],
+    out: str | os.PathLike,
+    cfg: SFTConfig | None = None,
+    *,
+    progress: bool = True,
+) -> SFTResult:
     """Train on the traces of ``problems`` from the HF folder ``init_folder``; export to ``out``."""
-    from tqdm import tqdm
-
-    from megatron_rl.batching.sft import build_sft_batch
-    from megatron_rl.quickstart.tokenizer import load_tokenizer
 
     cfg = cfg or SFTConfig()
     if not problems:
@@ -233,21 +267,25 @@ def run_sft(init_folder: str | os.PathLike, problems: list[Problem], out: str | 
     threads = torch.get_num_threads()
     governor = ThreadGovernor((cfg.threads,) if cfg.threads else None)
     start = time.perf_counter()
-    trainer = make_trainer(init_folder, lr=cfg.lr, min_lr=cfg.min_lr,
-                           warmup_steps=cfg.warmup_steps, decay_steps=cfg.steps,
-                           token_budget=cfg.token_budget)
+    trainer = make_trainer(
+        init_folder,
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=cfg.steps,
+        token_budget=cfg.token_budget,
+    )
     try:
         losses = []
         bar = tqdm(total=cfg.steps, desc="sft", unit="step", disable=not progress)
-        for step, batch in zip(range(cfg.steps), _batches(problems, cfg.batch_size, cfg.seed)):
+        for _step, batch in zip(range(cfg.steps), _batches(problems, cfg.batch_size, cfg.seed)):
             pairs = sft_pairs(tokenizer, batch, slip_rate=cfg.slip_rate, rng=slips)
             governor.before_step()
             metrics = trainer.sft_step(build_sft_batch(pairs))
             governor.after_step(metrics["step_time_s"])
             losses.append(metrics["loss"])
             bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.1e}",
-                            threads=governor.best)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", lr=f"{metrics['lr']:.1e}", threads=governor.best)
         bar.close()
         folder = Path(trainer.export_hf(out, like=init_folder))
     finally:

@@ -32,13 +32,24 @@ Real runs keep the paper's prompt (``build_messages`` defaults to it).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
+from megatron_rl.data.sampling import render_prompt
 from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
 
-__all__ = ["QUICKSTART_SYSTEM_PROMPT", "CHAT_TEMPLATE", "PAD", "EOS", "UNK", "ROLE_TOKENS",
-           "build_tokenizer", "load_tokenizer", "prompt_ids", "text_ids"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "EOS",
+    "PAD",
+    "QUICKSTART_SYSTEM_PROMPT",
+    "ROLE_TOKENS",
+    "UNK",
+    "build_tokenizer",
+    "load_tokenizer",
+    "prompt_ids",
+    "text_ids",
+]
 
 QUICKSTART_SYSTEM_PROMPT = "Think inside <think> </think>, then answer."
 
@@ -49,7 +60,8 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 
 # GPT-2's split, changed so that a digit is always a token of its own and never carries a space:
 # `` 48`` would otherwise start with a different id than ``48`` (``Ġ4`` vs ``4``), and the model
@@ -61,35 +73,60 @@ _ALPHABET = [chr(c) for c in range(32, 127)] + ["\n"]
 
 def _byte_level_chars(chars: list[str]) -> list[str]:
     """The byte-level pre-tokenizer's spelling of each character (space -> ``Ġ``, ...)."""
-    from tokenizers import pre_tokenizers
+    from tokenizers import pre_tokenizers  # lazy: only the quick start trains a tokenizer
 
     bl = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     return [bl.pre_tokenize_str(c)[0][0] for c in chars]
 
 
-def build_tokenizer(texts: Iterable[str], folder: str | os.PathLike, *,
-                    vocab_size: int = 320) -> Path:
+def build_tokenizer(texts: Iterable[str], folder: str | os.PathLike, *, vocab_size: int = 320) -> Path:
     """Train the BPE on ``texts`` (prompts and traces), save it to ``folder`` with its
     ``tokenizer_config.json`` and chat template; return the folder. ``vocab_size`` is an upper
     bound: merges stop when every pre-token of the corpus is one token."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import (  # lazy: only the quick start trains a tokenizer
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        trainers,
+    )
+    from transformers import (
+        PreTrainedTokenizerFast,  # lazy: transformers takes seconds to import; only this path needs it
+    )
 
     specials = [PAD, EOS, UNK, *ROLE_TOKENS]
     tok = Tokenizer(models.BPE(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=_byte_level_chars(_ALPHABET),
-                                  limit_alphabet=len(_ALPHABET), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=_byte_level_chars(_ALPHABET),
+        limit_alphabet=len(_ALPHABET),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer)
-    tok.add_tokens([AddedToken(THINK_OPEN, special=False, normalized=False),
-                    AddedToken(THINK_CLOSE, special=False, normalized=False)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS,
-                                   unk_token=UNK, additional_special_tokens=list(ROLE_TOKENS),
-                                   model_max_length=4096)
+    tok.add_tokens(
+        [
+            AddedToken(THINK_OPEN, special=False, normalized=False),
+            AddedToken(THINK_CLOSE, special=False, normalized=False),
+        ]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS),
+        model_max_length=4096,
+    )
     fast.chat_template = CHAT_TEMPLATE
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -99,7 +136,9 @@ def build_tokenizer(texts: Iterable[str], folder: str | os.PathLike, *,
 
 def load_tokenizer(folder: str | os.PathLike):
     """``AutoTokenizer`` from the folder, offline."""
-    from transformers import AutoTokenizer
+    from transformers import (
+        AutoTokenizer,  # lazy: transformers takes seconds to import; only this path needs it
+    )
 
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
@@ -109,11 +148,9 @@ def text_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def prompt_ids(tokenizer, problem: str, *,
-               system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> list[int]:
+def prompt_ids(tokenizer, problem: str, *, system_prompt: str = QUICKSTART_SYSTEM_PROMPT) -> list[int]:
     """Token ids of the chat-templated prompt for a math problem, ending with the assistant
     marker: :func:`megatron_rl.data.sampling.render_prompt`, the RL loop's own, so SFT trains
     on exactly the prompts RL and evaluation send."""
-    from megatron_rl.data.sampling import render_prompt
 
     return render_prompt(tokenizer, problem, "math", system_prompt=system_prompt)

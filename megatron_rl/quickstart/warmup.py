@@ -33,16 +33,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rl.data.problems import write_problems
+from megatron_rl.fileio import atomic_write_json
+from megatron_rl.generation.api import LocalGenerator
 from megatron_rl.quickstart.evaluate import EvalConfig, EvalReport, evaluate
 from megatron_rl.quickstart.model import TinyModelConfig, build_model_folder
-from megatron_rl.quickstart.problems import (ProblemConfig, generate_problems, split_problems,
-                                             write_jsonl)
+from megatron_rl.quickstart.problems import ProblemConfig, generate_problems, split_problems
 from megatron_rl.quickstart.sft import SFTConfig, format_trace, run_sft
-from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, build_tokenizer
+from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, build_tokenizer, load_tokenizer
 from megatron_rl.rewards.template import MATH_INSTRUCTION
-from megatron_rl.data.problems import write_json
 
-__all__ = ["WarmupResult", "run_warmup", "main"]
+__all__ = ["WarmupResult", "main", "run_warmup"]
 
 
 @dataclass
@@ -58,14 +59,19 @@ def _log(progress: bool, message: str) -> None:
         print(message, flush=True)
 
 
-def run_warmup(out_dir: str | os.PathLike, *, problems: ProblemConfig | None = None,
-               model: TinyModelConfig | None = None, sft: SFTConfig | None = None,
-               eval_cfg: EvalConfig | None = None, held_out_fraction: float = 0.1,
-               eval_problems: int = 200, progress: bool = True) -> WarmupResult:
+def run_warmup(
+    out_dir: str | os.PathLike,
+    *,
+    problems: ProblemConfig | None = None,
+    model: TinyModelConfig | None = None,
+    sft: SFTConfig | None = None,
+    eval_cfg: EvalConfig | None = None,
+    held_out_fraction: float = 0.1,
+    eval_problems: int = 200,
+    progress: bool = True,
+) -> WarmupResult:
     """Build everything under ``out_dir`` and evaluate the SFT model on ``eval_problems``
     held-out problems (the first ones of the held-out split); see the module docstring."""
-    from megatron_rl.generation.api import LocalGenerator
-    from megatron_rl.quickstart.tokenizer import load_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,12 +87,12 @@ def run_warmup(out_dir: str | os.PathLike, *, problems: ProblemConfig | None = N
         clock = now
 
     train, held_out = split_problems(generate_problems(problems), held_out_fraction)
-    paths = {"train": write_jsonl(train, out / "train.jsonl"),
-             "held_out": write_jsonl(held_out, out / "held_out.jsonl")}
+    paths = {name: out / f"{name}.jsonl" for name in ("train", "held_out")}
+    for name, split in (("train", train), ("held_out", held_out)):
+        write_problems(paths[name], (p.to_record() for p in split))
     _log(progress, f"[1/5] problems: {len(train)} train, {len(held_out)} held out")
     corpus = [QUICKSTART_SYSTEM_PROMPT, MATH_INSTRUCTION]
-    corpus += [text for p in train
-               for text in (p.problem, format_trace(p), format_trace(p, slip="0"))]
+    corpus += [text for p in train for text in (p.problem, format_trace(p), format_trace(p, slip="0"))]
     paths["tokenizer"] = build_tokenizer(corpus, out / "tokenizer")
     tokenizer = load_tokenizer(paths["tokenizer"])
     lap("data_and_tokenizer")
@@ -97,33 +103,39 @@ def run_warmup(out_dir: str | os.PathLike, *, problems: ProblemConfig | None = N
     result = run_sft(paths["init"], train, out / "sft", sft, progress=progress)
     paths["sft"] = result.folder
     lap("sft")
-    _log(progress, f"[4/5] sft: {sft.steps} steps, loss {result.losses[0]:.3f} -> "
-                   f"{result.losses[-1]:.3f}")
-    generator = LocalGenerator.from_pretrained(paths["sft"], max_slots=64,
-                                               max_len=model.max_positions)
-    report = evaluate(generator, tokenizer, held_out[:eval_problems], eval_cfg,
-                      progress=progress)
+    _log(progress, f"[4/5] sft: {sft.steps} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
+    generator = LocalGenerator.from_pretrained(paths["sft"], max_slots=64, max_len=model.max_positions)
+    report = evaluate(generator, tokenizer, held_out[:eval_problems], eval_cfg, progress=progress)
     lap("eval")
     seconds["total"] = time.perf_counter() - t0
     _log(progress, f"[5/5] held-out: {report.summary()}  ({seconds['total']:.0f} s in all)")
     # Written last and atomically: its presence tells `megatron-rl quickstart` to reuse the warm-up.
-    write_json(out / "warmup.json", {
-        "paths": {k: str(v) for k, v in paths.items()}, "seconds": seconds,
-        "eval": {k: v for k, v in dataclasses.asdict(report).items() if k != "examples"},
-        "sft_loss_first_last": [result.losses[0], result.losses[-1]]})
+    atomic_write_json(
+        out / "warmup.json",
+        {
+            "paths": {k: str(v) for k, v in paths.items()},
+            "seconds": seconds,
+            "eval": {k: v for k, v in dataclasses.asdict(report).items() if k != "examples"},
+            "sft_loss_first_last": [result.losses[0], result.losses[-1]],
+        },
+    )
     return WarmupResult(paths=paths, eval=report, sft_losses=result.losses, seconds=seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_rl.quickstart.warmup",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_rl.quickstart.warmup", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--sft-steps", type=int, default=SFTConfig().steps)
     parser.add_argument("--slip-rate", type=float, default=SFTConfig().slip_rate)
     parser.add_argument("--eval-problems", type=int, default=200)
     args = parser.parse_args(argv)
-    run_warmup(args.out, sft=SFTConfig(steps=args.sft_steps, slip_rate=args.slip_rate),
-               eval_problems=args.eval_problems)
+    run_warmup(
+        args.out,
+        sft=SFTConfig(steps=args.sft_steps, slip_rate=args.slip_rate),
+        eval_problems=args.eval_problems,
+    )
     return 0
 
 

@@ -37,20 +37,35 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
+from megatron_rl.config import ConfigFieldError, check_choice, check_range
 from megatron_rl.rewards.result import Verdict
 from megatron_rl.rewards.sandbox import SandboxResult, run_sandboxed
 
-__all__ = ["CodeConfig", "select_tests", "extract_code_block", "normalise_language",
-           "outputs_match", "ensure_pch", "compile_cpp", "verify_code"]
+__all__ = [
+    "CodeConfig",
+    "compile_cpp",
+    "ensure_pch",
+    "extract_code_block",
+    "normalise_language",
+    "outputs_match",
+    "select_tests",
+    "verify_code",
+]
 
 COMPILE_MEMORY_MB = 2048  # cc1plus maps the ~120 MB PCH and needs a few hundred MB on top
 COMPILE_OUTPUT_LIMIT = 64 << 20  # compiler messages, and the size of the binary (RLIMIT_FSIZE)
 PCH_BUILD_TIMEOUT_S = 300.0  # one-off, trusted: building bits/stdc++.h takes ~5 s here
 DETAIL_LINES = 20  # lines of compiler / stderr output kept in a Verdict's detail
 
-_LANGUAGES = {"python": "python", "py": "python", "python3": "python",
-              "cpp": "cpp", "c++": "cpp", "cc": "cpp", "cxx": "cpp"}
+_LANGUAGES = {
+    "python": "python",
+    "py": "python",
+    "python3": "python",
+    "cpp": "cpp",
+    "c++": "cpp",
+    "cc": "cpp",
+    "cxx": "cpp",
+}
 # A fence opens at the start of a line: ```lang (anything after the first word is ignored);
 # the block ends at the next fence that starts a line. Unclosed blocks do not count.
 _FENCE = re.compile(r"^ {0,3}```[ \t]*([^\s`]*)[^\n]*\n(.*?)^ {0,3}```", re.MULTILINE | re.DOTALL)
@@ -80,12 +95,14 @@ class CodeConfig:
         check_range("memory_mb", self.memory_mb, low=32, high=1 << 20)
         check_range("compile_timeout_s", self.compile_timeout_s, low=0, high=600, low_open=True)
         if not _STD.match(self.cpp_std):
-            raise ConfigFieldError("cpp_std",
-                                   f"must be like c++20 or gnu++17, got {self.cpp_std!r}")
+            raise ConfigFieldError("cpp_std", f"must be like c++20 or gnu++17, got {self.cpp_std!r}")
         if not isinstance(self.cpp_flags, list) or not all(
-                isinstance(f, str) and f.startswith("-") and f != "-o" for f in self.cpp_flags):
-            raise ConfigFieldError("cpp_flags", f"must be a list of g++ options starting with '-' "
-                                                f"(not -o), got {self.cpp_flags!r}")
+            isinstance(f, str) and f.startswith("-") and f != "-o" for f in self.cpp_flags
+        ):
+            raise ConfigFieldError(
+                "cpp_flags",
+                f"must be a list of g++ options starting with '-' (not -o), got {self.cpp_flags!r}",
+            )
         check_choice("partial_credit", self.partial_credit, (True, False))
         check_choice("sandbox", self.sandbox, ("auto", "bwrap", "plain"))
         check_range("output_limit_mb", self.output_limit_mb, low=1, high=4096)
@@ -95,7 +112,7 @@ class CodeConfig:
 
 
 def normalise_language(tag: str) -> str:
-    """"python"/"py"/"python3" -> "python"; "cpp"/"c++"/"cc"/"cxx" -> "cpp"; others lower-cased."""
+    """ "python"/"py"/"python3" -> "python"; "cpp"/"c++"/"cc"/"cxx" -> "cpp"; others lower-cased."""
     tag = tag.strip().lower()
     return _LANGUAGES.get(tag, tag)
 
@@ -192,8 +209,10 @@ def _build_pch(cfg: CodeConfig, root: str, final: str, key: str) -> str:
         os.chmod(tmp, 0o755)  # the sandbox's uid must read it
         os.mkdir(os.path.join(tmp, "bits"), 0o755)
         with open(os.path.join(tmp, "bits", "stdc++.h"), "w") as f:
-            f.write("// Fallback when the .gch beside it is unusable: the real header.\n"
-                    "#include_next <bits/stdc++.h>\n")
+            f.write(
+                "// Fallback when the .gch beside it is unusable: the real header.\n"
+                "#include_next <bits/stdc++.h>\n"
+            )
         src = os.path.join(tmp, "pch-source.h")
         with open(src, "w") as f:
             f.write("#include <bits/stdc++.h>\n")
@@ -226,15 +245,22 @@ def _compile(source: str, out_dir: str, cfg: CodeConfig, use_pch: bool) -> Sandb
     cmd = ["g++", f"-std={cfg.cpp_std}", *cfg.cpp_flags, "-include", "bits/stdc++.h"]
     ro_paths = []
     if use_pch:
-        pch, why = ensure_pch(cfg)
+        pch, _why = ensure_pch(cfg)
         if pch:
             cmd += ["-Winvalid-pch", "-I", pch]
             ro_paths.append(pch)
     cmd += ["main.cpp", "-o", "main"]
-    res = run_sandboxed(cmd, stdin=b"", workdir=out_dir, timeout_s=cfg.compile_timeout_s,
-                        memory_mb=COMPILE_MEMORY_MB, output_limit_bytes=COMPILE_OUTPUT_LIMIT,
-                        max_processes=cfg.max_processes, mode=cfg.sandbox,
-                        extra_ro_paths=ro_paths)
+    res = run_sandboxed(
+        cmd,
+        stdin=b"",
+        workdir=out_dir,
+        timeout_s=cfg.compile_timeout_s,
+        memory_mb=COMPILE_MEMORY_MB,
+        output_limit_bytes=COMPILE_OUTPUT_LIMIT,
+        max_processes=cfg.max_processes,
+        mode=cfg.sandbox,
+        extra_ro_paths=ro_paths,
+    )
     if os.geteuid() == 0:  # hand the build back to root: no later sandbox uid may own it
         for dirpath, dirnames, filenames in os.walk(out_dir):
             for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
@@ -242,8 +268,9 @@ def _compile(source: str, out_dir: str, cfg: CodeConfig, use_pch: bool) -> Sandb
     return res
 
 
-def compile_cpp(source: str, out_dir: str, cfg: CodeConfig, *,
-                use_pch: bool = True) -> tuple[bool, str, float]:
+def compile_cpp(
+    source: str, out_dir: str, cfg: CodeConfig, *, use_pch: bool = True
+) -> tuple[bool, str, float]:
     """Compile ``source`` to ``out_dir/main`` (``out_dir`` must exist; ``main.cpp`` is written
     there too) within ``cfg.compile_timeout_s``. Returns (ok, compiler messages, seconds).
     ``use_pch=False`` parses ``bits/stdc++.h`` from scratch (for benchmarks)."""
@@ -264,8 +291,14 @@ def _compile_message(res: SandboxResult, cfg: CodeConfig) -> str:
 # ---------------------------------------------------------------------------------------------
 # Running tests
 
-_REASON = {"exit_nonzero": "runtime_error", "signal": "runtime_error", "timeout": "timeout",
-           "memory": "memory", "output_limit": "output_limit", "sandbox_error": "sandbox_error"}
+_REASON = {
+    "exit_nonzero": "runtime_error",
+    "signal": "runtime_error",
+    "timeout": "timeout",
+    "memory": "memory",
+    "output_limit": "output_limit",
+    "sandbox_error": "sandbox_error",
+}
 
 
 def _first_lines(text: str, n: int = DETAIL_LINES) -> str:
@@ -286,7 +319,7 @@ def _interpreter(cfg: CodeConfig) -> tuple[str, list[str]]:
 
 
 def _check_test(test: dict, language: str) -> str:
-    """"" when ``test`` is well-formed for ``language``, else what is wrong."""
+    """ "" when ``test`` is well-formed for ``language``, else what is wrong."""
     if test.get("type") == "function":
         if language != "python":
             return "function-call tests need a Python program"
@@ -298,8 +331,16 @@ def _check_test(test: dict, language: str) -> str:
     return ""
 
 
-def _run_test(i: int, test: dict, program: list[str], build_dir: str, root: str,
-              code: str, ro_paths: list[str], cfg: CodeConfig) -> tuple[str, str]:
+def _run_test(
+    i: int,
+    test: dict,
+    program: list[str],
+    build_dir: str,
+    root: str,
+    code: str,
+    ro_paths: list[str],
+    cfg: CodeConfig,
+) -> tuple[str, str]:
     """Run one test in a fresh workdir under ``root``; (reason, detail) with reason "ok" on a
     pass."""
     argv, stdin = list(program), b""
@@ -313,17 +354,27 @@ def _run_test(i: int, test: dict, program: list[str], build_dir: str, root: str,
     workdir = os.path.join(root, f"test_{i}")
     os.mkdir(workdir, 0o700)
     try:
-        res = run_sandboxed(argv, stdin=stdin, workdir=workdir, timeout_s=cfg.test_timeout_s,
-                            memory_mb=cfg.memory_mb, output_limit_bytes=cfg.output_limit_mb << 20,
-                            max_processes=cfg.max_processes, mode=cfg.sandbox,
-                            extra_ro_paths=[build_dir, *ro_paths])
+        res = run_sandboxed(
+            argv,
+            stdin=stdin,
+            workdir=workdir,
+            timeout_s=cfg.test_timeout_s,
+            memory_mb=cfg.memory_mb,
+            output_limit_bytes=cfg.output_limit_mb << 20,
+            max_processes=cfg.max_processes,
+            mode=cfg.sandbox,
+            extra_ro_paths=[build_dir, *ro_paths],
+        )
     finally:
         _remove_tree(workdir)
     err = res.stderr.decode(errors="replace")
     if res.status != "ok":
         reason = _REASON[res.status]
-        if (test.get("type") == "function" and res.status == "exit_nonzero"
-                and _last_lines(err, 1).startswith("AssertionError")):
+        if (
+            test.get("type") == "function"
+            and res.status == "exit_nonzero"
+            and _last_lines(err, 1).startswith("AssertionError")
+        ):
             reason = "wrong_answer"
         return reason, f"{res.detail}\n{_last_lines(err)}".strip()
     if test.get("type") == "function":
@@ -331,12 +382,14 @@ def _run_test(i: int, test: dict, program: list[str], build_dir: str, root: str,
     got = res.stdout.decode(errors="replace")
     if outputs_match(got, test["output"]):
         return "ok", ""
-    return "wrong_answer", (f"expected {_first_lines(test['output'], 5)[:300]!r}, "
-                            f"got {_first_lines(got, 5)[:300]!r}")
+    return "wrong_answer", (
+        f"expected {_first_lines(test['output'], 5)[:300]!r}, got {_first_lines(got, 5)[:300]!r}"
+    )
 
 
 def _remove_tree(path: str) -> None:
     """rmtree that also removes what the program made unreadable (matters when not root)."""
+
     def fix(func, p, _exc):
         os.chmod(os.path.dirname(p), 0o700)
         if os.path.isdir(p) and not os.path.islink(p):
@@ -344,11 +397,13 @@ def _remove_tree(path: str) -> None:
             shutil.rmtree(p, ignore_errors=True)
         else:
             func(p)
+
     shutil.rmtree(path, onerror=fix)
 
 
-def _build(code: str, language: str, build_dir: str,
-           cfg: CodeConfig) -> tuple[list[str] | None, list[str], Verdict | None]:
+def _build(
+    code: str, language: str, build_dir: str, cfg: CodeConfig
+) -> tuple[list[str] | None, list[str], Verdict | None]:
     """(argv to run, read-only paths, None), or (None, [], the failing Verdict)."""
     if language == "python":
         python, ro = _interpreter(cfg)
@@ -360,13 +415,11 @@ def _build(code: str, language: str, build_dir: str,
     if res.status == "sandbox_error":
         return None, [], Verdict(False, 0.0, "sandbox_error", res.detail)
     if res.status != "ok":
-        return None, [], Verdict(False, 0.0, "compile_error",
-                                 _first_lines(_compile_message(res, cfg)))
+        return None, [], Verdict(False, 0.0, "compile_error", _first_lines(_compile_message(res, cfg)))
     return [os.path.join(build_dir, "main")], [], None
 
 
-def verify_code(code: str, language: str, tests: list[dict], cfg: CodeConfig, *,
-                seed: int = 0) -> Verdict:
+def verify_code(code: str, language: str, tests: list[dict], cfg: CodeConfig, *, seed: int = 0) -> Verdict:
     """Run ``code`` on ``select_tests(tests, cfg.tests_per_problem, seed)``.
 
     Returns Verdict(correct, fraction, reason, detail). Binary mode (``partial_credit`` False)
@@ -401,8 +454,15 @@ def verify_code(code: str, language: str, tests: list[dict], cfg: CodeConfig, *,
         _remove_tree(root)
 
 
-def _run_all(chosen: list[dict], program: list[str], build_dir: str, root: str, code: str,
-             ro_paths: list[str], cfg: CodeConfig) -> Verdict:
+def _run_all(
+    chosen: list[dict],
+    program: list[str],
+    build_dir: str,
+    root: str,
+    code: str,
+    ro_paths: list[str],
+    cfg: CodeConfig,
+) -> Verdict:
     passed, first_failure = 0, None
     for i, test in enumerate(chosen):
         reason, detail = _run_test(i, test, program, build_dir, root, code, ro_paths, cfg)
@@ -416,5 +476,6 @@ def _run_all(chosen: list[dict], program: list[str], build_dir: str, root: str, 
     if first_failure is None:
         return Verdict(True, 1.0, "ok", f"{passed}/{len(chosen)} tests passed")
     reason, detail = first_failure
-    return Verdict(False, passed / len(chosen), reason,
-                   f"{passed}/{len(chosen)} tests passed; first failure: {detail}")
+    return Verdict(
+        False, passed / len(chosen), reason, f"{passed}/{len(chosen)} tests passed; first failure: {detail}"
+    )

@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from megatron_rl.config_checks import ConfigFieldError, check_range
+from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.rewards.code import CodeConfig, ensure_pch, extract_code_block, verify_code
 from megatron_rl.rewards.format import check_format
 from megatron_rl.rewards.language import language_consistent
@@ -29,8 +29,15 @@ from megatron_rl.rewards.math import MathConfig, verify_math
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 from megatron_rl.rewards.result import RewardResult, Verdict
 
-__all__ = ["RewardConfig", "RewardInput", "score", "score_many", "hard_timeout_s", "group_seed",
-           "prepare_verifiers"]
+__all__ = [
+    "RewardConfig",
+    "RewardInput",
+    "group_seed",
+    "hard_timeout_s",
+    "prepare_verifiers",
+    "score",
+    "score_many",
+]
 
 
 @dataclass(kw_only=True)
@@ -49,7 +56,13 @@ class RewardConfig:
     code: CodeConfig = field(default_factory=CodeConfig)
 
     def __post_init__(self):
-        for name in ("format_reward", "correct_reward", "language_reward", "length_penalty", "task_timeout_s"):
+        for name in (
+            "format_reward",
+            "correct_reward",
+            "language_reward",
+            "length_penalty",
+            "task_timeout_s",
+        ):
             check_range(name, getattr(self, name), low=0.0)
         check_range("l_max", self.l_max, low=1)
         if not 0 <= self.l_cache <= self.l_max:
@@ -92,7 +105,9 @@ def _correctness(inp: RewardInput, answer: str, cfg: RewardConfig) -> Verdict:
     if code is None or not code.strip():
         return Verdict(False, 0.0, "no_answer", "empty code block")
     if inp.language and block_lang != inp.language:
-        return Verdict(False, 0.0, "wrong_answer", f"code block is {block_lang!r}, the problem asks for {inp.language!r}")
+        return Verdict(
+            False, 0.0, "wrong_answer", f"code block is {block_lang!r}, the problem asks for {inp.language!r}"
+        )
     return verify_code(code, block_lang, inp.tests, cfg.code, seed=group_seed(inp))
 
 
@@ -100,20 +115,31 @@ def score(inp: RewardInput, cfg: RewardConfig) -> RewardResult:
     """Score one completion (runs in a verifier worker; see the module docstring)."""
     parsed, why = check_format(inp.completion, inp.task)
     if parsed is None:
-        return RewardResult(0.0, {"format": 0.0, "correct": 0.0, "length": 0.0, "language": 0.0},
-                            "format_error", why)
+        return RewardResult(
+            0.0, {"format": 0.0, "correct": 0.0, "length": 0.0, "language": 0.0}, "format_error", why
+        )
     verdict = _correctness(inp, parsed.answer, cfg)
     share = verdict.fraction if cfg.code.partial_credit and inp.task == "code" else float(verdict.correct)
     consistent, langs = language_consistent(inp.problem, parsed.thinking, parsed.answer)
     parts = {
         "format": cfg.format_reward,
         "correct": cfg.correct_reward * share,
-        "length": (length_penalty(inp.num_tokens, cfg.l_max, cfg.l_cache, cfg.length_penalty)
-                   if inp.num_tokens is not None else 0.0),
+        "length": (
+            length_penalty(inp.num_tokens, cfg.l_max, cfg.l_cache, cfg.length_penalty)
+            if inp.num_tokens is not None
+            else 0.0
+        ),
         "language": cfg.language_reward if consistent else 0.0,
     }
-    return RewardResult(sum(parts.values()), parts, verdict.reason, verdict.detail,
-                        correct=verdict.correct, format_ok=True, info={"languages": langs})
+    return RewardResult(
+        sum(parts.values()),
+        parts,
+        verdict.reason,
+        verdict.detail,
+        correct=verdict.correct,
+        format_ok=True,
+        info={"languages": langs},
+    )
 
 
 def hard_timeout_s(inp: RewardInput, cfg: RewardConfig) -> float:
@@ -137,7 +163,9 @@ def _failed(reason: str, detail: str) -> RewardResult:
     return RewardResult(0.0, {"format": 0.0, "correct": 0.0, "length": 0.0, "language": 0.0}, reason, detail)
 
 
-def score_many(inputs: list[RewardInput], cfg: RewardConfig, pool: VerifierPool | None = None) -> list[RewardResult]:
+def score_many(
+    inputs: list[RewardInput], cfg: RewardConfig, pool: VerifierPool | None = None
+) -> list[RewardResult]:
     """Score a batch in the pool (one is started and stopped when not given); input order."""
     prepare_verifiers(inputs, cfg)
     own = pool is None

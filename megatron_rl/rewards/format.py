@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
 
-__all__ = ["ParsedCompletion", "check_format", "last_boxed", "FENCE_RE"]
+__all__ = ["FENCE_RE", "ParsedCompletion", "check_format", "last_boxed"]
 
 # A fenced block: ``` + language + newline + body + closing ```. The language is required.
 FENCE_RE = re.compile(r"```[ \t]*([A-Za-z][\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -48,7 +48,7 @@ def last_boxed(text: str) -> str | None:
                 elif c == "}":
                     depth -= 1
                     if depth == 0:
-                        return text[i + 1:j]
+                        return text[i + 1 : j]
                 j += 1
             return None
         start = text.rfind(_BOXED, 0, start)  # "\boxed" not followed by "{": look further back
@@ -63,7 +63,7 @@ def check_format(text: str, task: str) -> tuple[ParsedCompletion | None, str]:
     n_open, n_close = body.count(THINK_OPEN), body.count(THINK_CLOSE)
     if n_open != 1 or n_close != 1:
         return None, f"needs exactly one {THINK_OPEN} and one {THINK_CLOSE}, found {n_open} and {n_close}"
-    thinking, _, answer = body[len(THINK_OPEN):].partition(THINK_CLOSE)
+    thinking, _, answer = body[len(THINK_OPEN) :].partition(THINK_CLOSE)
     if task == "math":
         if last_boxed(answer) is None:
             return None, "no \\boxed{...} in the answer part"

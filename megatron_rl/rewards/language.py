@@ -13,7 +13,7 @@ import re
 from functools import lru_cache
 from importlib.resources import files
 
-__all__ = ["strip_for_language", "detect_language", "language_consistent", "model_path"]
+__all__ = ["detect_language", "language_consistent", "model_path", "strip_for_language"]
 
 _STRIP = [
     re.compile(r"```.*?(```|$)", re.DOTALL),  # fenced code (an unclosed fence runs to the end)
@@ -42,7 +42,7 @@ def model_path() -> str:
 
 @lru_cache(maxsize=1)
 def _model():
-    import fasttext  # fasttext-predict: the predict-only build of fastText
+    import fasttext  # fasttext-predict: the predict-only build of fastText  # lazy: loads a model file; language checks only
 
     return fasttext.load_model(model_path())
 
@@ -75,7 +75,9 @@ def language_consistent(problem: str, thinking: str, answer: str) -> tuple[bool,
     A span with no language-bearing text left after stripping counts as a mismatch: the system
     prompt asks for prose in both sections.
     """
-    langs = {name: detect_language(text)[0]
-             for name, text in (("problem", problem), ("thinking", thinking), ("answer", answer))}
+    langs = {
+        name: detect_language(text)[0]
+        for name, text in (("problem", problem), ("thinking", thinking), ("answer", answer))
+    }
     values = list(langs.values())
     return values[0] is not None and len(set(values)) == 1, langs

@@ -20,11 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from math import gcd
 
-from megatron_rl.config_checks import check_range
+from megatron_rl.config import check_range
 from megatron_rl.rewards.format import last_boxed
 from megatron_rl.rewards.result import Verdict
 
-__all__ = ["MathConfig", "verify_math", "brace_depth"]
+__all__ = ["MathConfig", "brace_depth", "verify_math"]
 
 
 @dataclass(kw_only=True)
@@ -93,6 +93,7 @@ def _repeating_decimals(text: str) -> str:
     For ``I.A(B)`` with ``A`` of ``a`` digits and ``B`` of ``b`` digits, the value is
     ``(IAB - IA) / (10^a (10^b - 1))``.
     """
+
     def repl(m: re.Match) -> str:
         sign, whole, fixed, rep = m.group(1), m.group(2) or "0", m.group(3), m.group(4)
         num = int(whole + fixed + rep) - int(whole + fixed)
@@ -115,15 +116,22 @@ def _as_gold(reference: str) -> str:
 def verify_math(answer: str, reference: str, cfg: MathConfig | None = None) -> Verdict:
     """Check the last ``\\boxed{}`` of ``answer`` (the answer part of a completion) against
     ``reference`` (a LaTeX or plain answer, with or without ``$``)."""
-    from math_verify import parse, verify  # imported here: heavy, and only needed in workers
+    from math_verify import (  # imported here: heavy, and only needed in workers  # lazy: heavy (SymPy, ANTLR); loaded in verifier workers only
+        parse,
+        verify,
+    )
 
     cfg = cfg or MathConfig()
     boxed = last_boxed(answer)
     if boxed is None or not boxed.strip():
         return Verdict(False, 0.0, "no_answer", "no \\boxed{} with content in the answer part")
     if len(boxed) > cfg.max_answer_chars:
-        return Verdict(False, 0.0, "unparsable_answer", f"boxed answer has {len(boxed)} characters "
-                                                         f"(limit {cfg.max_answer_chars})")
+        return Verdict(
+            False,
+            0.0,
+            "unparsable_answer",
+            f"boxed answer has {len(boxed)} characters (limit {cfg.max_answer_chars})",
+        )
     if brace_depth(boxed) > cfg.max_brace_depth:
         return Verdict(False, 0.0, "unparsable_answer", f"braces nest deeper than {cfg.max_brace_depth}")
     with _watch_timeouts() as log:

@@ -32,12 +32,13 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
-from typing import Any, Callable, Iterable
+from typing import Any
 
-__all__ = ["VerifierPool", "PoolTaskError"]
+__all__ = ["PoolTaskError", "VerifierPool"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -97,8 +98,13 @@ class _Worker:
 class VerifierPool:
     """Process pool with a hard wall-clock limit per task (see the module docstring)."""
 
-    def __init__(self, num_workers: int = 2, *, default_timeout_s: float = 60.0,
-                 preload: Iterable[str] = ("megatron_rl.rewards.compose",)):
+    def __init__(
+        self,
+        num_workers: int = 2,
+        *,
+        default_timeout_s: float = 60.0,
+        preload: Iterable[str] = ("megatron_rl.rewards.compose",),
+    ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.default_timeout_s = default_timeout_s
@@ -158,7 +164,7 @@ class VerifierPool:
                 w.process.kill()
                 w.process.join()
 
-    def __enter__(self) -> "VerifierPool":
+    def __enter__(self) -> VerifierPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -228,7 +234,9 @@ class VerifierPool:
                         dead.append(w)
                         break
                     except Exception as e:  # noqa: BLE001 -- arguments that cannot be pickled
-                        task.future.set_exception(PoolTaskError("verifier_error", f"could not send task: {e}"))
+                        task.future.set_exception(
+                            PoolTaskError("verifier_error", f"could not send task: {e}")
+                        )
                         continue
                     w.task, w.deadline = task, time.monotonic() + task.timeout_s
         for w in dead:
@@ -267,5 +275,8 @@ class VerifierPool:
             now = time.monotonic()
             for w in list(self._workers):
                 if w.task is not None and now >= w.deadline:
-                    self._replace(w, "worker_timeout",
-                                  f"no result within the hard limit of {w.task.timeout_s:g} s; worker killed")
+                    self._replace(
+                        w,
+                        "worker_timeout",
+                        f"no result within the hard limit of {w.task.timeout_s:g} s; worker killed",
+                    )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Verdict", "RewardResult", "REASONS"]
+__all__ = ["REASONS", "RewardResult", "Verdict"]
 
 #: Every reason a scored sample can carry. ``ok`` means fully correct.
 REASONS = (
@@ -53,6 +53,12 @@ class RewardResult:
     info: dict = field(default_factory=dict)  # e.g. the detected language of each span
 
     def to_json(self) -> dict:
-        return {"reward": self.reward, "parts": self.parts, "reason": self.reason,
-                "detail": self.detail, "correct": self.correct, "format_ok": self.format_ok,
-                **({"info": self.info} if self.info else {})}
+        return {
+            "reward": self.reward,
+            "parts": self.parts,
+            "reason": self.reason,
+            "detail": self.detail,
+            "correct": self.correct,
+            "format_ok": self.format_ok,
+            **({"info": self.info} if self.info else {}),
+        }

@@ -74,6 +74,7 @@ import os
 import pwd
 import random
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -83,7 +84,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-__all__ = ["SandboxResult", "STATUSES", "run_sandboxed", "resolve_mode", "sandbox_problem"]
+__all__ = ["STATUSES", "SandboxResult", "resolve_mode", "run_sandboxed", "sandbox_problem"]
 
 #: Values of :attr:`SandboxResult.status`.
 STATUSES = ("ok", "exit_nonzero", "timeout", "memory", "output_limit", "signal", "sandbox_error")
@@ -101,8 +102,13 @@ _MEMORY_MARKERS = (b"MemoryError", b"std::bad_alloc", b"Cannot allocate memory",
 _FILE_TOO_LARGE = b"[Errno 27] File too large"  # Python ignores SIGXFSZ and raises instead
 _CLEAN_PATH = "/usr/bin:/bin"
 _PLAIN_HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/root", "/home")
-_ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
-              "/etc/localtime")
+_ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/localtime",
+)
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
@@ -152,17 +158,35 @@ def _self_test(mode: str) -> str | None:
     with tempfile.TemporaryDirectory(prefix="megatron-rl-sbtest-") as root:
         work = os.path.join(root, "w")
         os.mkdir(work)
-        res = _run(["/bin/true"], stdin=b"", workdir=work, timeout_s=10.0, memory_mb=256,
-                   output_limit_bytes=1 << 16, max_processes=8, mode=mode, extra_ro_paths=())
+        res = _run(
+            ["/bin/true"],
+            stdin=b"",
+            workdir=work,
+            timeout_s=10.0,
+            memory_mb=256,
+            output_limit_bytes=1 << 16,
+            max_processes=8,
+            mode=mode,
+            extra_ro_paths=(),
+        )
     if res.status != "ok":
         why = (res.detail or res.stderr.decode(errors="replace")).strip()
         return f"{mode} sandbox does not work here (exit {res.returncode}): {why[:500]}"
     return None
 
 
-def run_sandboxed(argv: list[str], *, stdin: bytes, workdir: str, timeout_s: float,
-                  memory_mb: int, output_limit_bytes: int, max_processes: int,
-                  mode: str = "auto", extra_ro_paths: list[str] = ()) -> SandboxResult:
+def run_sandboxed(
+    argv: list[str],
+    *,
+    stdin: bytes,
+    workdir: str,
+    timeout_s: float,
+    memory_mb: int,
+    output_limit_bytes: int,
+    max_processes: int,
+    mode: str = "auto",
+    extra_ro_paths: list[str] = (),
+) -> SandboxResult:
     """Run ``argv`` in the sandbox (see the module docstring) and classify how it ended.
 
     ``workdir`` must exist; it is the program's cwd and HOME and its only writable host
@@ -184,14 +208,31 @@ def run_sandboxed(argv: list[str], *, stdin: bytes, workdir: str, timeout_s: flo
     problem = sandbox_problem(mode)
     if problem:
         return SandboxResult(-1, b"", b"", "sandbox_error", problem)
-    return _run(argv, stdin=stdin, workdir=workdir, timeout_s=timeout_s, memory_mb=memory_mb,
-                output_limit_bytes=output_limit_bytes, max_processes=max_processes, mode=mode,
-                extra_ro_paths=extra_ro_paths)
+    return _run(
+        argv,
+        stdin=stdin,
+        workdir=workdir,
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+        output_limit_bytes=output_limit_bytes,
+        max_processes=max_processes,
+        mode=mode,
+        extra_ro_paths=extra_ro_paths,
+    )
 
 
-def _run(argv: list[str], *, stdin: bytes, workdir: str, timeout_s: float, memory_mb: int,
-         output_limit_bytes: int, max_processes: int, mode: str,
-         extra_ro_paths: list[str] | tuple) -> SandboxResult:
+def _run(
+    argv: list[str],
+    *,
+    stdin: bytes,
+    workdir: str,
+    timeout_s: float,
+    memory_mb: int,
+    output_limit_bytes: int,
+    max_processes: int,
+    mode: str,
+    extra_ro_paths: list[str] | tuple,
+) -> SandboxResult:
     workdir = os.path.realpath(workdir)
     ro_paths = _ro_paths(extra_ro_paths)
     missing = [p for p in [workdir, *ro_paths] if not os.path.exists(p)]
@@ -215,8 +256,9 @@ def _run(argv: list[str], *, stdin: bytes, workdir: str, timeout_s: float, memor
             else:
                 cmd = _plain_argv(argv, workdir, ro_paths, limits, uid, memory_mb, status_w)
                 pass_fds = (status_w,)
-            res = _spawn_and_wait(cmd, env, stdin, timeout_s + STARTUP_ALLOWANCE_S,
-                                  output_limit_bytes, pass_fds, uid)
+            res = _spawn_and_wait(
+                cmd, env, stdin, timeout_s + STARTUP_ALLOWANCE_S, output_limit_bytes, pass_fds, uid
+            )
             os.close(status_w)
             status_w = -1
             report = _read_report(status_r)
@@ -225,8 +267,7 @@ def _run(argv: list[str], *, stdin: bytes, workdir: str, timeout_s: float, memor
             if status_w >= 0:
                 os.close(status_w)
     if "error" in report:
-        return SandboxResult(-1, res.stdout, res.stderr, "sandbox_error", report["error"],
-                             res.wall_s)
+        return SandboxResult(-1, res.stdout, res.stderr, "sandbox_error", report["error"], res.wall_s)
     if res.status == "sandbox_error":
         return res
     res.cpu_s, res.peak_rss_mb = report.get("cpu_s"), report.get("peak_rss_mb")
@@ -247,8 +288,9 @@ def _ro_paths(extra: list[str] | tuple) -> list[str]:
     return out
 
 
-def _rlimits(cpu_soft: int, memory_mb: int, output_limit_bytes: int,
-             max_processes: int) -> dict[str, tuple[int, int]]:
+def _rlimits(
+    cpu_soft: int, memory_mb: int, output_limit_bytes: int, max_processes: int
+) -> dict[str, tuple[int, int]]:
     """name -> (soft, hard), each clamped to our own hard limit: lowering is always allowed,
     raising the hard limit is not once capabilities are gone."""
     want = {
@@ -268,22 +310,48 @@ def _rlimits(cpu_soft: int, memory_mb: int, output_limit_bytes: int,
     return out
 
 
-def _bwrap_argv(argv: list[str], workdir: str, ro_paths: list[str],
-                limits: dict[str, tuple[int, int]], uid: int | None, memory_mb: int,
-                env: dict[str, str]) -> list[str]:
+def _bwrap_argv(
+    argv: list[str],
+    workdir: str,
+    ro_paths: list[str],
+    limits: dict[str, tuple[int, int]],
+    uid: int | None,
+    memory_mb: int,
+    env: dict[str, str],
+) -> list[str]:
     """bwrap [namespaces, mounts] -- env -i ENV prlimit LIMITS -- setpriv DROP -- argv."""
     tmpfs_size = str(memory_mb << 20)
-    cmd = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-           "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session",
-           "--ro-bind", "/usr", "/usr"]
+    cmd = [
+        "bwrap",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
     if uid is None:
         cmd.append("--unshare-user")  # not root: bwrap needs a user namespace to mount
     else:
         # Root without a user namespace keeps the leased uid real on the host (a user namespace
         # made by root would map the program back to host root, where RLIMIT_NPROC is ignored).
         # setpriv needs SETUID/SETGID and SETPCAP (bounding set); setuid() then clears them all.
-        cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-                "--cap-add", "CAP_SETPCAP"]
+        cmd += [
+            "--cap-drop",
+            "ALL",
+            "--cap-add",
+            "CAP_SETUID",
+            "--cap-add",
+            "CAP_SETGID",
+            "--cap-add",
+            "CAP_SETPCAP",
+        ]
     for link in _ROOT_LINKS:
         if os.path.islink(link):
             cmd += ["--symlink", os.readlink(link), link]
@@ -305,8 +373,16 @@ def _bwrap_argv(argv: list[str], workdir: str, ro_paths: list[str],
     cmd += ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items())]
     cmd += ["/usr/bin/prlimit", *(f"--{name.lower()}={s}:{h}" for name, (s, h) in limits.items())]
     if uid is not None:
-        cmd += ["--", "/usr/bin/setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
+        cmd += [
+            "--",
+            "/usr/bin/setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+        ]
     return cmd + ["--", *argv]
 
 
@@ -327,17 +403,37 @@ def _missing_parents(targets: list[str]) -> list[str]:
     return out
 
 
-def _plain_argv(argv: list[str], workdir: str, ro_paths: list[str],
-                limits: dict[str, tuple[int, int]], uid: int | None, memory_mb: int,
-                status_fd: int) -> list[str]:
-    spec = {"argv": argv, "workdir": workdir, "ro_paths": ro_paths, "limits": limits,
-            "uid": uid, "tmpfs_size": memory_mb << 20, "status_fd": status_fd,
-            "parent_pid": os.getpid()}
+def _plain_argv(
+    argv: list[str],
+    workdir: str,
+    ro_paths: list[str],
+    limits: dict[str, tuple[int, int]],
+    uid: int | None,
+    memory_mb: int,
+    status_fd: int,
+) -> list[str]:
+    spec = {
+        "argv": argv,
+        "workdir": workdir,
+        "ro_paths": ro_paths,
+        "limits": limits,
+        "uid": uid,
+        "tmpfs_size": memory_mb << 20,
+        "status_fd": status_fd,
+        "parent_pid": os.getpid(),
+    }
     return [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
 
 
-def _spawn_and_wait(cmd: list[str], env: dict[str, str], stdin: bytes, wall_s: float,
-                    output_limit: int, pass_fds: tuple[int, ...], uid: int | None) -> SandboxResult:
+def _spawn_and_wait(
+    cmd: list[str],
+    env: dict[str, str],
+    stdin: bytes,
+    wall_s: float,
+    output_limit: int,
+    pass_fds: tuple[int, ...],
+    uid: int | None,
+) -> SandboxResult:
     """Start ``cmd`` in a new session, pump its output under the caps until it exits or the
     deadline passes, kill the whole sandbox if needed, and reap it with its resource usage."""
     start = time.monotonic()
@@ -345,9 +441,16 @@ def _spawn_and_wait(cmd: list[str], env: dict[str, str], stdin: bytes, wall_s: f
         stdin_file.write(stdin)
         stdin_file.seek(0)
         try:
-            proc = subprocess.Popen(cmd, stdin=stdin_file, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                    close_fds=True, pass_fds=pass_fds)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=pass_fds,
+            )
         except OSError as e:
             return SandboxResult(-1, b"", b"", "sandbox_error", f"cannot start {cmd[0]}: {e}")
     try:
@@ -363,14 +466,21 @@ def _spawn_and_wait(cmd: list[str], env: dict[str, str], stdin: bytes, wall_s: f
     code = proc.returncode
     if 128 < code <= 128 + 64:  # bwrap and the plain launcher report death by signal N as 128+N
         code = 128 - code
-    detail = {"timeout": f"killed after {wall_s:.1f} s wall clock",
-              "output_limit": f"output exceeded {output_limit} bytes"}.get(killed_for or "", "")
-    return SandboxResult(code if not killed_for else -signal.SIGKILL, out, err,
-                         killed_for or "", detail, time.monotonic() - start)
+    detail = {
+        "timeout": f"killed after {wall_s:.1f} s wall clock",
+        "output_limit": f"output exceeded {output_limit} bytes",
+    }.get(killed_for or "", "")
+    return SandboxResult(
+        code if not killed_for else -signal.SIGKILL,
+        out,
+        err,
+        killed_for or "",
+        detail,
+        time.monotonic() - start,
+    )
 
 
-def _pump(proc: subprocess.Popen, deadline: float,
-          output_limit: int) -> tuple[bytes, bytes, str | None]:
+def _pump(proc: subprocess.Popen, deadline: float, output_limit: int) -> tuple[bytes, bytes, str | None]:
     """Read stdout/stderr until both close and ``proc`` has exited (and is reaped). Returns
     (stdout, stderr, None), or what was read with "timeout" / "output_limit" when a cap was hit
     (``proc`` then still runs)."""
@@ -573,9 +683,8 @@ def _libc_call(name: str, *args) -> None:
         raise _LaunchError(f"{name}{args!r}: {os.strerror(e)} (errno {errno.errorcode.get(e)})")
 
 
-def _mount(src: str | None, target: str, fstype: str | None, flags: int,
-           data: str | None = None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    enc = lambda s: None if s is None else s.encode()
     _libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
 
 
@@ -586,8 +695,7 @@ def _launcher_main(spec: dict) -> None:
         _libc_call("prctl", _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != spec["parent_pid"]:
             os._exit(_LAUNCH_FAILED)  # the caller died before we armed PDEATHSIG
-        _libc_call("unshare", _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC
-                   | _CLONE_NEWUTS)
+        _libc_call("unshare", _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS)
         alive_r, alive_w = os.pipe()  # C sees EOF on alive_r once L is gone
         pid = os.fork()
     except (_LaunchError, OSError) as e:
@@ -633,7 +741,6 @@ def _report(fd: int, **fields) -> None:
 
 
 def _readable(fd: int) -> bool:
-    import select
     return bool(select.select([fd], [], [], 0)[0])
 
 
@@ -647,8 +754,7 @@ def _plain_mounts(spec: dict) -> None:
     for d in _PLAIN_HIDDEN:
         if os.path.isdir(d) and not os.path.islink(d):
             mode = "1777" if d in ("/tmp", "/var/tmp", "/dev/shm") else "0755"
-            _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV,
-                   f"size={spec['tmpfs_size']},mode={mode}")
+            _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={spec['tmpfs_size']},mode={mode}")
     os.umask(0o022)
     for path, ro, fd in fds:
         if not os.path.exists(path):

@@ -8,8 +8,14 @@ and that RL is sensitive to the exact prompt.
 
 from __future__ import annotations
 
-__all__ = ["THINK_OPEN", "THINK_CLOSE", "SYSTEM_PROMPT", "MATH_INSTRUCTION", "CODE_INSTRUCTION",
-           "build_messages"]
+__all__ = [
+    "CODE_INSTRUCTION",
+    "MATH_INSTRUCTION",
+    "SYSTEM_PROMPT",
+    "THINK_CLOSE",
+    "THINK_OPEN",
+    "build_messages",
+]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -34,8 +40,10 @@ Problem:
 """
 
 MATH_INSTRUCTION = "Put your final answer within \\boxed{}."
-CODE_INSTRUCTION = ("Give your solution as one fenced code block with its language, e.g. ```python "
-                    "or ```cpp, reading from standard input and writing to standard output.")
+CODE_INSTRUCTION = (
+    "Give your solution as one fenced code block with its language, e.g. ```python "
+    "or ```cpp, reading from standard input and writing to standard output."
+)
 
 
 def build_messages(problem: str, task: str = "math", *, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
@@ -43,5 +51,7 @@ def build_messages(problem: str, task: str = "math", *, system_prompt: str = SYS
     instruction = {"math": MATH_INSTRUCTION, "code": CODE_INSTRUCTION}.get(task)
     if instruction is None:
         raise ValueError(f"task must be 'math' or 'code', got {task!r}")
-    return [{"role": "system", "content": system_prompt},
-            {"role": "user", "content": f"{problem}\n\n{instruction}"}]
+    return [
+        {"role": "system", "content": system_prompt},
+        {"role": "user", "content": f"{problem}\n\n{instruction}"},
+    ]

@@ -68,19 +68,29 @@ import secrets
 import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_rl import __version__
+from megatron_rl.fileio import atomic_write_json, atomic_write_text, fsync_dir
 from megatron_rl.training.model import model_sharded_state_dict, unwrap_chunks
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints",
-           "checkpoint_dir_name", "atomic_write_bytes", "atomic_write_text", "atomic_write_json",
-           "CheckpointError", "CheckpointMismatchError", "DISTRIBUTED_OPTIMIZER_ON_CPU"]
+__all__ = [
+    "DISTRIBUTED_OPTIMIZER_ON_CPU",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "checkpoint_dir_name",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,7 +108,8 @@ DISTRIBUTED_OPTIMIZER_ON_CPU = (
     "only 'dp_reshardable' can be written without CUDA; that format cannot change TP/PP, and its "
     "loader (DistributedOptimizer.load_parameter_state_from_dp_reshardable) fails on fp32 "
     "parameters outside torch.no_grad and has not been verified to restore the state exactly. "
-    "Use the plain optimizer (use_distributed_optimizer=False) on CPU; it resumes exactly.")
+    "Use the plain optimizer (use_distributed_optimizer=False) on CPU; it resumes exactly."
+)
 
 
 class CheckpointError(RuntimeError):
@@ -109,53 +120,8 @@ class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit the model/optimizer it is loaded into (names the tensor)."""
 
 
-# -- small files, written atomically ------------------------------------------------------------
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename inside ``path`` durable (a no-op where directories cannot be synced)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some network filesystems refuse fsync on directories
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part.
-
-    Writes a sibling temporary file, fsyncs it, and ``os.replace``-s it over ``path`` (atomic on
-    POSIX within one filesystem), then fsyncs the folder so the rename survives a crash.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    """:func:`atomic_write_bytes` of ``obj`` as indented JSON (TypeError if not serialisable)."""
-    atomic_write_text(path, json.dumps(obj, indent=1, sort_keys=True) + "\n")
-
-
 # -- finding checkpoints ------------------------------------------------------------------------
+
 
 def checkpoint_dir_name(step: int) -> str:
     """``step_00000012`` for step 12: zero-padded so names sort like steps."""
@@ -198,8 +164,12 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         return root / name
     found = list_checkpoints(root)
     if name and found:
-        log.warning("checkpoint: %s/latest names %r, which is not a complete checkpoint; "
-                    "using %s", root, name, found[-1][1].name)
+        log.warning(
+            "checkpoint: %s/latest names %r, which is not a complete checkpoint; using %s",
+            root,
+            name,
+            found[-1][1].name,
+        )
     return found[-1][1] if found else None
 
 
@@ -207,11 +177,12 @@ def _resolve(path: Path) -> Path:
     """``path`` itself if it is a complete checkpoint, else the latest one under it as a root."""
     if _is_complete(path):
         return path
-    if (path / DIST_DIR).exists() or _STEP_DIR.fullmatch(path.name) or _LEFTOVER_DIR.fullmatch(
-            path.name):
-        raise CheckpointError(f"{path} is an incomplete checkpoint (no '{MARKER}' marker: its "
-                              "save did not finish); load the root folder to get the latest "
-                              "complete one")
+    if (path / DIST_DIR).exists() or _STEP_DIR.fullmatch(path.name) or _LEFTOVER_DIR.fullmatch(path.name):
+        raise CheckpointError(
+            f"{path} is an incomplete checkpoint (no '{MARKER}' marker: its "
+            "save did not finish); load the root folder to get the latest "
+            "complete one"
+        )
     found = latest_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"no complete checkpoint under {path}")
@@ -219,6 +190,7 @@ def _resolve(path: Path) -> Path:
 
 
 # -- collectives that never leave a rank waiting ------------------------------------------------
+
 
 def _on_rank0(fn: Callable[[], T]) -> T:
     """Run ``fn`` on rank 0 only; every rank returns its result, or raises its exception.
@@ -248,8 +220,9 @@ def _on_rank0(fn: Callable[[], T]) -> T:
     return value
 
 
-def _agree(problem: str | None, error_type: type[Exception] = CheckpointError,
-           local: BaseException | None = None) -> None:
+def _agree(
+    problem: str | None, error_type: type[Exception] = CheckpointError, local: BaseException | None = None
+) -> None:
     """Raise on every rank if any rank has a ``problem``: this rank's own exception ``local``
     where it has one, else ``error_type`` quoting the first rank's problem."""
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -281,6 +254,7 @@ def _all_or_none(what: str) -> Iterator[None]:
 
 # -- layout and RNG -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Layout:
     """Where each rank's shard and RNG streams came from; equal layouts map rank r to rank r."""
@@ -296,8 +270,13 @@ def _layout(chunks: list) -> _Layout:
     """The layout these (unwrapped) chunks were built for, read from their process groups."""
     pgs = chunks[0].pg_collection
     world, tp, pp = dist.get_world_size(), pgs.tp.size(), pgs.pp.size()
-    return _Layout(world_size=world, tensor_parallel=tp, pipeline_parallel=pp,
-                   data_parallel=world // (tp * pp), model_chunks=len(chunks))
+    return _Layout(
+        world_size=world,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        data_parallel=world // (tp * pp),
+        model_chunks=len(chunks),
+    )
 
 
 def _rng_device() -> str:
@@ -308,7 +287,9 @@ def _rng_device() -> str:
 
 def _capture_rng() -> dict:
     """This rank's RNG states as plain tensors, numbers and tuples (``weights_only``-loadable)."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import (
+        get_cuda_rng_tracker,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {
@@ -324,7 +305,9 @@ def _capture_rng() -> dict:
 
 def _restore_rng(state: dict) -> None:
     """Inverse of :func:`_capture_rng`."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+    from megatron.core.tensor_parallel import (
+        get_cuda_rng_tracker,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, gauss = state["numpy"]
@@ -342,7 +325,9 @@ def _reseed_rng(base_seed: int, step: int, tp_rank: int) -> None:
 
     The 32-bit seed (numpy's limit) comes from a hash, so nearby steps get unrelated streams.
     """
-    from megatron.core import tensor_parallel
+    from megatron.core import (
+        tensor_parallel,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     digest = hashlib.sha256(f"megatron-rl-reseed:{base_seed}:{step}".encode()).digest()
     seed = int.from_bytes(digest[:4], "little")
@@ -359,11 +344,11 @@ def _rng_file(ckpt: Path, rank: int) -> Path:
 def _state_seed(ckpt: Path) -> int:
     """A seed that is a deterministic function of the checkpoint: rank 0's torch generator."""
     state = torch.load(_rng_file(ckpt, 0), weights_only=True)
-    return int.from_bytes(hashlib.sha256(state["torch_cpu"].numpy().tobytes()).digest()[:8],
-                          "little")
+    return int.from_bytes(hashlib.sha256(state["torch_cpu"].numpy().tobytes()).digest()[:8], "little")
 
 
 # -- what goes into dist_checkpointing ----------------------------------------------------------
+
 
 def _inner_optimizers(optimizer: Any) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
@@ -374,7 +359,9 @@ def _optimizer_kind(optimizer: Any) -> str | None:
     ChainedOptimizer) or ``"distributed"`` (any DistributedOptimizer inside)."""
     if optimizer is None:
         return None
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.distrib_optimizer import (
+        DistributedOptimizer,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     inner = _inner_optimizers(optimizer)
     return "distributed" if any(isinstance(o, DistributedOptimizer) for o in inner) else "plain"
@@ -410,13 +397,11 @@ def _sharded_state_dict(chunks: list, optimizer: Any, meta: dict, is_loading: bo
     model = model_sharded_state_dict(chunks)
     state = {"model": model}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading,
-                                                          metadata=meta)
+        state["optimizer"] = optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=meta)
     return state
 
 
 def _versions() -> dict:
-    from megatron_rl import __version__
 
     def version(dist_name: str) -> str | None:
         try:
@@ -424,15 +409,28 @@ def _versions() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    return {"megatron_rl": __version__, "megatron_core": version("megatron-core"),
-            "torch": torch.__version__, "python": sys.version.split()[0]}
+    return {
+        "megatron_rl": __version__,
+        "megatron_core": version("megatron-core"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+    }
 
 
 # -- save ---------------------------------------------------------------------------------------
 
-def save_checkpoint(root: str | os.PathLike, step: int, model_chunks: list, optimizer: Any,
-                    scheduler: Any, *, extra: dict | None = None, keep_last: int | None = 3,
-                    seed: int | None = None) -> Path:
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model_chunks: list,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    extra: dict | None = None,
+    keep_last: int | None = 3,
+    seed: int | None = None,
+) -> Path:
     """Write ``root/step_<step>`` atomically; return its path (the same on every rank).
 
     Collective over the default process group (every rank calls it with the same ``root`` and
@@ -466,21 +464,35 @@ def save_checkpoint(root: str | os.PathLike, step: int, model_chunks: list, opti
         sharding = "fully_reshardable" if torch.cuda.is_available() else "dp_reshardable"
     meta = _optimizer_metadata(kind, sharding)
     tmp = Path(_on_rank0(lambda: str(_start(root, step, extra))))
-    from megatron.core import dist_checkpointing
+    from megatron.core import (
+        dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, meta, is_loading=False),
-                            str(tmp / DIST_DIR), validate_access_integrity=True)
+    dist_checkpointing.save(
+        _sharded_state_dict(chunks, optimizer, meta, is_loading=False),
+        str(tmp / DIST_DIR),
+        validate_access_integrity=True,
+    )
     with _all_or_none(f"writing {tmp}"):
         torch.save({"layout": asdict(layout), "rank": rank, **rng}, _rng_file(tmp, rank))
         if rank == 0 and scheduler is not None:
             atomic_write_json(tmp / SCHEDULER_FILE, scheduler.state_dict())
     marker = {
-        "format": FORMAT_VERSION, "step": int(step), "layout": asdict(layout),
-        "rng_device": _rng_device(), "seed": seed, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "unix_time": time.time(), "versions": _versions(),
-        "contents": {"optimizer": kind, "optimizer_state": opt_state,
-                     "optimizer_sharding": sharding, "optimizer_metadata": meta,
-                     "scheduler": scheduler is not None},
+        "format": FORMAT_VERSION,
+        "step": int(step),
+        "layout": asdict(layout),
+        "rng_device": _rng_device(),
+        "seed": seed,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "unix_time": time.time(),
+        "versions": _versions(),
+        "contents": {
+            "optimizer": kind,
+            "optimizer_state": opt_state,
+            "optimizer_sharding": sharding,
+            "optimizer_metadata": meta,
+            "scheduler": scheduler is not None,
+        },
     }
     return Path(_on_rank0(lambda: str(_finalize(root, tmp, marker, keep_last))))
 
@@ -505,7 +517,7 @@ def _finalize(root: Path, tmp: Path, marker: dict, keep_last: int | None) -> Pat
         old = _trash_name(final)
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write_text(root / LATEST, final.name + "\n")
     try:
         if old is not None:
@@ -529,7 +541,7 @@ def _prune(root: Path, new: Path, step: int, keep_last: int | None) -> None:
     """
     if keep_last is not None:
         older = [path for s, path in list_checkpoints(root) if s < step and path != new]
-        for path in older[:max(0, len(older) - (keep_last - 1))]:
+        for path in older[: max(0, len(older) - (keep_last - 1))]:
             trash = _trash_name(path)
             path.rename(trash)
             shutil.rmtree(trash)
@@ -540,8 +552,15 @@ def _prune(root: Path, new: Path, step: int, keep_last: int | None) -> None:
 
 # -- load ---------------------------------------------------------------------------------------
 
-def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer: Any = None,
-                    scheduler: Any = None, *, strict: bool = True) -> tuple[int, dict]:
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model_chunks: list,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    *,
+    strict: bool = True,
+) -> tuple[int, dict]:
     """Load a checkpoint into ``model_chunks``, ``optimizer``, ``scheduler``; ``(step, extra)``.
 
     Collective over the default process group. ``path`` is a checkpoint folder or a root (then
@@ -568,14 +587,19 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer: Any 
     contents = marker["contents"]
     _check_optimizer_and_scheduler(ckpt, contents, optimizer, scheduler, saved, layout)
     load_optimizer = optimizer if contents["optimizer_state"] == "saved" else None
-    state = _sharded_state_dict(chunks, load_optimizer, contents["optimizer_metadata"],
-                                is_loading=True)
+    state = _sharded_state_dict(chunks, load_optimizer, contents["optimizer_metadata"], is_loading=True)
     missing = _check_fits(ckpt, state, strict)
     if missing:
-        log.warning("checkpoint %s lacks %d model tensors (kept as they are): %s", ckpt,
-                    len(missing), ", ".join(sorted(missing)[:10]))
+        log.warning(
+            "checkpoint %s lacks %d model tensors (kept as they are): %s",
+            ckpt,
+            len(missing),
+            ", ".join(sorted(missing)[:10]),
+        )
         state["model"] = _without_keys(state["model"], missing)
-    from megatron.core import dist_checkpointing
+    from megatron.core import (
+        dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     loaded = dist_checkpointing.load(state, str(ckpt / DIST_DIR))
     with _all_or_none(f"loading {ckpt}"):
@@ -585,8 +609,9 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer: Any 
     return int(marker["step"]), extra
 
 
-def _load_states(ckpt: Path, chunks: list, loaded: dict, strict: bool, optimizer: Any,
-                 load_optimizer: Any, scheduler: Any) -> None:
+def _load_states(
+    ckpt: Path, chunks: list, loaded: dict, strict: bool, optimizer: Any, load_optimizer: Any, scheduler: Any
+) -> None:
     """Copy what dist_checkpointing read into the modules, the optimizer and the scheduler."""
     # Loading copies into parameters (and the distributed optimizer's views of them); autograd
     # must not record that.
@@ -607,35 +632,47 @@ def _load_states(ckpt: Path, chunks: list, loaded: dict, strict: bool, optimizer
         scheduler.load_state_dict(json.loads((ckpt / SCHEDULER_FILE).read_text()))
 
 
-def _check_optimizer_and_scheduler(ckpt: Path, contents: dict, optimizer: Any, scheduler: Any,
-                                   saved: _Layout, layout: _Layout) -> None:
+def _check_optimizer_and_scheduler(
+    ckpt: Path, contents: dict, optimizer: Any, scheduler: Any, saved: _Layout, layout: _Layout
+) -> None:
     """Raise (the same on every rank: it reads only the marker) if the state cannot be loaded."""
     kind = _optimizer_kind(optimizer)
     if kind is not None and contents["optimizer"] is None:
-        raise CheckpointError(f"{ckpt} holds no optimizer state; pass optimizer=None to load "
-                              "the model only")
+        raise CheckpointError(f"{ckpt} holds no optimizer state; pass optimizer=None to load the model only")
     if kind is not None and kind != contents["optimizer"]:
-        raise CheckpointError(f"{ckpt} holds {contents['optimizer']} optimizer state, the "
-                              f"optimizer given is {kind}; their formats differ")
+        raise CheckpointError(
+            f"{ckpt} holds {contents['optimizer']} optimizer state, the "
+            f"optimizer given is {kind}; their formats differ"
+        )
     if kind == "distributed":
         if not torch.cuda.is_available():
             raise CheckpointError(f"{ckpt}: {DISTRIBUTED_OPTIMIZER_ON_CPU}")
         moved = (saved.tensor_parallel, saved.pipeline_parallel, saved.model_chunks) != (
-            layout.tensor_parallel, layout.pipeline_parallel, layout.model_chunks)
+            layout.tensor_parallel,
+            layout.pipeline_parallel,
+            layout.model_chunks,
+        )
         if contents["optimizer_sharding"] == "dp_reshardable" and moved:
-            raise CheckpointError(f"{ckpt}: its distributed-optimizer state was written on CPU "
-                                  "as 'dp_reshardable', which loads only at the TP/PP it was "
-                                  f"written at ({saved.tensor_parallel}/"
-                                  f"{saved.pipeline_parallel}), not at {layout.tensor_parallel}/"
-                                  f"{layout.pipeline_parallel}")
+            raise CheckpointError(
+                f"{ckpt}: its distributed-optimizer state was written on CPU "
+                "as 'dp_reshardable', which loads only at the TP/PP it was "
+                f"written at ({saved.tensor_parallel}/"
+                f"{saved.pipeline_parallel}), not at {layout.tensor_parallel}/"
+                f"{layout.pipeline_parallel}"
+            )
     if scheduler is not None and not contents["scheduler"]:
         raise CheckpointError(f"{ckpt} holds no LR scheduler state; pass scheduler=None")
 
 
 def _sharded_tensors(state: dict) -> list:
     """Every ShardedTensor in a sharded state dict, factories expanded (without changing it)."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import (
+        nested_values,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
+    from megatron.core.dist_checkpointing.mapping import (  # lazy: megatron-core takes seconds to import; only this path needs it
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     out = []
     for value in nested_values(state):
@@ -654,7 +691,9 @@ def _check_fits(ckpt: Path, state: dict, strict: bool) -> set[str]:
     tensor it may not skip. Collective (the verdict is agreed so that no rank goes on into
     dist_checkpointing's collectives while another has stopped).
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core import (
+        dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     problem, skip, error_type = None, set(), CheckpointMismatchError
     try:
@@ -668,9 +707,11 @@ def _check_fits(ckpt: Path, state: dict, strict: bool) -> set[str]:
                     else:
                         problems.append(f"tensor {ten.key!r} is not in the checkpoint")
                 elif tuple(stored[ten.key].global_shape) != tuple(ten.global_shape):
-                    problems.append(f"tensor {ten.key!r} has shape "
-                                    f"{tuple(stored[ten.key].global_shape)} in the checkpoint, "
-                                    f"the model expects {tuple(ten.global_shape)}")
+                    problems.append(
+                        f"tensor {ten.key!r} has shape "
+                        f"{tuple(stored[ten.key].global_shape)} in the checkpoint, "
+                        f"the model expects {tuple(ten.global_shape)}"
+                    )
         if problems:
             more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
             problem = f"checkpoint {ckpt} does not fit: {problems[0]}{more}"
@@ -684,24 +725,30 @@ def _check_fits(ckpt: Path, state: dict, strict: bool) -> set[str]:
 def _without_keys(state: Any, keys: set[str]) -> Any:
     """``state`` without the entries whose ShardedTensor/factory key is in ``keys``."""
     if isinstance(state, dict):
-        return {k: _without_keys(v, keys) for k, v in state.items()
-                if getattr(v, "key", None) not in keys}
+        return {k: _without_keys(v, keys) for k, v in state.items() if getattr(v, "key", None) not in keys}
     return state
 
 
-def _restore_or_reseed(ckpt: Path, marker: dict, saved: _Layout, layout: _Layout,
-                       chunks: list) -> None:
+def _restore_or_reseed(ckpt: Path, marker: dict, saved: _Layout, layout: _Layout, chunks: list) -> None:
     """Exact RNG states at the same layout and device kind; a deterministic reseed otherwise."""
     rank = dist.get_rank()
     if saved == layout and marker["rng_device"] == _rng_device():
         state = torch.load(_rng_file(ckpt, rank), weights_only=True)
         if _Layout(**state["layout"]) != layout or state["rank"] != rank:
-            raise CheckpointError(f"{_rng_file(ckpt, rank)} was written by rank {state['rank']} "
-                                  f"of layout {state['layout']}, not rank {rank} of {layout}")
+            raise CheckpointError(
+                f"{_rng_file(ckpt, rank)} was written by rank {state['rank']} "
+                f"of layout {state['layout']}, not rank {rank} of {layout}"
+            )
         _restore_rng(state)
         return
     seed = marker["seed"] if marker["seed"] is not None else _state_seed(ckpt)
-    log.info("checkpoint %s: written at %s on %s, loaded at %s on %s; RNGs reseeded from "
-             "(seed, step=%d)", ckpt, saved, marker["rng_device"], layout, _rng_device(),
-             marker["step"])
+    log.info(
+        "checkpoint %s: written at %s on %s, loaded at %s on %s; RNGs reseeded from (seed, step=%d)",
+        ckpt,
+        saved,
+        marker["rng_device"],
+        layout,
+        _rng_device(),
+        marker["step"],
+    )
     _reseed_rng(seed, int(marker["step"]), tp_rank=chunks[0].pg_collection.tp.rank())

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
+from megatron_rl.config import ConfigFieldError, check_choice, check_range
 from megatron_rl.training.parallel import ParallelConfig
 
 __all__ = ["OptimConfig", "TrainerConfig"]
@@ -40,9 +40,12 @@ class OptimConfig:
         check_range("decay_steps", self.decay_steps, low=0)
         check_choice("decay_style", self.decay_style, ("constant", "linear", "cosine"))
         if self.decay_style != "constant" and self.decay_steps <= self.warmup_steps:
-            raise ConfigFieldError("decay_steps", f"decay_style {self.decay_style!r} needs "
-                                   f"decay_steps > warmup_steps ({self.warmup_steps}), got "
-                                   f"{self.decay_steps} (0 = no decay: use decay_style 'constant')")
+            raise ConfigFieldError(
+                "decay_steps",
+                f"decay_style {self.decay_style!r} needs "
+                f"decay_steps > warmup_steps ({self.warmup_steps}), got "
+                f"{self.decay_steps} (0 = no decay: use decay_style 'constant')",
+            )
 
 
 @dataclass(kw_only=True)

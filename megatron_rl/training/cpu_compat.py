@@ -38,11 +38,12 @@ import importlib
 import logging
 import sys
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["apply_cpu_compat", "cpu_compat_applied", "CpuRNGStatesTracker", "PATCHED_MODULES"]
+__all__ = ["PATCHED_MODULES", "CpuRNGStatesTracker", "apply_cpu_compat", "cpu_compat_applied"]
 
 log = logging.getLogger(__name__)
 
@@ -52,61 +53,51 @@ _applied = False
 
 # Megatron modules whose ``torch`` global is replaced with the CPU stand-in, each with the reason.
 PATCHED_MODULES: dict[str, str] = {
-    "megatron.core.pipeline_parallel.schedules":
-        "total_num_tokens = torch.zeros(..., device='cuda') in every schedule",
-    "megatron.core.pipeline_parallel.p2p_communication":
-        "shape/receive buffers on torch.cuda.current_device(); torch.cuda.synchronize() after p2p",
-    "megatron.core.tensor_parallel.layers":
-        "weights (without CPU init), sequence-parallel and grad-accumulation buffers on current_device",
-    "megatron.core.tensor_parallel.mappings":
-        "all-gather / reduce-scatter output buffers on current_device",
-    "megatron.core.tensor_parallel.utils":
-        "gather_split_1d_tensor buffer on current_device",
-    "megatron.core.transformer.utils":
-        "causal and sliding-window attention masks built with device='cuda'",
-    "megatron.core.transformer.dot_product_attention":
-        "softmax_offset parameter on current_device",
-    "megatron.core.transformer.attention":
-        "inference KV cache allocated on current_device",
-    "megatron.core.transformer.transformer_layer":
-        "static inputs / attention mask on current_device",
-    "megatron.core.models.gpt.gpt_model":
-        "inference sequence_len_offset on current_device",
-    "megatron.core.models.common.embeddings.rotary_pos_embedding":
-        "get_emb moves inv_freq to current_device on every first forward",
-    "megatron.core.distributed.param_and_grad_buffer":
-        "contiguous param/grad buffers on current_device",
-    "megatron.core.distributed.distributed_data_parallel":
-        "torch.cuda.synchronize() around buffer offload / reload",
-    "megatron.core.optimizer.optimizer":
-        "found_inf / _scale / _dummy_overflow_buf tensors with device='cuda'",
-    "megatron.core.optimizer.distrib_optimizer":
-        "gather/scatter buffers of optimizer state on current_device",
-    "megatron.core.optimizer.clip_grads":
-        "grad-norm and count-zeros tensors with device='cuda'",
-    "megatron.core.utils":
-        "GlobalMemoryBuffer on current_device; local l2-norm result with device='cuda'",
-    "megatron.core.rerun_state_machine":
-        "result validation tensors with device='cuda' / current_device",
-    "megatron.core.parallel_state":
-        "torch.cuda.synchronize() in update_pg_timeout",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver":
-        "metadata-reuse verification tensor with device='cuda'",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async":
-        "torch.cuda.synchronize() after staging tensors for the checkpoint writer",
+    "megatron.core.pipeline_parallel.schedules": "total_num_tokens = torch.zeros(..., device='cuda') in every schedule",
+    "megatron.core.pipeline_parallel.p2p_communication": "shape/receive buffers on torch.cuda.current_device(); torch.cuda.synchronize() after p2p",
+    "megatron.core.tensor_parallel.layers": "weights (without CPU init), sequence-parallel and grad-accumulation buffers on current_device",
+    "megatron.core.tensor_parallel.mappings": "all-gather / reduce-scatter output buffers on current_device",
+    "megatron.core.tensor_parallel.utils": "gather_split_1d_tensor buffer on current_device",
+    "megatron.core.transformer.utils": "causal and sliding-window attention masks built with device='cuda'",
+    "megatron.core.transformer.dot_product_attention": "softmax_offset parameter on current_device",
+    "megatron.core.transformer.attention": "inference KV cache allocated on current_device",
+    "megatron.core.transformer.transformer_layer": "static inputs / attention mask on current_device",
+    "megatron.core.models.gpt.gpt_model": "inference sequence_len_offset on current_device",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "get_emb moves inv_freq to current_device on every first forward",
+    "megatron.core.distributed.param_and_grad_buffer": "contiguous param/grad buffers on current_device",
+    "megatron.core.distributed.distributed_data_parallel": "torch.cuda.synchronize() around buffer offload / reload",
+    "megatron.core.optimizer.optimizer": "found_inf / _scale / _dummy_overflow_buf tensors with device='cuda'",
+    "megatron.core.optimizer.distrib_optimizer": "gather/scatter buffers of optimizer state on current_device",
+    "megatron.core.optimizer.clip_grads": "grad-norm and count-zeros tensors with device='cuda'",
+    "megatron.core.utils": "GlobalMemoryBuffer on current_device; local l2-norm result with device='cuda'",
+    "megatron.core.rerun_state_machine": "result validation tensors with device='cuda' / current_device",
+    "megatron.core.parallel_state": "torch.cuda.synchronize() in update_pg_timeout",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "metadata-reuse verification tensor with device='cuda'",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "torch.cuda.synchronize() after staging tensors for the checkpoint writer",
 }
 
 # (module, qualified attribute) of functions that must see CPU tensors pass for CUDA tensors.
 _CUDA_TYPE_SCOPES: tuple[tuple[str, str, str], ...] = (
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__",
-     "groups params by model_param.type() == 'torch.cuda.FloatTensor' / HalfTensor, else TypeError"),
-    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__",
-     "sorts params by param.type() in torch.cuda.{Half,BFloat16,Float}Tensor, else TypeError"),
-    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32",
-     "asserts param.grad.type() == 'torch.cuda.FloatTensor'"),
-    ("megatron.core.models.common.language_module.language_module",
-     "LanguageModule.setup_embeddings_and_output_layer",
-     "tied embeddings with PP > 1: weight.data = weight.data.cuda() before the all-reduce"),
+    (
+        "megatron.core.optimizer.distrib_optimizer",
+        "DistributedOptimizer.__init__",
+        "groups params by model_param.type() == 'torch.cuda.FloatTensor' / HalfTensor, else TypeError",
+    ),
+    (
+        "megatron.core.optimizer.optimizer",
+        "Float16OptimizerWithFloat16Params.__init__",
+        "sorts params by param.type() in torch.cuda.{Half,BFloat16,Float}Tensor, else TypeError",
+    ),
+    (
+        "megatron.core.optimizer.clip_grads",
+        "clip_grad_by_total_norm_fp32",
+        "asserts param.grad.type() == 'torch.cuda.FloatTensor'",
+    ),
+    (
+        "megatron.core.models.common.language_module.language_module",
+        "LanguageModule.setup_embeddings_and_output_layer",
+        "tied embeddings with PP > 1: weight.data = weight.data.cuda() before the all-reduce",
+    ),
 )
 
 
@@ -134,13 +125,17 @@ def apply_cpu_compat() -> bool:
             try:
                 module = importlib.import_module(name)
             except ImportError as err:
-                raise RuntimeError(f"cpu_compat: cannot import {name} ({err}); written for "
-                                   "megatron-core 0.16.x, review PATCHED_MODULES") from err
+                raise RuntimeError(
+                    f"cpu_compat: cannot import {name} ({err}); written for "
+                    "megatron-core 0.16.x, review PATCHED_MODULES"
+                ) from err
             if isinstance(getattr(module, "torch", None), _CpuTorch):
                 continue  # patched by an earlier call that failed further on
             if getattr(module, "torch", None) is not torch:
-                raise RuntimeError(f"cpu_compat: {name}.torch is not the torch module; "
-                                   "megatron-core changed, review PATCHED_MODULES")
+                raise RuntimeError(
+                    f"cpu_compat: {name}.torch is not the torch module; "
+                    "megatron-core changed, review PATCHED_MODULES"
+                )
             module.torch = stand_in
         for module_name, qualname, _why in _CUDA_TYPE_SCOPES:
             _wrap_in_cuda_type_scope(module_name, qualname)
@@ -151,6 +146,7 @@ def apply_cpu_compat() -> bool:
 
 
 # -- 1. the ``torch`` stand-in ------------------------------------------------------------------
+
 
 def _cpu_if_cuda(device: Any) -> Any:
     """``device`` unchanged unless it names CUDA ('cuda', 'cuda:0', torch.device('cuda'), an int)."""
@@ -171,6 +167,7 @@ def _cpu_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]
         # pin_memory needs an accelerator; Megatron pins only staging tensors bound for the GPU.
         kwargs.pop("pin_memory", None)
         return fn(*args, **kwargs)
+
     return factory
 
 
@@ -233,7 +230,7 @@ def _cpu_tensors_pass_as_cuda() -> Iterator[None]:
         return
     # Both methods are inherited from torch._C.TensorBase; remember whether Tensor had its own.
     own = {name: torch.Tensor.__dict__.get(name) for name in ("type", "cuda")}
-    original_type, original_cuda = torch.Tensor.type, torch.Tensor.cuda
+    original_type = torch.Tensor.type
 
     def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any):
         if dtype is None and not kw and self.device.type == "cpu":
@@ -283,8 +280,8 @@ def _wrap_in_cuda_type_scope(module_name: str, qualname: str) -> None:
 
 # -- 2. the RNG tracker ---------------------------------------------------------------------------
 
-def _get_cpu_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False
-                       ) -> torch.Tensor:
+
+def _get_cpu_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     """Drop-in for ``random._get_cuda_rng_state``: the CPU generator's state (a fresh tensor)."""
     return torch.get_rng_state()
 
@@ -295,7 +292,9 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bo
 
 
 def _make_tracker_class() -> type:
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import (
+        random as mrandom,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
         """Megatron's RNG tracker over the CPU generator: named states forked in and out of it.
@@ -304,10 +303,8 @@ def _make_tracker_class() -> type:
         ``fork`` does not warn that "the CPU RNG state changed" (here that is the point).
         """
 
-        def __init__(self, use_cudagraphable_rng: bool = False,
-                     is_inference_rng_tracker: bool = False):
-            super().__init__(use_cudagraphable_rng=False,
-                             is_inference_rng_tracker=is_inference_rng_tracker)
+        def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+            super().__init__(use_cudagraphable_rng=False, is_inference_rng_tracker=is_inference_rng_tracker)
 
         def add(self, name: str, seed: int) -> None:
             self._is_initialized = True
@@ -335,8 +332,10 @@ def _make_tracker_class() -> type:
                 yield
             finally:
                 if self._current_state_name != name:
-                    raise Exception(f"current state name {self._current_state_name} is not the "
-                                    f"same as the desired state name {name}.")
+                    raise Exception(
+                        f"current state name {self._current_state_name} is not the "
+                        f"same as the desired state name {name}."
+                    )
                 self.states_[name] = torch.get_rng_state()
                 if orig_name != "default-rng":
                     orig_state = self.states_[orig_name]
@@ -351,7 +350,9 @@ CpuRNGStatesTracker: type | None = None  # set by apply_cpu_compat (needs megatr
 
 def _patch_rng() -> None:
     global CpuRNGStatesTracker
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.tensor_parallel import (
+        random as mrandom,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     CpuRNGStatesTracker = _make_tracker_class()
     # initialize_rng_tracker instantiates the module-level name; isinstance checks against it
@@ -363,5 +364,6 @@ def _patch_rng() -> None:
     # A tracker created before the patch can hold no state on CPU (its add() would have raised),
     # so replacing it loses nothing.
     if mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED and not isinstance(
-            mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
+        mrandom._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker
+    ):
         mrandom.initialize_rng_tracker(force_reset=True)

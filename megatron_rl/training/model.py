@@ -17,77 +17,31 @@ architecture); here only the architecture is translated.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
-from pathlib import Path
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.training.parallel import ParallelConfig
+from megatron_rl.hf.arch import SUPPORTED_MODEL_TYPES, load_hf_config, padded_vocab_size, rope_parameters
+from megatron_rl.training.parallel import ParallelConfig, process_groups
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_hf_config", "padded_vocab_size", "rope_parameters",
-           "have_transformer_engine",
-           "transformer_config_from_hf", "gpt_model_kwargs_from_hf", "build_gpt_model",
-           "build_model_chunks", "unwrap_chunks", "model_sharded_state_dict", "save_model_checkpoint",
-           "load_model_checkpoint"]
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-# Megatron pads the vocabulary so each TP shard is a multiple of 128 (GEMM-friendly) ids.
-VOCAB_DIVISIBLE_BY = 128
+__all__ = [
+    "build_gpt_model",
+    "build_model_chunks",
+    "gpt_model_kwargs_from_hf",
+    "have_transformer_engine",
+    "load_model_checkpoint",
+    "model_sharded_state_dict",
+    "save_model_checkpoint",
+    "transformer_config_from_hf",
+    "unwrap_chunks",
+]
 
 
 def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
-
-
-def load_hf_config(hf_config: Any):
-    """``hf_config`` itself if it is a ``transformers.PretrainedConfig``; else read the
-    ``config.json`` of the folder it names (no network access)."""
-    import transformers
-
-    if isinstance(hf_config, transformers.PretrainedConfig):
-        return hf_config
-    if isinstance(hf_config, (str, os.PathLike)):
-        folder = Path(hf_config)
-        if not (folder / "config.json").is_file():
-            raise ValueError(f"hf_config: {folder} is not a folder with a config.json")
-        return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    raise TypeError(f"hf_config: expected a transformers.PretrainedConfig or a folder path, "
-                    f"got {type(hf_config).__name__}")
-
-
-def padded_vocab_size(vocab_size: int, tensor_parallel: int, *,
-                      divisible_by: int = VOCAB_DIVISIBLE_BY, resume_tp: int = 8) -> int:
-    """Smallest multiple of ``divisible_by * lcm(tensor_parallel, resume_tp)`` >= ``vocab_size``.
-
-    Megatron pads to ``divisible_by * tp``, which makes the padded size -- and so the embedding and
-    output shapes in a checkpoint -- depend on TP: a run could not resume at another TP. Padding
-    for every TP that divides ``resume_tp`` (1, 2, 4, 8 by default) keeps one shape for all of them.
-    The extra rows are never produced by the tokenizer; their logits must be masked to -inf by
-    whoever samples or computes log-probs.
-    """
-    if vocab_size < 1 or tensor_parallel < 1:
-        raise ValueError(f"vocab_size and tensor_parallel must be >= 1, got {vocab_size}, "
-                         f"{tensor_parallel}")
-    multiple = divisible_by * math.lcm(tensor_parallel, resume_tp)
-    return -(-vocab_size // multiple) * multiple
-
-
-def rope_parameters(hf) -> dict:
-    """RoPE settings in either layout: transformers >= 5 (``rope_parameters`` holding
-    ``rope_theta``) or older config.json files (top-level ``rope_theta``, ``rope_scaling``)."""
-    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise ValueError(f"rope_parameters: per-layer-type RoPE settings {sorted(params)} are "
-                         "not supported")
-    params = dict(params)
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
-    params["rope_theta"] = float(theta if theta is not None else 10000.0)
-    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
-    return params
 
 
 def _rope_model_kwargs(hf) -> dict:
@@ -108,23 +62,25 @@ def _rope_model_kwargs(hf) -> dict:
         kw["seq_len_interpolation_factor"] = float(p["factor"])
         return kw
     if kind == "llama3":
-        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
         for name, value in fixed.items():
             if float(p.get(name, value)) != float(value):
-                raise ValueError(f"rope_scaling.{name}: Megatron's llama3 RoPE scaling fixes it at "
-                                 f"{value}, got {p[name]}")
+                raise ValueError(
+                    f"rope_scaling.{name}: Megatron's llama3 RoPE scaling fixes it at {value}, got {p[name]}"
+                )
         kw.update(rope_scaling=True, rope_scaling_factor=float(p["factor"]))
         return kw
-    raise ValueError(f"rope_scaling.rope_type: {kind!r} is not supported (supported: default, "
-                     "linear, llama3)")
+    raise ValueError(
+        f"rope_scaling.rope_type: {kind!r} is not supported (supported: default, linear, llama3)"
+    )
 
 
 def _check_supported(hf) -> None:
     """Raise ValueError naming the HF field when the architecture is not one this builds."""
     if hf.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type: {hf.model_type!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"model_type: {hf.model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act: only 'silu' (SwiGLU) is supported, got {hf.hidden_act!r}")
     if getattr(hf, "attention_bias", False):
@@ -132,8 +88,7 @@ def _check_supported(hf) -> None:
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias: MLP biases are not supported")
     if float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor: only 1.0 is supported, got "
-                         f"{hf.partial_rotary_factor}")
+        raise ValueError(f"partial_rotary_factor: only 1.0 is supported, got {hf.partial_rotary_factor}")
     window = getattr(hf, "sliding_window", None)
     if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
         window = None  # Qwen2 configs carry a window that only applies with use_sliding_window
@@ -142,11 +97,13 @@ def _check_supported(hf) -> None:
             f"sliding_window: sliding-window attention ({window} tokens, smaller than "
             f"max_position_embeddings={hf.max_position_embeddings}) is not supported; set "
             "sliding_window=None, or max_position_embeddings <= sliding_window if no sequence "
-            "is longer than the window (then full causal attention is the same thing)")
+            "is longer than the window (then full causal attention is the same thing)"
+        )
 
 
-def transformer_config_from_hf(hf_config: Any, parallel: ParallelConfig, *,
-                               params_dtype: torch.dtype = torch.float32, **overrides: Any):
+def transformer_config_from_hf(
+    hf_config: Any, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32, **overrides: Any
+):
     """Megatron ``TransformerConfig`` for a Mistral / Llama / Qwen2 HF config and a layout.
 
     RMSNorm (the config's eps), SwiGLU MLP, grouped-query attention, no linear biases except
@@ -157,22 +114,28 @@ def transformer_config_from_hf(hf_config: Any, parallel: ParallelConfig, *,
 
     Raises ValueError naming the HF field for architectures it cannot express.
     """
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import (
+        TransformerConfig,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     hf = load_hf_config(hf_config)
     _check_supported(hf)
     _rope_model_kwargs(hf)  # validates rope settings early; they go to GPTModel, not here
     layers_per_stage = parallel.pipeline_parallel * (parallel.virtual_pipeline or 1)
     if hf.num_hidden_layers % layers_per_stage:
-        raise ValueError(f"num_hidden_layers: {hf.num_hidden_layers} layers do not split evenly "
-                         f"into pipeline_parallel x virtual_pipeline = {layers_per_stage} chunks")
+        raise ValueError(
+            f"num_hidden_layers: {hf.num_hidden_layers} layers do not split evenly "
+            f"into pipeline_parallel x virtual_pipeline = {layers_per_stage} chunks"
+        )
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                    ("intermediate_size", hf.intermediate_size)):
+    for name, n in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("intermediate_size", hf.intermediate_size),
+    ):
         if n % parallel.tensor_parallel:
-            raise ValueError(f"{name}: {n} is not divisible by tensor_parallel="
-                             f"{parallel.tensor_parallel}")
+            raise ValueError(f"{name}: {n} is not divisible by tensor_parallel={parallel.tensor_parallel}")
     on_gpu = torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
         num_layers=hf.num_hidden_layers,
@@ -212,8 +175,7 @@ def transformer_config_from_hf(hf_config: Any, parallel: ParallelConfig, *,
     return TransformerConfig(**kwargs)
 
 
-def gpt_model_kwargs_from_hf(hf_config: Any, *, tensor_parallel: int,
-                             vocab_size: int | None = None) -> dict:
+def gpt_model_kwargs_from_hf(hf_config: Any, *, tensor_parallel: int, vocab_size: int | None = None) -> dict:
     """The ``GPTModel`` arguments that come from the HF config (vocabulary, positions, RoPE,
     tied embeddings); ``vocab_size`` overrides the config's (e.g. a resized tokenizer)."""
     hf = load_hf_config(hf_config)
@@ -228,21 +190,33 @@ def gpt_model_kwargs_from_hf(hf_config: Any, *, tensor_parallel: int,
 
 def _layer_spec(config):
     """Transformer Engine layers where TE is importable, plain PyTorch ones otherwise."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+    from megatron.core.models.gpt.gpt_layer_specs import (  # lazy: megatron-core takes seconds to import; only this path needs it
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     if have_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec()
     if config.sequence_parallel:
-        raise ValueError("sequence_parallel: needs Transformer Engine (the plain PyTorch "
-                         "RMSNorm of Megatron's local layer spec does not support it)")
+        raise ValueError(
+            "sequence_parallel: needs Transformer Engine (the plain PyTorch "
+            "RMSNorm of Megatron's local layer spec does not support it)"
+        )
     return get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
-def build_gpt_model(hf_config: Any, parallel: ParallelConfig, *, pre_process: bool | None = None,
-                    post_process: bool | None = None, vocab_size: int | None = None,
-                    params_dtype: torch.dtype = torch.float32, vp_stage: int | None = None,
-                    pg_collection: Any = None, config: Any = None):
+def build_gpt_model(
+    hf_config: Any,
+    parallel: ParallelConfig,
+    *,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vocab_size: int | None = None,
+    params_dtype: torch.dtype = torch.float32,
+    vp_stage: int | None = None,
+    pg_collection: Any = None,
+    config: Any = None,
+):
     """One ``GPTModel`` chunk for this rank (needs :func:`init_parallel` first).
 
     ``pre_process`` / ``post_process`` default to "this is the first / last pipeline stage"
@@ -250,19 +224,19 @@ def build_gpt_model(hf_config: Any, parallel: ParallelConfig, *, pre_process: bo
     made by ``init_parallel``; ``config`` to :func:`transformer_config_from_hf`. The output layer
     returns vocab-parallel logits (``parallel_output=True``).
     """
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_rl.training.parallel import process_groups
+    from megatron.core import (
+        parallel_state,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
+    from megatron.core.models.gpt import (
+        GPTModel,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     if config is None:
         config = transformer_config_from_hf(hf_config, parallel, params_dtype=params_dtype)
     if pre_process is None:
-        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                             vp_stage=vp_stage)
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
-        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                             vp_stage=vp_stage)
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
         transformer_layer_spec=_layer_spec(config),
@@ -271,26 +245,34 @@ def build_gpt_model(hf_config: Any, parallel: ParallelConfig, *, pre_process: bo
         parallel_output=True,
         pg_collection=pg_collection if pg_collection is not None else process_groups(),
         vp_stage=vp_stage,
-        **gpt_model_kwargs_from_hf(hf_config, tensor_parallel=parallel.tensor_parallel,
-                                   vocab_size=vocab_size),
+        **gpt_model_kwargs_from_hf(
+            hf_config, tensor_parallel=parallel.tensor_parallel, vocab_size=vocab_size
+        ),
     )
 
 
-def build_model_chunks(hf_config: Any, parallel: ParallelConfig, *,
-                       vocab_size: int | None = None,
-                       params_dtype: torch.dtype = torch.float32) -> list:
+def build_model_chunks(
+    hf_config: Any,
+    parallel: ParallelConfig,
+    *,
+    vocab_size: int | None = None,
+    params_dtype: torch.dtype = torch.float32,
+) -> list:
     """The model chunks of this rank, as Megatron's schedules take them: ``[model]`` without
     interleaving, ``virtual_pipeline`` chunks (virtual stages ``0..vpp-1``) with it."""
     config = transformer_config_from_hf(hf_config, parallel, params_dtype=params_dtype)
-    stages: Iterable[int | None] = (range(parallel.virtual_pipeline)
-                                    if parallel.virtual_pipeline else [None])
-    return [build_gpt_model(hf_config, parallel, vocab_size=vocab_size, vp_stage=stage,
-                            config=config) for stage in stages]
+    stages: Iterable[int | None] = range(parallel.virtual_pipeline) if parallel.virtual_pipeline else [None]
+    return [
+        build_gpt_model(hf_config, parallel, vocab_size=vocab_size, vp_stage=stage, config=config)
+        for stage in stages
+    ]
 
 
 def unwrap_chunks(model: Any) -> list:
     """The bare ``GPTModel`` chunks of a chunk or list of chunks wrapped in DDP / Float16Module."""
-    from megatron.core.utils import unwrap_model
+    from megatron.core.utils import (
+        unwrap_model,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     return unwrap_model(list(model) if isinstance(model, (list, tuple)) else [model])
 
@@ -310,7 +292,9 @@ def save_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
     every rank of the default group calls it). ``model`` is a chunk or a list of chunks,
     possibly wrapped in DDP / Float16Module. Not atomic: a crash mid-save leaves a partial folder.
     """
-    from megatron.core import dist_checkpointing
+    from megatron.core import (
+        dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     os.makedirs(path, exist_ok=True)
     dist_checkpointing.save(model_sharded_state_dict(unwrap_chunks(model)), str(path))
@@ -319,7 +303,9 @@ def save_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
 def load_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
     """Load weights written by :func:`save_model_checkpoint` at any TP/PP layout into ``model``
     (collective). Every parameter must be in the checkpoint with the same global shape."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import (
+        dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     chunks = unwrap_chunks(model)
     state = dist_checkpointing.load(model_sharded_state_dict(chunks), str(path))

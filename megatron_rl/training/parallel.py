@@ -21,9 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
+from megatron_rl.config import ConfigFieldError, check_choice, check_range
+from megatron_rl.training.cpu_compat import apply_cpu_compat
 
-__all__ = ["ParallelConfig", "init_parallel", "destroy_parallel", "parallel_layout", "process_groups"]
+__all__ = ["ParallelConfig", "destroy_parallel", "init_parallel", "parallel_layout", "process_groups"]
 
 
 @dataclass(kw_only=True)
@@ -42,11 +43,15 @@ class ParallelConfig:
         if self.virtual_pipeline is not None:
             check_range("virtual_pipeline", self.virtual_pipeline, low=2)
             if self.pipeline_parallel < 2:
-                raise ConfigFieldError("virtual_pipeline", "interleaving needs pipeline_parallel >= 2"
-                                       f", got pipeline_parallel={self.pipeline_parallel}")
+                raise ConfigFieldError(
+                    "virtual_pipeline",
+                    "interleaving needs pipeline_parallel >= 2"
+                    f", got pipeline_parallel={self.pipeline_parallel}",
+                )
         if self.sequence_parallel and self.tensor_parallel < 2:
-            raise ConfigFieldError("sequence_parallel", "needs tensor_parallel >= 2, got "
-                                   f"tensor_parallel={self.tensor_parallel}")
+            raise ConfigFieldError(
+                "sequence_parallel", f"needs tensor_parallel >= 2, got tensor_parallel={self.tensor_parallel}"
+            )
         check_choice("backend", self.backend, ("auto", "nccl", "gloo"))
 
     @property
@@ -78,32 +83,34 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_minutes: int = 30) 
     Raises ValueError when the world size does not fit the layout or nccl is asked for without
     CUDA, and RuntimeError if Megatron's parallel state is already initialised.
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import (  # lazy: megatron-core takes seconds to import; only this path needs it
+        parallel_state,
+        tensor_parallel,
+    )
 
     backend = cfg.resolved_backend()
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend: nccl needs CUDA, and torch.cuda.is_available() is False; "
-                         "use backend 'gloo' or 'auto'")
+        raise ValueError(
+            "backend: nccl needs CUDA, and torch.cuda.is_available() is False; use backend 'gloo' or 'auto'"
+        )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        from megatron_rl.training.cpu_compat import apply_cpu_compat
-
         apply_cpu_compat()
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not dist.is_initialized():
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
     if world % cfg.model_parallel_size:
-        raise ValueError(f"world size {world} is not a multiple of tensor_parallel x "
-                         f"pipeline_parallel = {cfg.tensor_parallel} x {cfg.pipeline_parallel}")
+        raise ValueError(
+            f"world size {world} is not a multiple of tensor_parallel x "
+            f"pipeline_parallel = {cfg.tensor_parallel} x {cfg.pipeline_parallel}"
+        )
     if parallel_state.model_parallel_is_initialized():
-        raise RuntimeError("Megatron parallel state is already initialised; call "
-                           "destroy_parallel() first")
+        raise RuntimeError("Megatron parallel state is already initialised; call destroy_parallel() first")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_parallel,
         pipeline_model_parallel_size=cfg.pipeline_parallel,
@@ -121,7 +128,9 @@ def process_groups():
     Pass it to ``GPTModel``, ``DistributedDataParallel`` and the schedules so that no code below
     reaches for global parallel state.
     """
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.process_groups_config import (
+        ProcessGroupCollection,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     return ProcessGroupCollection.use_mpu_process_groups()
 
@@ -132,7 +141,9 @@ def destroy_parallel(*, destroy_default_group: bool = False) -> None:
     Safe to call when nothing was initialised. The default group is kept by default because a
     caller (torchrun script, test harness) may own it.
     """
-    from megatron.core import parallel_state
+    from megatron.core import (
+        parallel_state,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     parallel_state.destroy_model_parallel()
     if destroy_default_group and dist.is_initialized():

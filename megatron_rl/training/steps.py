@@ -58,9 +58,10 @@ offset, ~1e-3 rad at 16k; exact per sequence on the TE path, which restarts RoPE
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -68,14 +69,34 @@ from megatron_rl.algorithms.logprobs import token_logprobs
 from megatron_rl.algorithms.loss import grpo_loss
 from megatron_rl.batching.collate import Microbatch
 
-__all__ = ["LossMode", "StepContext", "mask_padded_vocab", "taken_token_logprobs",
-           "grpo_loss_fn", "sft_loss_fn", "logprobs_fn", "metric_keys", "finalize_sft_metrics",
-           "model_inputs", "make_forward_step", "finalize_grads_summed"]
+__all__ = [
+    "LossMode",
+    "StepContext",
+    "finalize_grads_summed",
+    "finalize_sft_metrics",
+    "grpo_loss_fn",
+    "logprobs_fn",
+    "make_forward_step",
+    "mask_padded_vocab",
+    "metric_keys",
+    "model_inputs",
+    "sft_loss_fn",
+    "taken_token_logprobs",
+]
 
 LossMode = Literal["grpo", "sft", "logprobs"]
 
-_TENSOR_FIELDS = ("tokens", "position_ids", "labels", "loss_weights", "advantages",
-                  "behaviour_logprobs", "versions", "loss_mask", "cu_seqlens")
+_TENSOR_FIELDS = (
+    "tokens",
+    "position_ids",
+    "labels",
+    "loss_weights",
+    "advantages",
+    "behaviour_logprobs",
+    "versions",
+    "loss_mask",
+    "cu_seqlens",
+)
 
 
 @dataclass(frozen=True)
@@ -105,45 +126,64 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_group=None) -> t
     return logits.masked_fill(padded, float("-inf"))
 
 
-def taken_token_logprobs(ctx: StepContext, logits: torch.Tensor, labels: torch.Tensor,
-                         temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def taken_token_logprobs(
+    ctx: StepContext, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy ``[R, S]`` (fp32) of ``labels`` ``[R, S]`` under the vocab-parallel
     ``logits`` ``[R, S, V_local]`` with the padded vocabulary masked. Labels were checked against
     ``vocab_size`` when the batch was built, so no per-microbatch host sync here."""
     logits = mask_padded_vocab(logits, ctx.vocab_size, ctx.tp_group)
-    return token_logprobs(logits, labels, temperature=temperature, chunk_size=ctx.chunk_size,
-                         tp_group=ctx.tp_group, check_targets=False)
+    return token_logprobs(
+        logits,
+        labels,
+        temperature=temperature,
+        chunk_size=ctx.chunk_size,
+        tp_group=ctx.tp_group,
+        check_targets=False,
+    )
 
 
 def _num_tokens(mb: Microbatch) -> torch.Tensor:
     return (mb.loss_weights != 0).sum().to(torch.int)
 
 
-def grpo_loss_fn(ctx: StepContext, mb: Microbatch, logits: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def grpo_loss_fn(
+    ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one microbatch: ``(sum_t w_t loss_t, loss tokens, metric sums + "loss")``."""
     logp, entropy = taken_token_logprobs(ctx, logits, mb.labels, ctx.temperature)
-    loss, metrics = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.loss_weights,
-                              eps_low=ctx.eps_low, eps_high=ctx.eps_high, entropy=entropy)
+    loss, metrics = grpo_loss(
+        logp,
+        mb.behaviour_logprobs,
+        mb.advantages,
+        mb.loss_weights,
+        eps_low=ctx.eps_low,
+        eps_high=ctx.eps_high,
+        entropy=entropy,
+    )
     metrics["loss"] = loss.detach().float()
     return loss, _num_tokens(mb), metrics
 
 
-def _sft_loss(logp: torch.Tensor, weights: torch.Tensor, entropy: torch.Tensor
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _sft_loss(
+    logp: torch.Tensor, weights: torch.Tensor, entropy: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``-sum_t w_t logp_t`` ``[R, S]`` -> scalar, with metric sums over tokens of weight != 0."""
     mask = weights != 0
     zero = torch.zeros_like(logp)
     loss = -torch.where(mask, logp * weights, zero).sum()
     with torch.no_grad():
-        metrics = {"tokens": mask.float().sum(),
-                   "nll_sum": -torch.where(mask, logp.detach(), zero).sum(),
-                   "entropy_sum": torch.where(mask, entropy.detach(), zero).sum()}
+        metrics = {
+            "tokens": mask.float().sum(),
+            "nll_sum": -torch.where(mask, logp.detach(), zero).sum(),
+            "entropy_sum": torch.where(mask, entropy.detach(), zero).sum(),
+        }
     return loss, metrics
 
 
-def sft_loss_fn(ctx: StepContext, mb: Microbatch, logits: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def sft_loss_fn(
+    ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Next-token loss on answer tokens: ``(-sum_t w_t logp_t, loss tokens, metric sums)``."""
     logp, entropy = taken_token_logprobs(ctx, logits, mb.labels)
     loss, metrics = _sft_loss(logp, mb.loss_weights, entropy)
@@ -151,8 +191,9 @@ def sft_loss_fn(ctx: StepContext, mb: Microbatch, logits: torch.Tensor
     return loss, _num_tokens(mb), metrics
 
 
-def logprobs_fn(ctx: StepContext, mb: Microbatch, logits: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def logprobs_fn(
+    ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Forward only: ``{"seq_index": [...], "logprobs": [[C_i] per sequence]}`` for the
     microbatch's sequences (at ``ctx.temperature``); the loss returned is a 0 placeholder."""
     with torch.no_grad():
@@ -180,20 +221,25 @@ def metric_keys(mode: LossMode) -> list[str]:
 def finalize_sft_metrics(summed: dict[str, torch.Tensor]) -> dict[str, float]:
     """Reduced SFT sums -> ``tokens``, ``nll_mean`` (mean answer-token NLL) and ``entropy_mean``."""
     n = max(float(summed["tokens"]), 1.0)
-    return {"tokens": float(summed["tokens"]), "nll_mean": float(summed["nll_sum"]) / n,
-            "entropy_mean": float(summed["entropy_sum"]) / n}
+    return {
+        "tokens": float(summed["tokens"]),
+        "nll_mean": float(summed["nll_sum"]) / n,
+        "entropy_mean": float(summed["entropy_sum"]) / n,
+    }
 
 
 def _to_device(mb: Microbatch, device: torch.device) -> Microbatch:
     if mb.tokens.device == device:
         return mb
-    moved = {name: getattr(mb, name).to(device, non_blocking=True) for name in _TENSOR_FIELDS
-             if getattr(mb, name) is not None}
+    moved = {
+        name: getattr(mb, name).to(device, non_blocking=True)
+        for name in _TENSOR_FIELDS
+        if getattr(mb, name) is not None
+    }
     return dataclasses.replace(mb, **moved)
 
 
-def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = None
-                 ) -> dict[str, Any]:
+def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = None) -> dict[str, Any]:
     """``GPTModel.forward`` arguments for a (host) microbatch, on ``device`` (default: the
     microbatch's). The mask is built on the host: ``Microbatch.attention_mask`` makes CPU tensors.
 
@@ -202,18 +248,23 @@ def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = Non
     (Transformer Engine), else the block-diagonal causal mask (see the module docstring).
     """
     device = device or mb.tokens.device
-    inputs: dict[str, Any] = {"input_ids": mb.tokens.to(device),
-                              "position_ids": mb.position_ids.to(device), "attention_mask": None}
+    inputs: dict[str, Any] = {
+        "input_ids": mb.tokens.to(device),
+        "position_ids": mb.position_ids.to(device),
+        "attention_mask": None,
+    }
     if mb.layout != "packed":
         return inputs
     if thd:
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import (
+            PackedSeqParams,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         cu = mb.cu_seqlens.to(device, torch.int32)
         longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
         inputs["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
-            max_seqlen_kv=longest)
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
     else:
         inputs["attention_mask"] = mb.attention_mask().to(device)
     return inputs
@@ -235,13 +286,18 @@ def make_forward_step(ctx: StepContext, mode: LossMode) -> Callable:
     return partial(_forward_step, ctx, _LOSS_FNS[mode])
 
 
-def finalize_grads_summed(model: list, num_tokens: torch.Tensor | None = None,
-                          pg_collection: Any = None, force_all_reduce: bool = False) -> None:
+def finalize_grads_summed(
+    model: list,
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: Any = None,
+    force_all_reduce: bool = False,
+) -> None:
     """``config.finalize_model_grads_func``: Megatron's ``finalize_model_grads`` (DP all-reduce,
     tied-embedding and layernorm reductions) without dividing by the token count -- the per-token
     weights already normalise (see the module docstring)."""
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        finalize_model_grads,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     del num_tokens  # summed by the schedule from the closures; informational only
-    finalize_model_grads(model, None, pg_collection=pg_collection,
-                         force_all_reduce=force_all_reduce)
+    finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -36,12 +37,22 @@ from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metri
 from megatron_rl.batching.collate import Microbatch, build_microbatches, collate
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
+from megatron_rl.hf.arch import load_hf_config, padded_vocab_size
+from megatron_rl.hf.files import HFWeights, write_hf_folder
+from megatron_rl.hf.layout import HFConverter
+from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.training.chunks import iter_model_hf, load_hf_into_chunk
 from megatron_rl.training.config import TrainerConfig
-from megatron_rl.training.model import (build_gpt_model, have_transformer_engine, load_hf_config,
-                                        transformer_config_from_hf)
+from megatron_rl.training.model import build_gpt_model, have_transformer_engine, transformer_config_from_hf
 from megatron_rl.training.parallel import destroy_parallel, init_parallel, process_groups
-from megatron_rl.training.steps import (LossMode, StepContext, finalize_grads_summed,
-                                        finalize_sft_metrics, make_forward_step, metric_keys)
+from megatron_rl.training.steps import (
+    LossMode,
+    StepContext,
+    finalize_grads_summed,
+    finalize_sft_metrics,
+    make_forward_step,
+    metric_keys,
+)
 from megatron_rl.types import TrainBatch, TrainSequence
 
 __all__ = ["PolicyTrainer"]
@@ -52,27 +63,40 @@ _STAT_KEYS = ("microbatches", "batch_tokens", "slot_tokens")
 
 def _ensure_parallel(cfg: TrainerConfig) -> bool:
     """Initialise Megatron's parallel state for ``cfg.parallel`` unless done; True if done here."""
-    from megatron.core import parallel_state as ps
+    from megatron.core import (
+        parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     p = cfg.parallel
     if not ps.model_parallel_is_initialized():
         init_parallel(p, seed=cfg.seed)
         return True
-    have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-            ps.get_virtual_pipeline_model_parallel_world_size())
+    have = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+    )
     want = (p.tensor_parallel, p.pipeline_parallel, p.virtual_pipeline)
     if have != want:
-        raise ValueError(f"parallel: Megatron is initialised with (tensor, pipeline, virtual) = "
-                         f"{have}, the trainer config asks for {want}")
+        raise ValueError(
+            f"parallel: Megatron is initialised with (tensor, pipeline, virtual) = "
+            f"{have}, the trainer config asks for {want}"
+        )
     return False
 
 
 def _filler_microbatch(layout: str, pad_to_multiple: int) -> Microbatch:
     """A microbatch that contributes exactly nothing (weight 0 everywhere): a data-parallel replica
     with fewer sequences than microbatches it must run still joins every collective."""
-    seq = TrainSequence(tokens=torch.zeros(2, dtype=torch.long), prompt_length=1,
-                        behaviour_logprobs=torch.zeros(1), versions=torch.full((1,), -1),
-                        advantage=0.0, weight=0.0, group_id=-1)
+    seq = TrainSequence(
+        tokens=torch.zeros(2, dtype=torch.long),
+        prompt_length=1,
+        behaviour_logprobs=torch.zeros(1),
+        versions=torch.full((1,), -1),
+        advantage=0.0,
+        weight=0.0,
+        group_id=-1,
+    )
     return collate([seq], [-1], layout=layout, pad_to_multiple=pad_to_multiple)
 
 
@@ -88,9 +112,19 @@ def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
         out[:r, :s] = t
         return out
 
-    fields = {name: grow(getattr(mb, name), -1 if name == "versions" else 0)
-              for name in ("tokens", "position_ids", "labels", "loss_weights", "advantages",
-                           "behaviour_logprobs", "versions", "loss_mask")}
+    fields = {
+        name: grow(getattr(mb, name), -1 if name == "versions" else 0)
+        for name in (
+            "tokens",
+            "position_ids",
+            "labels",
+            "loss_weights",
+            "advantages",
+            "behaviour_logprobs",
+            "versions",
+            "loss_mask",
+        )
+    }
     if mb.layout == "packed":
         used = sum(mb.seq_lengths)
         bounds = mb.cu_seqlens.tolist()
@@ -108,55 +142,70 @@ class PolicyTrainer:
     (optimizer steps taken; stored in the scheduler, so restoring the scheduler restores it).
     """
 
-    def __init__(self, hf_config: Any, cfg: TrainerConfig, grpo: GRPOConfig,
-                 batching: BatchingConfig, vocab_size: int | None = None):
+    def __init__(
+        self,
+        hf_config: Any,
+        cfg: TrainerConfig,
+        grpo: GRPOConfig,
+        batching: BatchingConfig,
+        vocab_size: int | None = None,
+    ):
         """``vocab_size``: the tokenizer's vocabulary (default: the HF config's); the model pads it
         (``padded_vocab_size``) and the padded ids are masked out of every log-softmax."""
         if grpo.kl_coef:
-            raise ValueError("kl_coef: a KL term needs a reference model, which the trainer does "
-                             "not build; use kl_coef 0")
+            raise ValueError(
+                "kl_coef: a KL term needs a reference model, which the trainer does not build; use kl_coef 0"
+            )
         self.cfg, self.grpo, self.batching = cfg, grpo, batching
         self._owns_parallel = _ensure_parallel(cfg)
         self.pgs = process_groups()
         hf = load_hf_config(hf_config)
+        self.hf_config = hf  # the architecture (weight names and shapes of hf_tensors)
         self.vocab_size = int(vocab_size or hf.vocab_size)
         self.params_dtype = cfg.params_dtype()
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if torch.cuda.is_available() else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
         if cfg.cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads)  # process-wide: this rank's torch threads
         p = cfg.parallel
         self._uniform_shapes = bool(p.virtual_pipeline) and p.pipeline_parallel == 2
-        if batching.layout == "packed" and not have_transformer_engine() \
-                and batching.token_budget > 4096:
-            import warnings
-
-            warnings.warn(f"batching: packed rows of up to {batching.token_budget} tokens without "
-                          "Transformer Engine attend through a dense [T, T] mask per row (O(T^2) "
-                          "time and memory); on CPU prefer layout 'padded' or a token_budget of a "
-                          "few thousand", stacklevel=2)
+        if batching.layout == "packed" and not have_transformer_engine() and batching.token_budget > 4096:
+            warnings.warn(
+                f"batching: packed rows of up to {batching.token_budget} tokens without "
+                "Transformer Engine attend through a dense [T, T] mask per row (O(T^2) "
+                "time and memory); on CPU prefer layout 'padded' or a token_budget of a "
+                "few thousand",
+                stacklevel=2,
+            )
         self.model = self._build_model(hf)
         self.optimizer, self.scheduler = self._build_optimizer()
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         # This rank holds its replica's loss metrics: last pipeline stage, first TP rank.
-        self._reports = (self.pgs.pp.rank() == self.pgs.pp.size() - 1 and self.pgs.tp.rank() == 0)
+        self._reports = self.pgs.pp.rank() == self.pgs.pp.size() - 1 and self.pgs.tp.rank() == 0
 
     # -- construction -----------------------------------------------------------------------------
 
     def _build_model(self, hf) -> list:
-        from megatron.core.distributed import (DistributedDataParallel,
-                                               DistributedDataParallelConfig)
-        from megatron.core.transformer.module import Float16Module
+        from megatron.core.distributed import (  # lazy: megatron-core takes seconds to import; only this path needs it
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.transformer.module import (
+            Float16Module,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         p = self.cfg.parallel
         overrides: dict[str, Any] = dict(
             calculate_per_token_loss=True,  # loss used as returned; DDP sums (see steps.py)
             # The fused causal softmax kernel ignores a given mask; packed rows need the mask
             # (local spec). Transformer Engine's attention does not use this softmax at all.
-            masked_softmax_fusion=False)
+            masked_softmax_fusion=False,
+        )
         if self.cfg.recompute:
-            overrides.update(recompute_granularity="full", recompute_method="uniform",
-                             recompute_num_layers=1)
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         config = transformer_config_from_hf(hf, p, params_dtype=self.params_dtype, **overrides)
         if self._uniform_shapes:
             # PP = 2 with interleaving: both p2p directions go to the same peer. Megatron's batched
@@ -172,41 +221,74 @@ class PolicyTrainer:
             # a check that does not concern a dense model.
             config.variable_seq_lengths = True
         stages = range(p.virtual_pipeline) if p.virtual_pipeline else [None]
-        chunks = [build_gpt_model(hf, p, vocab_size=self.vocab_size, params_dtype=self.params_dtype,
-                                  vp_stage=s, config=config) for s in stages]
+        chunks = [
+            build_gpt_model(
+                hf, p, vocab_size=self.vocab_size, params_dtype=self.params_dtype, vp_stage=s, config=config
+            )
+            for s in stages
+        ]
         if config.bf16:
             chunks = [Float16Module(config, c) for c in chunks]
         if torch.cuda.is_available():
             chunks = [c.cuda(torch.cuda.current_device()) for c in chunks]
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
-            use_distributed_optimizer=self.cfg.use_distributed_optimizer())
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            average_in_collective=False,
+            use_distributed_optimizer=self.cfg.use_distributed_optimizer(),
+        )
         # Megatron buckets only the first chunk's grads under interleaving (get_model does so too).
-        model = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0,
-                                         pg_collection=self.pgs) for i, c in enumerate(chunks)]
+        model = [
+            DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0, pg_collection=self.pgs)
+            for i, c in enumerate(chunks)
+        ]
         config.finalize_model_grads_func = finalize_grads_summed
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
         return model
 
     def _build_optimizer(self):
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.optimizer import (  # lazy: megatron-core takes seconds to import; only this path needs it
+            OptimizerConfig,
+            get_megatron_optimizer,
+        )
+        from megatron.core.optimizer_param_scheduler import (
+            OptimizerParamScheduler,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         o = self.cfg.optim
-        optimizer = get_megatron_optimizer(OptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, bf16=self.params_dtype == torch.bfloat16,
-            params_dtype=self.params_dtype,
-            use_distributed_optimizer=self.cfg.use_distributed_optimizer()), self.model)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                bf16=self.params_dtype == torch.bfloat16,
+                params_dtype=self.params_dtype,
+                use_distributed_optimizer=self.cfg.use_distributed_optimizer(),
+            ),
+            self.model,
+        )
         # Megatron needs decay_steps > max(0, warmup_steps) even for the constant style, where it
         # is never read. The scheduler advances *before* each optimizer step (see _train_step), so
         # step k (1-based) runs at lr * min(1, k / warmup_steps) and the first step is not lr 0.
         decay = o.decay_steps if o.decay_style != "constant" else o.warmup_steps + 1
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=o.warmup_steps,
-            lr_decay_steps=decay, lr_decay_style=o.decay_style, start_wd=o.weight_decay,
-            end_wd=o.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+            optimizer,
+            init_lr=0.0,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps,
+            lr_decay_steps=decay,
+            lr_decay_style=o.decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
+        )
         return optimizer, scheduler
 
     # -- state ------------------------------------------------------------------------------------
@@ -224,7 +306,9 @@ class PolicyTrainer:
     @property
     def chunks(self) -> list:
         """The bare ``GPTModel`` chunks (DDP and Float16Module unwrapped), for weight export."""
-        from megatron.core.utils import unwrap_model
+        from megatron.core.utils import (
+            unwrap_model,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         return unwrap_model(self.model)
 
@@ -237,9 +321,12 @@ class PolicyTrainer:
         TP shards add up, TP-replicated weights count on TP rank 0, the last stage's copy of a
         tied embedding (``param.shared``) is skipped."""
         tp_rank0 = self.pgs.tp.rank() == 0
-        count = sum(p.numel() for chunk in self.model for p in chunk.parameters()
-                    if not getattr(p, "shared", False)
-                    and (getattr(p, "tensor_model_parallel", False) or tp_rank0))
+        count = sum(
+            p.numel()
+            for chunk in self.model
+            for p in chunk.parameters()
+            if not getattr(p, "shared", False) and (getattr(p, "tensor_model_parallel", False) or tp_rank0)
+        )
         total = torch.tensor(count, dtype=torch.int64, device=self.device)
         dist.all_reduce(total, group=self.pgs.mp)
         return int(total)
@@ -247,15 +334,21 @@ class PolicyTrainer:
     def save_checkpoint(self, root, *, extra: dict | None = None, keep_last: int | None = 3):
         """Atomic checkpoint of model, optimizer, scheduler (the step) and RNG under ``root``
         (collective; see :mod:`megatron_rl.training.checkpoint`). Returns its folder."""
-        from megatron_rl.training.checkpoint import save_checkpoint
 
-        return save_checkpoint(root, self.step, self.model, self.optimizer, self.scheduler,
-                               extra=extra, keep_last=keep_last, seed=self.cfg.seed)
+        return save_checkpoint(
+            root,
+            self.step,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            extra=extra,
+            keep_last=keep_last,
+            seed=self.cfg.seed,
+        )
 
     def load_checkpoint(self, path) -> dict:
         """Resume from a checkpoint folder, or the latest complete one under a root, written at
         any TP/PP; returns its ``extra``. The step comes back with the scheduler."""
-        from megatron_rl.training.checkpoint import load_checkpoint
 
         _, extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         return extra
@@ -263,35 +356,37 @@ class PolicyTrainer:
     def load_hf(self, folder) -> None:
         """Copy an HF folder's weights into this rank's shards of every chunk (any TP/PP), and
         refresh the optimizer's main copies (collective only in that every rank reads)."""
-        from megatron_rl.convert.hf_files import HFWeights
-        from megatron_rl.weight_sync.chunks import load_hf_into_chunk
-
         weights = HFWeights(folder)
         try:
             for chunk in self.chunks:
-                load_hf_into_chunk(chunk, self.hf_converter(folder), weights,
-                                   tp_rank=self.pgs.tp.rank(), tp_size=self.pgs.tp.size())
+                load_hf_into_chunk(
+                    chunk,
+                    self.hf_converter(folder),
+                    weights,
+                    tp_rank=self.pgs.tp.rank(),
+                    tp_size=self.pgs.tp.size(),
+                )
         finally:
             weights.close()
         self.optimizer.reload_model_params()
 
     def hf_converter(self, hf_config):
         """The HF <-> Megatron name map for this model (its padded vocabulary and TP)."""
-        from megatron_rl.training.model import padded_vocab_size
-        from megatron_rl.weight_sync.hf_map import HFConverter
-
         tp = self.pgs.tp.size()
-        return HFConverter.for_config(hf_config, tensor_parallel=tp,
-                                      padded_vocab=padded_vocab_size(self.vocab_size, tp))
+        return HFConverter.for_config(
+            hf_config, tensor_parallel=tp, padded_vocab=padded_vocab_size(self.vocab_size, tp)
+        )
 
-    def export_hf(self, out, *, like, dtype: torch.dtype | None = None,
-                  max_shard: str = "2GB"):
+    def hf_tensors(self):
+        """Every HF-named tensor of the current policy, streamed on global rank 0 in model order;
+        collective over the model-parallel ranks of the first data-parallel replica, which must all
+        iterate it (other ranks get nothing). What the weight broadcast sends."""
+        return iter_model_hf(self.chunks, self.hf_converter(self.hf_config))
+
+    def export_hf(self, out, *, like, dtype: torch.dtype | None = None, max_shard: str = "2GB"):
         """Write the current weights as an HF folder ``out`` (config and tokenizer files from
         the HF folder ``like``), atomically; collective over the model-parallel ranks of the
         first data-parallel replica (call it on every rank). Returns ``out`` on rank 0."""
-        from megatron_rl.convert.hf_files import write_hf_folder
-        from megatron_rl.weight_sync.broadcast import iter_model_hf
-
         if self.pgs.dp.rank() != 0:
             return None
         tensors = iter_model_hf(self.chunks, self.hf_converter(like))
@@ -299,8 +394,14 @@ class PolicyTrainer:
             for _ in tensors:  # take part in the gathers
                 pass
             return None
-        return write_hf_folder(out, load_hf_config(like).to_dict(), tensors, side_files_from=like,
-                               max_shard=max_shard, dtype=dtype)
+        return write_hf_folder(
+            out,
+            load_hf_config(like).to_dict(),
+            tensors,
+            side_files_from=like,
+            max_shard=max_shard,
+            dtype=dtype,
+        )
 
     def close(self) -> None:
         """Tear down the parallel state if this trainer set it up."""
@@ -339,13 +440,20 @@ class PolicyTrainer:
         self.scheduler.step(1)  # the lr of this step (warm-up counts from step 1)
         ok, grad_norm, _ = self.optimizer.step()
         elapsed = time.perf_counter() - start
-        metrics.update(grad_norm=float(grad_norm), lr=self.lr, update_successful=float(ok),
-                       step_time_s=elapsed, tokens_per_s=sum(batch.lengths) / elapsed,
-                       step=float(self.step), skipped=0.0)
+        metrics.update(
+            grad_norm=float(grad_norm),
+            lr=self.lr,
+            update_successful=float(ok),
+            step_time_s=elapsed,
+            tokens_per_s=sum(batch.lengths) / elapsed,
+            step=float(self.step),
+            skipped=0.0,
+        )
         return metrics
 
-    def forward_backward(self, batch: TrainBatch, mode: LossMode = "grpo", *,
-                         batching: BatchingConfig | None = None) -> dict[str, float]:
+    def forward_backward(
+        self, batch: TrainBatch, mode: LossMode = "grpo", *, batching: BatchingConfig | None = None
+    ) -> dict[str, float]:
         """Gradients of the minibatch loss into the DDP grad buffers (``param.main_grad``,
         reduced over DP), without an optimizer step. ``batching`` overrides the trainer's
         collation settings for this call (the gradient does not depend on them)."""
@@ -365,8 +473,9 @@ class PolicyTrainer:
         return out
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, *, temperature: float | None = None,
-                         batching: BatchingConfig | None = None) -> list[torch.Tensor]:
+    def compute_logprobs(
+        self, batch: TrainBatch, *, temperature: float | None = None, batching: BatchingConfig | None = None
+    ) -> list[torch.Tensor]:
         """Every sequence's completion-token log-probs ``[C_i]`` (fp32, CPU), on every rank.
 
         Forward only, through the same path as the loss (padded vocabulary masked, vocab-parallel
@@ -387,36 +496,45 @@ class PolicyTrainer:
             for part in parts:
                 for i, values in zip(part["seq_index"], part["logprobs"]):
                     if i >= 0:
-                        flat[offsets[i]:offsets[i + 1]] = values
+                        flat[offsets[i] : offsets[i + 1]] = values
         dist.all_reduce(flat)
         flat = flat.cpu()
-        return [flat[offsets[i]:offsets[i + 1]].clone() for i in range(n)]
+        return [flat[offsets[i] : offsets[i + 1]].clone() for i in range(n)]
 
     # -- internals ----------------------------------------------------------------------------------
 
-    def _local_microbatches(self, batch: TrainBatch, b: BatchingConfig
-                            ) -> tuple[list[Microbatch], dict[str, float]]:
+    def _local_microbatches(
+        self, batch: TrainBatch, b: BatchingConfig
+    ) -> tuple[list[Microbatch], dict[str, float]]:
         """This replica's microbatches (``seq_index`` = indices into ``batch``) and its
         collation figures. Pads with :func:`_filler_microbatch` to at least one microbatch, and
         under interleaving to a multiple of the pipeline size (Megatron's interleaved schedule
         runs microbatches in groups of ``pipeline_parallel``)."""
         ids = torch.cat([s.tokens for s in batch.sequences] or [torch.zeros(1, dtype=torch.long)])
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.vocab_size}), got min "
-                             f"{int(ids.min())}, max {int(ids.max())}")
+            raise ValueError(
+                f"token ids must lie in [0, {self.vocab_size}), got min "
+                f"{int(ids.min())}, max {int(ids.max())}"
+            )
         dp = self.pgs.dp.size()
-        assignment = assign_data_parallel(batch.lengths, dp, mode=b.dp_assignment,
-                                          seed=b.seed + self.step)
+        assignment = assign_data_parallel(batch.lengths, dp, mode=b.dp_assignment, seed=b.seed + self.step)
         mine = assignment[self.pgs.dp.rank()]
         mbs = []
         if mine:
-            mbs = build_microbatches(batch.subset(mine), b.token_budget, layout=b.layout,
-                                     strategy=b.strategy, pad_to_multiple=b.pad_to_multiple)
+            mbs = build_microbatches(
+                batch.subset(mine),
+                b.token_budget,
+                layout=b.layout,
+                strategy=b.strategy,
+                pad_to_multiple=b.pad_to_multiple,
+            )
         for mb in mbs:
             mb.seq_index = [mine[j] for j in mb.seq_index]
-        stats = {"microbatches": float(len(mbs)),
-                 "batch_tokens": float(sum(mb.num_tokens for mb in mbs)),
-                 "slot_tokens": float(sum(mb.tokens.numel() for mb in mbs))}
+        stats = {
+            "microbatches": float(len(mbs)),
+            "batch_tokens": float(sum(mb.num_tokens for mb in mbs)),
+            "slot_tokens": float(sum(mb.tokens.numel() for mb in mbs)),
+        }
         multiple = self.pgs.pp.size() if self.cfg.parallel.virtual_pipeline else 1
         while not mbs or len(mbs) % multiple:
             mbs.append(_filler_microbatch(b.layout, b.pad_to_multiple))
@@ -429,34 +547,49 @@ class PolicyTrainer:
     def _context(self, temperature: float | None = None) -> StepContext:
         g = self.grpo
         return StepContext(
-            tp_group=self.pgs.tp if self.pgs.tp.size() > 1 else None, vocab_size=self.vocab_size,
-            device=self.device, temperature=g.temperature if temperature is None else temperature,
-            chunk_size=g.logprob_chunk_size or None, eps_low=g.eps_low, eps_high=g.eps_high,
+            tp_group=self.pgs.tp if self.pgs.tp.size() > 1 else None,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            temperature=g.temperature if temperature is None else temperature,
+            chunk_size=g.logprob_chunk_size or None,
+            eps_low=g.eps_low,
+            eps_high=g.eps_high,
             thd=have_transformer_engine(),
             # Keep bf16 logits: token_logprobs upcasts chunk by chunk, never the whole tensor.
-            fp32_output=False if self.params_dtype == torch.bfloat16 else None)
+            fp32_output=False if self.params_dtype == torch.bfloat16 else None,
+        )
 
-    def _run(self, mbs: list[Microbatch], mode: LossMode, *, forward_only: bool,
-             temperature: float | None = None) -> list:
+    def _run(
+        self, mbs: list[Microbatch], mode: LossMode, *, forward_only: bool, temperature: float | None = None
+    ) -> list:
         """Megatron's schedule over ``mbs``; the loss closures' outputs (last stage only)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.pipeline_parallel import (
+            get_forward_backward_func,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
+        from megatron.core.pipeline_parallel.p2p_communication import (
+            P2PCommunicator,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         forward_step = make_forward_step(self._context(temperature), mode)
         iters = [iter(mbs) for _ in self.model] if len(self.model) > 1 else iter(mbs)
         grad = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad:
             return get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iters, model=self.model,
+                forward_step_func=forward_step,
+                data_iterator=iters,
+                model=self.model,
                 num_microbatches=len(mbs),
                 # The p2p shape when shapes are uniform; else ignored (variable_seq_lengths).
                 seq_length=max(mb.tokens.shape[1] for mb in mbs),
                 micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
-                forward_only=forward_only, pg_collection=self.pgs,
-                p2p_communicator=P2PCommunicator(self.pgs.pp, self.model[0].config))
+                forward_only=forward_only,
+                pg_collection=self.pgs,
+                p2p_communicator=P2PCommunicator(self.pgs.pp, self.model[0].config),
+            )
 
-    def _reduce_metrics(self, parts: list[dict], keys: list[str], stats: dict[str, float]
-                        ) -> dict[str, torch.Tensor]:
+    def _reduce_metrics(
+        self, parts: list[dict], keys: list[str], stats: dict[str, float]
+    ) -> dict[str, torch.Tensor]:
         """Sum (``*_max``: max) the metrics over data-parallel replicas, on every rank: two
         all-reduces over the world, to which only each replica's reporting rank contributes."""
         local = reduce_loss_metrics(parts) if self._reports else {}

@@ -1,14 +1,14 @@
 """The trainer side of the weight update: HF-named tensors, bucketed, broadcast to the fleet.
 
-    sync = WeightBroadcaster(trainer.chunks, hf_config, fleet, WeightSyncConfig(backend="gloo"))
+    sync = WeightBroadcaster(trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo"))
     sync.connect()                        # every server joins the update group (rank 0: us)
     stats = sync.sync(version=step)       # pause in place -> buckets -> continue
 
 Collective over the trainer's ranks: every rank calls :meth:`connect` and :meth:`sync`. Each
-pipeline stage turns its chunks into full HF tensors (:func:`~.chunks.chunk_to_hf`, all-gathering
-TP shards inside the stage); stages after the first send theirs to global rank 0 over the
-trainer's default group, one tensor at a time, so rank 0 never holds more than one bucket. Rank 0
-alone talks to the servers and owns the update group (``weight_sync/group.py``).
+pipeline stage turns its chunks into full HF tensors and stages after the first stream theirs to
+global rank 0 (the trainer's ``hf_tensors``, :func:`megatron_rl.training.chunks.iter_model_hf`),
+one tensor at a time, so rank 0 never holds more than one bucket. Rank 0
+alone talks to the servers and owns the update group (``generation/update_group.py``).
 
 One update, as Magistral does it: ``/pause_generation`` (``in_place``: running sequences keep
 their KV cache), ``/begin_weight_update``, then per bucket ``/update_weights_from_distributed``
@@ -26,19 +26,19 @@ new one, on the next port, with the servers still alive.
 
 from __future__ import annotations
 
-import hashlib
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config_checks import ConfigFieldError, check_choice, check_range
-from megatron_rl.weight_sync.chunks import chunk_to_hf
-from megatron_rl.weight_sync.hf_map import HFConverter
+from megatron_rl.config import ConfigFieldError, check_choice, check_range
+from megatron_rl.generation.protocol import pack_bucket, tensor_digest, update_weights_payload
+from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 
-__all__ = ["WeightSyncConfig", "WeightBroadcaster", "iter_model_hf", "tensor_digest"]
+__all__ = ["WeightBroadcaster", "WeightSyncConfig"]
 
 
 @dataclass(kw_only=True)
@@ -62,74 +62,28 @@ class WeightSyncConfig:
         check_choice("pause_mode", self.pause_mode, ("in_place", "abort"))
         check_range("bucket_mb", self.bucket_mb, low=0.0, low_open=True)
         check_range("master_port", self.master_port, low=1, high=65535)
-        if self.cast_dtype is not None and not isinstance(getattr(torch, self.cast_dtype, None),
-                                                          torch.dtype):
+        if self.cast_dtype is not None and not isinstance(getattr(torch, self.cast_dtype, None), torch.dtype):
             raise ConfigFieldError("cast_dtype", f"not a torch dtype: {self.cast_dtype!r}")
-
-
-def _pp_info() -> tuple[int, int, Any, Any]:
-    """(pp rank, pp size, tp group or None, pp group) of this rank; TP=PP=1 without Megatron."""
-    try:
-        from megatron.core import parallel_state as ps
-
-        if ps.model_parallel_is_initialized():
-            tp = ps.get_tensor_model_parallel_group()
-            return (ps.get_pipeline_model_parallel_rank(),
-                    ps.get_pipeline_model_parallel_world_size(),
-                    tp if dist.get_world_size(tp) > 1 else None,
-                    ps.get_pipeline_model_parallel_group())
-    except ImportError:
-        pass
-    return 0, 1, None, None
-
-
-def iter_model_hf(chunks: list, converter: HFConverter) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every HF tensor of the whole model, on global rank 0 of the first data-parallel replica,
-    in model order (stage by stage). Collective over the model-parallel ranks of that replica;
-    other ranks get nothing. Ranks of other data-parallel replicas must not call it."""
-    pp_rank, pp_size, tp_group, pp_group = _pp_info()
-    me = dist.get_rank() if dist.is_initialized() else 0
-    tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-    for stage in range(pp_size):
-        src = 0 if pp_group is None else dist.get_global_rank(pp_group, stage)
-        if stage == pp_rank:
-            for chunk in chunks:
-                for name, t in chunk_to_hf(chunk, converter, tp_group=tp_group):
-                    if stage == 0:
-                        if me == 0:
-                            yield name, t
-                    elif tp_rank == 0:
-                        # stage leader -> rank 0: metadata, then the bytes
-                        dist.send_object_list([name, list(t.shape), t.dtype], dst=0)
-                        dist.send(t.contiguous(), dst=0)
-            if stage > 0 and tp_rank == 0:
-                dist.send_object_list([None, None, None], dst=0)
-        elif me == 0:
-            while True:
-                meta = [None, None, None]
-                dist.recv_object_list(meta, src=src)
-                if meta[0] is None:
-                    break
-                t = torch.empty(meta[1], dtype=meta[2])
-                dist.recv(t, src=src)
-                yield meta[0], t
 
 
 class WeightBroadcaster:
     """Bucketed broadcast of the trainer's weights to the fleet; see the module docstring."""
 
-    def __init__(self, chunks: list, hf_config: Any, fleet: Any, cfg: WeightSyncConfig, *,
-                 padded_vocab: int | None = None, tensor_parallel: int = 1):
-        self.chunks = chunks
-        self.converter = HFConverter.for_config(hf_config, tensor_parallel=tensor_parallel,
-                                                padded_vocab=padded_vocab)
+    def __init__(
+        self,
+        named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+        fleet: Any,
+        cfg: WeightSyncConfig,
+    ):
+        # Called once per sync on every rank that takes part: yields the whole model's HF-named
+        # tensors on rank 0 (and takes part in the gathers elsewhere), e.g. PolicyTrainer.hf_tensors.
+        self.named_tensors = named_tensors
         self.fleet = fleet
         self.cfg = cfg
         self.group = None
         self._members: tuple[str, ...] = ()
         self._port = cfg.master_port
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.history: list[dict] = []
 
     # ------------------------------------------------------------------ group
 
@@ -137,19 +91,25 @@ class WeightBroadcaster:
         """Build the update group with every live server (rank 0 only; other ranks no-op)."""
         if self.rank != 0:
             return
-        from megatron_rl.weight_sync.group import init_update_group
-
         self.fleet.refresh()
         self.fleet.update_urls = self.fleet.live_update_urls()
         if not self.fleet.update_urls:
             raise RuntimeError("weight sync: no live server to update")
         futs = self.fleet.init_update_group_async(
-            master_address=self.cfg.master_address, master_port=self._port,
-            group_name=self.cfg.group_name, backend=self.cfg.backend)
+            master_address=self.cfg.master_address,
+            master_port=self._port,
+            group_name=self.cfg.group_name,
+            backend=self.cfg.backend,
+        )
         self.group = init_update_group(
-            backend=self.cfg.backend, master_address=self.cfg.master_address,
-            master_port=self._port, rank=0, world_size=self.fleet.update_world_size(),
-            group_name=self.cfg.group_name, timeout_s=self.cfg.timeout_s)
+            backend=self.cfg.backend,
+            master_address=self.cfg.master_address,
+            master_port=self._port,
+            rank=0,
+            world_size=self.fleet.update_world_size(),
+            group_name=self.cfg.group_name,
+            timeout_s=self.cfg.timeout_s,
+        )
         for f in futs:
             f.result()
         self._members = tuple(self.fleet.update_urls)
@@ -157,8 +117,6 @@ class WeightBroadcaster:
     def close(self) -> None:
         """Leave the update group (servers still alive are asked to leave it too)."""
         if self.group is not None:
-            from megatron_rl.weight_sync.group import destroy_update_group
-
             self.fleet.destroy_update_group(self.cfg.group_name)
             destroy_update_group(self.group)
             self.group = None
@@ -177,7 +135,7 @@ class WeightBroadcaster:
         limit = int(self.cfg.bucket_mb * 2**20)
         cast = getattr(torch, self.cfg.cast_dtype) if self.cfg.cast_dtype else None
         bucket, size = [], 0
-        for name, t in iter_model_hf(self.chunks, self.converter):
+        for name, t in self.named_tensors():
             if self.rank != 0:
                 continue
             t = t.detach().to("cpu" if self.cfg.backend == "gloo" else t.device)
@@ -207,9 +165,6 @@ class WeightBroadcaster:
         If a server dies during the update (its broadcast fails), the group is rebuilt with the
         servers still alive and the update is sent again, once.
         """
-        from megatron_rl.generation.protocol import pack_bucket, update_weights_payload
-        from megatron_rl.weight_sync.group import broadcast
-
         t0 = time.perf_counter()
         if self.rank == 0:
             self.fleet.refresh()
@@ -227,9 +182,15 @@ class WeightBroadcaster:
                 if self.cfg.verify:
                     digests.update((n, tensor_digest(t)) for n, t in bucket)
                 names, dtypes, shapes, flat = pack_bucket(bucket)
-                futs = self.fleet.update_weights_async(update_weights_payload(
-                    names=names, dtypes=dtypes, shapes=shapes, group_name=self.cfg.group_name,
-                    weight_version=version))
+                futs = self.fleet.update_weights_async(
+                    update_weights_payload(
+                        names=names,
+                        dtypes=dtypes,
+                        shapes=shapes,
+                        group_name=self.cfg.group_name,
+                        weight_version=version,
+                    )
+                )
                 try:
                     broadcast(flat, self.group, src=0)
                     for f in futs:
@@ -257,15 +218,17 @@ class WeightBroadcaster:
                 self.connect()
             return self.sync(version, _retry=False)
         seconds = time.perf_counter() - t0
-        stats = {"weight_sync/seconds": seconds, "weight_sync/pause_s": t_paused - t0,
-                 "weight_sync/bytes": float(nbytes), "weight_sync/buckets": float(n_buckets),
-                 "weight_sync/tensors": float(n_tensors),
-                 "weight_sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
-                 "weight_sync/version": float(version)}
+        stats = {
+            "weight_sync/seconds": seconds,
+            "weight_sync/pause_s": t_paused - t0,
+            "weight_sync/bytes": float(nbytes),
+            "weight_sync/buckets": float(n_buckets),
+            "weight_sync/tensors": float(n_tensors),
+            "weight_sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
+            "weight_sync/version": float(version),
+        }
         if self.rank == 0 and self.cfg.verify:
             stats["weight_sync/verified"] = float(self.verify(digests))
-        if self.rank == 0:
-            self.history.append(stats)
         return stats
 
     def verify(self, digests: dict[str, str]) -> bool:
@@ -275,22 +238,17 @@ class WeightBroadcaster:
             theirs = self.fleet.weights_digest(url)
             bad = [n for n, d in digests.items() if theirs.get(n) != d]
             if bad:
-                raise RuntimeError(f"weight sync: {url} holds different {bad[0]} "
-                                   f"({len(bad)} tensors differ)")
+                raise RuntimeError(f"weight sync: {url} holds different {bad[0]} ({len(bad)} tensors differ)")
         return True
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """sha256 of a tensor's bytes (what ``/megatron_rl/weights_digest`` reports per parameter)."""
-    return hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                          .tobytes()).hexdigest()
 
 
 def _sync_group():
     """The ranks that call :meth:`WeightBroadcaster.sync` together (model-parallel ranks of the
     first data-parallel replica), or None for a single rank."""
     try:
-        from megatron.core import parallel_state as ps
+        from megatron.core import (
+            parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
 
         if ps.model_parallel_is_initialized():
             g = ps.get_model_parallel_group()

@@ -25,8 +25,13 @@ def test_two_word_vocabulary_by_hand():
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 40), v=st.integers(2, 300), chunk=st.integers(1, 17),
-       temperature=st.sampled_from([1.0, 0.7, 1.3]), seed=st.integers(0, 10_000))
+@given(
+    n=st.integers(1, 40),
+    v=st.integers(2, 300),
+    chunk=st.integers(1, 17),
+    temperature=st.sampled_from([1.0, 0.7, 1.3]),
+    seed=st.integers(0, 10_000),
+)
 def test_matches_naive_forward_and_backward(n, v, chunk, temperature, seed):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, v, generator=g) * 4).requires_grad_()
@@ -46,9 +51,9 @@ def test_matches_naive_forward_and_backward(n, v, chunk, temperature, seed):
 def test_leading_dimensions_and_bf16():
     logits = torch.randn(2, 5, 64).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, 64, (2, 5))
-    logp, ent = token_logprobs(logits, targets, chunk_size=3)
+    logp, _ent = token_logprobs(logits, targets, chunk_size=3)
     assert logp.shape == (2, 5) and logp.dtype == torch.float32
-    ref, ref_ent = naive_token_logprobs(logits.detach(), targets)
+    ref, _ref_ent = naive_token_logprobs(logits.detach(), targets)
     torch.testing.assert_close(logp, ref, atol=1e-5, rtol=1e-5)
     logp.sum().backward()
     assert logits.grad.dtype == torch.bfloat16 and logits.grad.shape == logits.shape
@@ -78,7 +83,7 @@ def _vocab_parallel_rank(rank, world_size, n, vocab, chunk):
     targets = torch.randint(0, vocab - 3, (n,), generator=g)
     upstream = torch.randn(n, generator=g)
     shard = vocab // world_size
-    local = full[:, rank * shard:(rank + 1) * shard].clone().requires_grad_()
+    local = full[:, rank * shard : (rank + 1) * shard].clone().requires_grad_()
 
     calls = []
     real_all_reduce = dist.all_reduce
@@ -113,7 +118,9 @@ def test_vocab_parallel_equals_single_device(world_size):
     for rank, (logp, ent, grad, calls) in enumerate(results):
         torch.testing.assert_close(logp, ref_logp.detach(), atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(grad, full.grad[:, rank * shard:(rank + 1) * shard], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(
+            grad, full.grad[:, rank * shard : (rank + 1) * shard], atol=1e-6, rtol=1e-6
+        )
         # One MAX of [N] and one SUM of the stacked [3, N]: per-token scalars only, no vocab gather.
         assert calls == [(n,), (3, n)]
 

@@ -20,28 +20,41 @@ VOCAB = 23
 
 
 def make_group(gid, prompt_len, completion_lens, rewards, gen, correct=None):
-    prompt = Prompt(prompt_id=f"p{gid}", token_ids=torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist())
+    prompt = Prompt(
+        prompt_id=f"p{gid}", token_ids=torch.randint(0, VOCAB, (prompt_len,), generator=gen).tolist()
+    )
     completions = []
     for i, (n, r) in enumerate(zip(completion_lens, rewards)):
-        c = Completion(prompt_id=prompt.prompt_id, sample_index=i,
-                       token_ids=torch.randint(0, VOCAB, (n,), generator=gen).tolist(),
-                       logprobs=[-1.0] * n, versions=[0] * n)
-        completions.append(ScoredCompletion(completion=c, reward=r, correct=None if correct is None else correct[i],
-                                            format_ok=True))
+        c = Completion(
+            prompt_id=prompt.prompt_id,
+            sample_index=i,
+            token_ids=torch.randint(0, VOCAB, (n,), generator=gen).tolist(),
+            logprobs=[-1.0] * n,
+            versions=[0] * n,
+        )
+        completions.append(
+            ScoredCompletion(
+                completion=c, reward=r, correct=None if correct is None else correct[i], format_ok=True
+            )
+        )
     return Group(prompt=prompt, completions=completions)
 
 
 def test_builder_by_hand():
     gen = torch.Generator().manual_seed(0)
-    groups = [make_group(0, 3, [2, 6], [1.0, 0.0], gen, correct=[True, False]),
-              make_group(1, 2, [4, 4], [1.0, 1.0], gen, correct=[True, True]),  # dropped: all correct
-              make_group(2, 4, [1, 3], [0.0, 0.5], gen, correct=[False, False])]
+    groups = [
+        make_group(0, 3, [2, 6], [1.0, 0.0], gen, correct=[True, False]),
+        make_group(1, 2, [4, 4], [1.0, 1.0], gen, correct=[True, True]),  # dropped: all correct
+        make_group(2, 4, [1, 3], [0.0, 0.5], gen, correct=[False, False]),
+    ]
     batch = build_train_batch(groups, GRPOConfig())
     assert [s.group_id for s in batch.sequences] == [0, 0, 2, 2]
     assert batch.filter_report.dropped["all_correct"] == 1
     # centred: [0.5, -0.5, -0.25, 0.25] -> std sqrt(0.15625)
     std = math.sqrt((2 * 0.25 + 2 * 0.0625) / 4)
-    assert [s.advantage for s in batch.sequences] == pytest.approx([0.5 / std, -0.5 / std, -0.25 / std, 0.25 / std], rel=1e-5)
+    assert [s.advantage for s in batch.sequences] == pytest.approx(
+        [0.5 / std, -0.5 / std, -0.25 / std, 0.25 / std], rel=1e-5
+    )
     # two kept groups of 8 and 4 tokens: weights 1/16 and 1/8
     assert [s.weight for s in batch.sequences] == pytest.approx([1 / 16, 1 / 16, 1 / 8, 1 / 8])
     s0 = batch.sequences[0]
@@ -81,8 +94,15 @@ class TinyCausalLM(torch.nn.Module):
 def microbatch_loss(model, mb, cfg):
     logits = model(mb.tokens, mb.position_ids, mb.attention_mask())
     logp, entropy = token_logprobs(logits, mb.labels, chunk_size=7)
-    return grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.loss_weights,
-                     eps_low=cfg.eps_low, eps_high=cfg.eps_high, entropy=entropy)
+    return grpo_loss(
+        logp,
+        mb.behaviour_logprobs,
+        mb.advantages,
+        mb.loss_weights,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+        entropy=entropy,
+    )
 
 
 def loss_and_grads(model, microbatches, cfg):
@@ -96,14 +116,30 @@ def loss_and_grads(model, microbatches, cfg):
 
 
 @settings(max_examples=25, deadline=None)
-@given(spec=st.lists(st.tuples(st.integers(1, 6), st.lists(st.tuples(st.integers(1, 9), st.sampled_from([0.0, 0.1, 1.0])),
-                                                            min_size=2, max_size=4)), min_size=1, max_size=5),
-       extra_budget=st.integers(0, 40), layout=st.sampled_from(["packed", "padded"]),
-       strategy=st.sampled_from(["greedy", "uniform"]), dp=st.integers(1, 3),
-       loss_norm=st.sampled_from(["group", "token", "sequence"]), seed=st.integers(0, 1000))
-def test_loss_and_gradient_do_not_depend_on_the_split(spec, extra_budget, layout, strategy, dp, loss_norm, seed):
+@given(
+    spec=st.lists(
+        st.tuples(
+            st.integers(1, 6),
+            st.lists(st.tuples(st.integers(1, 9), st.sampled_from([0.0, 0.1, 1.0])), min_size=2, max_size=4),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    extra_budget=st.integers(0, 40),
+    layout=st.sampled_from(["packed", "padded"]),
+    strategy=st.sampled_from(["greedy", "uniform"]),
+    dp=st.integers(1, 3),
+    loss_norm=st.sampled_from(["group", "token", "sequence"]),
+    seed=st.integers(0, 1000),
+)
+def test_loss_and_gradient_do_not_depend_on_the_split(
+    spec, extra_budget, layout, strategy, dp, loss_norm, seed
+):
     gen = torch.Generator().manual_seed(seed)
-    groups = [make_group(g, p, [n for n, _ in comps], [r for _, r in comps], gen) for g, (p, comps) in enumerate(spec)]
+    groups = [
+        make_group(g, p, [n for n, _ in comps], [r for _, r in comps], gen)
+        for g, (p, comps) in enumerate(spec)
+    ]
     cfg = GRPOConfig(loss_norm=loss_norm)
     batch = build_train_batch(groups, cfg)
     assume(len(batch) > 0)

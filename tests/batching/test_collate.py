@@ -3,17 +3,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.batching.collate import (collate, collation_stats, microbatch_cost,
-                                          plan_microbatches)
+from megatron_rl.batching.collate import collate, collation_stats, microbatch_cost, plan_microbatches
 from megatron_rl.types import TrainSequence
 
 
 def _seq(tokens, prompt_length, weight=0.5, advantage=1.0, group_id=0):
     c = len(tokens) - prompt_length
-    return TrainSequence(tokens=torch.tensor(tokens), prompt_length=prompt_length,
-                         behaviour_logprobs=-torch.arange(1, c + 1, dtype=torch.float32) / 10,
-                         versions=torch.arange(c) + 3, advantage=advantage, weight=weight,
-                         group_id=group_id)
+    return TrainSequence(
+        tokens=torch.tensor(tokens),
+        prompt_length=prompt_length,
+        behaviour_logprobs=-torch.arange(1, c + 1, dtype=torch.float32) / 10,
+        versions=torch.arange(c) + 3,
+        advantage=advantage,
+        weight=weight,
+        group_id=group_id,
+    )
 
 
 def test_greedy_first_fit_decreasing_by_hand():
@@ -37,9 +41,13 @@ def test_sequence_longer_than_budget_is_a_clear_error():
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=80), extra=st.integers(0, 600),
-       layout=st.sampled_from(["packed", "padded"]), strategy=st.sampled_from(["greedy", "uniform"]),
-       multiple=st.sampled_from([1, 8]))
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=80),
+    extra=st.integers(0, 600),
+    layout=st.sampled_from(["packed", "padded"]),
+    strategy=st.sampled_from(["greedy", "uniform"]),
+    multiple=st.sampled_from([1, 8]),
+)
 def test_plans_cover_every_sequence_once_within_budget(lengths, extra, layout, strategy, multiple):
     budget = microbatch_cost([max(lengths)], layout, multiple) + extra
     bins = plan_microbatches(lengths, budget, layout=layout, strategy=strategy, pad_to_multiple=multiple)

@@ -14,10 +14,13 @@ def test_group_mode_by_hand():
 
 def test_token_and_sequence_modes_by_hand():
     lengths, groups = torch.tensor([2, 6, 2]), torch.tensor([0, 0, 1])
-    torch.testing.assert_close(loss_token_weights(lengths, groups, "token"),
-                               torch.full((3,), 0.1, dtype=torch.float64))
-    torch.testing.assert_close(loss_token_weights(lengths, groups, "sequence"),
-                               torch.tensor([1 / 6, 1 / 18, 1 / 6], dtype=torch.float64))
+    torch.testing.assert_close(
+        loss_token_weights(lengths, groups, "token"), torch.full((3,), 0.1, dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        loss_token_weights(lengths, groups, "sequence"),
+        torch.tensor([1 / 6, 1 / 18, 1 / 6], dtype=torch.float64),
+    )
 
 
 @pytest.mark.parametrize("mode", ["group", "token", "sequence"])

@@ -11,9 +11,9 @@ import torch
 import transformers
 
 from megatron_rl.convert.checkpoint import McoreCheckpoint, hf_to_mcore, mcore_to_hf
-from megatron_rl.convert.hf_files import INDEX_FILE, HFWeights, ShardWriter, parse_size
-from megatron_rl.weight_sync.hf_map import WeightsMismatchError
-from tests.weight_sync.test_hf_map import VOCAB, hf_model
+from megatron_rl.hf.files import INDEX_FILE, HFWeights, ShardWriter, parse_size
+from megatron_rl.hf.layout import WeightsMismatchError
+from tests.hf.test_layout import VOCAB, hf_model
 
 
 def save_hf(model, folder: Path, **kwargs) -> Path:
@@ -72,10 +72,10 @@ def test_round_trip_qwen2_fp32_single_file_and_dtype_choice(tmp_path):
 
 
 def test_export_after_training_loads_in_transformers(single_rank, tmp_path):
+    from megatron_rl.hf.layout import HFConverter, canonical_name
+    from megatron_rl.training.chunks import load_hf_into_chunk
     from megatron_rl.training.model import build_gpt_model, save_model_checkpoint
     from megatron_rl.training.parallel import ParallelConfig
-    from megatron_rl.weight_sync.chunks import load_hf_into_chunk
-    from megatron_rl.weight_sync.hf_map import HFConverter, canonical_name
 
     src = save_hf(hf_model("qwen2"), tmp_path / "hf")
     model = build_gpt_model(src, ParallelConfig())
@@ -96,7 +96,8 @@ def test_export_after_training_loads_in_transformers(single_rank, tmp_path):
     again = McoreCheckpoint(tmp_path / "reimport").read(sorted(params))
     assert all(torch.equal(again[n], p) for n, p in params.items())
     exported = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "export", attn_implementation="eager").eval()
+        tmp_path / "export", attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         ours = model(ids, pos, None)[..., :VOCAB]
         theirs = exported(input_ids=ids).logits
@@ -118,8 +119,9 @@ MISMATCHES = [  # (family, config.json field, wrong value, field named in the er
 ]
 
 
-@pytest.mark.parametrize("family, field, value, named", MISMATCHES,
-                         ids=[f"{m[0]}-{m[1]}" for m in MISMATCHES])
+@pytest.mark.parametrize(
+    "family, field, value, named", MISMATCHES, ids=[f"{m[0]}-{m[1]}" for m in MISMATCHES]
+)
 def test_mismatched_hf_config_is_rejected(tmp_path, family, field, value, named):
     src = save_hf(hf_model(family), tmp_path / "hf")
     config = json.loads((src / "config.json").read_text())
@@ -138,8 +140,9 @@ def converted(tmp_path_factory) -> tuple[Path, Path]:
     return src, root / "mcore"
 
 
-@pytest.mark.parametrize("field, value", [("rope_theta", 123.0), ("num_key_value_heads", 4),
-                                          ("rms_norm_eps", 1e-3)])
+@pytest.mark.parametrize(
+    "field, value", [("rope_theta", 123.0), ("num_key_value_heads", 4), ("rms_norm_eps", 1e-3)]
+)
 def test_export_config_must_match_the_stored_one(tmp_path, converted, field, value):
     src, mcore = converted
     other = tmp_path / "other"
@@ -171,7 +174,7 @@ def test_bare_checkpoint_needs_a_matching_config(tmp_path, converted):
 
 
 def test_existing_output_is_refused_unless_overwrite(tmp_path, converted):
-    src, mcore = converted
+    _src, mcore = converted
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("old")
@@ -189,8 +192,7 @@ def test_shard_writer_follows_max_shard_size(tmp_path):
     files = writer.close()
     index = json.loads((tmp_path / INDEX_FILE).read_text())
     assert files[:-1] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert index["weight_map"] == {"t0": files[0], "t1": files[0], "t2": files[1],
-                                   "t3": files[2]}
+    assert index["weight_map"] == {"t0": files[0], "t1": files[0], "t2": files[1], "t3": files[2]}
     assert index["metadata"]["total_size"] == 2040
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1GiB") == 2**30
     with pytest.raises(ValueError, match="max_shard_size"):

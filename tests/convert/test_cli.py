@@ -14,14 +14,13 @@ import pytest
 import transformers
 
 from tests.convert.test_checkpoint import assert_same_weights
-from tests.weight_sync.test_hf_map import hf_model
+from tests.hf.test_layout import hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -33,8 +32,7 @@ def tiny_tokenizer(folder: Path) -> transformers.PreTrainedTokenizerFast:
     vocab = {"[UNK]": 0, "<s>": 1, "hello": 2, "world": 3}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
-                                                bos_token="<s>")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>")
     fast.save_pretrained(folder)
     return fast
 
@@ -44,13 +42,30 @@ def test_cli_hf_to_mcore_at_tp2_and_back(tmp_path):
     src = tmp_path / "hf"
     hf_model("qwen2").save_pretrained(src, max_shard_size="200KB")
     tokenizer = tiny_tokenizer(src)
-    run("tools/convert_checkpoint.py", "hf-to-mcore", "--hf", str(src), "--out",
-        str(tmp_path / "mcore"), "--tp", "2")  # two local gloo ranks write it
+    run(
+        "tools/convert_checkpoint.py",
+        "hf-to-mcore",
+        "--hf",
+        str(src),
+        "--out",
+        str(tmp_path / "mcore"),
+        "--tp",
+        "2",
+    )  # two local gloo ranks write it
     meta = json.loads((tmp_path / "mcore" / "megatron_rl_model.json").read_text())
     assert meta["written_at"] == {"tensor_parallel": 2, "pipeline_parallel": 1}
     assert "tokenizer.json" in meta["side_files"]
-    run("-m", "megatron_rl.convert", "mcore-to-hf", "--mcore", str(tmp_path / "mcore"),
-        "--out", str(tmp_path / "back"), "--max-shard-size", "200KB")
+    run(
+        "-m",
+        "megatron_rl.convert",
+        "mcore-to-hf",
+        "--mcore",
+        str(tmp_path / "mcore"),
+        "--out",
+        str(tmp_path / "back"),
+        "--max-shard-size",
+        "200KB",
+    )
     assert_same_weights(src, tmp_path / "back")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes(), name
@@ -63,8 +78,18 @@ def test_cli_hf_to_mcore_at_tp2_and_back(tmp_path):
     config = json.loads((src / "config.json").read_text())
     config["rope_parameters"]["rope_theta"] = 1.0
     (other / "config.json").write_text(json.dumps(config))
-    proc = run("-m", "megatron_rl.convert", "mcore-to-hf", "--mcore", str(tmp_path / "mcore"),
-               "--out", str(tmp_path / "bad"), "--hf-config", str(other), check=False)
+    proc = run(
+        "-m",
+        "megatron_rl.convert",
+        "mcore-to-hf",
+        "--mcore",
+        str(tmp_path / "mcore"),
+        "--out",
+        str(tmp_path / "bad"),
+        "--hf-config",
+        str(other),
+        check=False,
+    )
     assert proc.returncode == 2 and "megatron-rl convert: rope_theta:" in proc.stderr
     assert not (tmp_path / "bad").exists()
 

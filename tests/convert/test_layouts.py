@@ -39,7 +39,7 @@ def _input_ids() -> torch.Tensor:
 
 def _write_hf_models(root: Path) -> dict[str, torch.Tensor]:
     """Every family's HF model under root/<family>; returns transformers' logits for each."""
-    from tests.weight_sync.test_hf_map import FAMILIES, hf_model
+    from tests.hf.test_layout import FAMILIES, hf_model
 
     logits = {}
     for family in FAMILIES:
@@ -69,9 +69,16 @@ def _forward_logits(chunk, pgs) -> torch.Tensor | None:
     micro = list(_input_ids().chunk(BATCH))
     with torch.no_grad():
         out = get_forward_backward_func()(
-            forward_step_func=_forward_step, data_iterator=iter(micro), model=[chunk],
-            num_microbatches=len(micro), seq_length=SEQ, micro_batch_size=1, forward_only=True,
-            pg_collection=pgs, p2p_communicator=P2PCommunicator(pgs.pp, chunk.config))
+            forward_step_func=_forward_step,
+            data_iterator=iter(micro),
+            model=[chunk],
+            num_microbatches=len(micro),
+            seq_length=SEQ,
+            micro_batch_size=1,
+            forward_only=True,
+            pg_collection=pgs,
+            p2p_communicator=P2PCommunicator(pgs.pp, chunk.config),
+        )
     if not ps.is_pipeline_last_stage():
         return None
     local = torch.cat([o["logits"] for o in out], dim=0)
@@ -80,13 +87,12 @@ def _forward_logits(chunk, pgs) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1)[..., :VOCAB]
 
 
-def _check_layout(family: str, hf_dir: Path, ckpt: Path, tp: int, pp: int,
-                  reference: torch.Tensor) -> dict:
-    from megatron_rl.convert.hf_files import HFWeights
+def _check_layout(family: str, hf_dir: Path, ckpt: Path, tp: int, pp: int, reference: torch.Tensor) -> dict:
+    from megatron_rl.hf.files import HFWeights
+    from megatron_rl.hf.layout import HFConverter
+    from megatron_rl.training.chunks import chunk_to_hf, load_hf_into_chunk
     from megatron_rl.training.model import build_gpt_model, load_model_checkpoint
     from megatron_rl.training.parallel import ParallelConfig, process_groups
-    from megatron_rl.weight_sync.chunks import chunk_to_hf, load_hf_into_chunk
-    from megatron_rl.weight_sync.hf_map import HFConverter
 
     weights = HFWeights(hf_dir)
     conv = HFConverter.for_config(hf_dir, tensor_parallel=tp)
@@ -98,12 +104,17 @@ def _check_layout(family: str, hf_dir: Path, ckpt: Path, tp: int, pp: int,
     differ = [n for n, p in chunk.named_parameters() if not torch.equal(p, in_memory[n])]
     logits = _forward_logits(chunk, pgs)
     back = dict(chunk_to_hf(chunk, conv, tp_group=pgs.tp))
-    wrong = [n for n, t in back.items() if not (t.dtype == weights[n].dtype
-                                                  and torch.equal(t, weights[n]))]
-    return {"family": family, "layout": (tp, pp), "differ": differ, "wrong": wrong,
-            "hf_names": sorted(back), "all_hf_names": sorted(conv.hf_names()),
-            "logits_err": None if logits is None else (logits - reference).abs().max().item(),
-            "logits_scale": reference.abs().max().item()}
+    wrong = [n for n, t in back.items() if not (t.dtype == weights[n].dtype and torch.equal(t, weights[n]))]
+    return {
+        "family": family,
+        "layout": (tp, pp),
+        "differ": differ,
+        "wrong": wrong,
+        "hf_names": sorted(back),
+        "all_hf_names": sorted(conv.hf_names()),
+        "logits_err": None if logits is None else (logits - reference).abs().max().item(),
+        "logits_scale": reference.abs().max().item(),
+    }
 
 
 def _all(rank: int, world_size: int, root: str, references: dict) -> list[dict]:
@@ -119,8 +130,7 @@ def _all(rank: int, world_size: int, root: str, references: dict) -> list[dict]:
         hf_to_mcore(hf_dir, out, tensor_parallel=wtp, pipeline_parallel=wpp)  # collective
         for tp, pp in LAYOUTS:
             with parallel_layout(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp), seed=0):
-                results.append(_check_layout(family, hf_dir, out / "model", tp, pp,
-                                             references[family]))
+                results.append(_check_layout(family, hf_dir, out / "model", tp, pp, references[family]))
     return results
 
 
@@ -145,6 +155,7 @@ def test_every_family_at_every_layout_matches_transformers():
     # compared logits (4 at PP=1, 2 at PP=2 per family).
     assert len(covered) == len(WRITTEN_AT) * len(LAYOUTS)
     for (family, layout), names in covered.items():
-        assert names == set(next(r["all_hf_names"] for res in per_rank for r in res
-                                 if r["family"] == family)), (family, layout)
+        assert names == set(
+            next(r["all_hf_names"] for res in per_rank for r in res if r["family"] == family)
+        ), (family, layout)
     assert compared == len(WRITTEN_AT) * (4 + 2 + 4 + 2)

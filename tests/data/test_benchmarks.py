@@ -25,8 +25,12 @@ def test_aime_answers_are_integers():
 
 def test_aime_rejects_a_non_integer_answer(tmp_path):
     path = tmp_path / "aime.jsonl"
-    path.write_text(json.dumps({"question": "q", "answer": 3}) + "\n"
-                    + json.dumps({"question": "q", "answer": "3/4"}) + "\n")
+    path.write_text(
+        json.dumps({"question": "q", "answer": 3})
+        + "\n"
+        + json.dumps({"question": "q", "answer": "3/4"})
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"aime.jsonl:2: answer: AIME answers are integers"):
         load_benchmark(path, "aime")
     assert detect_format(path) == "aime"
@@ -51,11 +55,15 @@ def test_livecodebench_tests_decode_and_run():
     problems, report = load_benchmark(sample_file("livecodebench_sample.jsonl"))
     assert [p.id for p in problems] == ["lcb-made-up-1", "lcb-made-up-2"]
     assert report.dropped == {"functional tests (stdin/stdout only)": 1}
-    assert problems[0].tests == [{"input": "3\n", "output": "6\n"}, {"input": "0\n", "output": "0\n"},
-                                 {"input": "-7\n", "output": "-14\n"}]
+    assert problems[0].tests == [
+        {"input": "3\n", "output": "6\n"},
+        {"input": "0\n", "output": "0\n"},
+        {"input": "-7\n", "output": "-14\n"},
+    ]
     assert problems[0].task == "code" and problems[0].meta["platform"] == "atcoder"
-    assert verify_code("print(2 * int(input()))", "python", problems[0].tests,
-                       CodeConfig(test_timeout_s=2.0)).correct
+    assert verify_code(
+        "print(2 * int(input()))", "python", problems[0].tests, CodeConfig(test_timeout_s=2.0)
+    ).correct
 
 
 class _Evil:
@@ -70,8 +78,17 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     marker = tmp_path / "pwned"
     evil = base64.b64encode(zlib.compress(pickle.dumps(_Evil(marker)))).decode()
     path = tmp_path / "lcb.jsonl"
-    path.write_text(json.dumps({"question_id": "x", "question_content": "q",
-                                "public_test_cases": "[]", "private_test_cases": evil}) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "question_id": "x",
+                "question_content": "q",
+                "public_test_cases": "[]",
+                "private_test_cases": evil,
+            }
+        )
+        + "\n"
+    )
     with pytest.raises(DataError, match=r"lcb.jsonl:1: private_test_cases: .*refusing to load"):
         load_benchmark(path)
     assert not marker.exists()

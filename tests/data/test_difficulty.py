@@ -7,9 +7,14 @@ import json
 
 import pytest
 
-from megatron_rl.config_checks import ConfigFieldError
-from megatron_rl.data.difficulty import (DifficultyConfig, attempts_from_scored, cluster_answers,
-                                         difficulty_filter, normalise_answer)
+from megatron_rl.config import ConfigFieldError
+from megatron_rl.data.difficulty import (
+    DifficultyConfig,
+    attempts_from_scored,
+    cluster_answers,
+    difficulty_filter,
+    normalise_answer,
+)
 from megatron_rl.data.problems import DataError, Problem
 from megatron_rl.data.sampling import Attempt
 from megatron_rl.rewards.math import MathConfig
@@ -20,20 +25,44 @@ def tries(*pairs) -> list[Attempt]:
     out = []
     for answer, correct, count in pairs:
         for _ in range(count):
-            out.append(Attempt(index=len(out), completion="", num_tokens=10, finish_reason="stop",
-                               reward=float(correct), reason="ok" if correct else "wrong_answer",
-                               correct=correct, answer=answer))
+            out.append(
+                Attempt(
+                    index=len(out),
+                    completion="",
+                    num_tokens=10,
+                    finish_reason="stop",
+                    reward=float(correct),
+                    reason="ok" if correct else "wrong_answer",
+                    correct=correct,
+                    answer=answer,
+                )
+            )
     return out
 
 
-PROBLEMS = [Problem(id=i, problem=f"problem {i}", answer=a) for i, a in
-            [("half", "4"), ("wrong-ref", "7"), ("easy", "1"), ("hard", "9"), ("unsampled", "2"),
-             ("split", "3"), ("rare", "5")]]
+PROBLEMS = [
+    Problem(id=i, problem=f"problem {i}", answer=a)
+    for i, a in [
+        ("half", "4"),
+        ("wrong-ref", "7"),
+        ("easy", "1"),
+        ("hard", "9"),
+        ("unsampled", "2"),
+        ("split", "3"),
+        ("rare", "5"),
+    ]
+]
 ATTEMPTS = {
     "half": tries(("4", True, 8), ("3", False, 4), (None, False, 4)),
     # 10 of 16 say six, spelled four ways: only the verifier sees one answer (exact match: 4 max).
-    "wrong-ref": tries(("7", True, 2), ("6", False, 4), ("6.0", False, 2), ("\\frac{12}{2}", False, 2),
-                       ("\\dfrac{18}{3}", False, 2), ("8", False, 4)),
+    "wrong-ref": tries(
+        ("7", True, 2),
+        ("6", False, 4),
+        ("6.0", False, 2),
+        ("\\frac{12}{2}", False, 2),
+        ("\\dfrac{18}{3}", False, 2),
+        ("8", False, 4),
+    ),
     "easy": tries(("1", True, 16)),
     "hard": tries(("2", False, 5), ("3", False, 5), (None, False, 6)),
     "split": tries(("3", True, 2), ("1", False, 7), ("2", False, 7)),  # no majority: 7/16 each
@@ -51,16 +80,23 @@ def test_bounds_and_flags(pool):
     assert d["wrong-ref"].decision == "likely_wrong_reference"
     assert d["rare"].flagged and d["rare"].majority_answer == "x"
     assert not d["split"].flagged and not d["hard"].flagged and d["hard"].majority_count == 5
-    assert (d["easy"].decision, d["hard"].decision, d["unsampled"].decision) == \
-        ("always_solved", "never_solved", "no_samples")
-    assert dict(report.dropped) == {"likely_wrong_reference": 2, "always_solved": 1,
-                                    "never_solved": 1, "no_samples": 1}
+    assert (d["easy"].decision, d["hard"].decision, d["unsampled"].decision) == (
+        "always_solved",
+        "never_solved",
+        "no_samples",
+    )
+    assert dict(report.dropped) == {
+        "likely_wrong_reference": 2,
+        "always_solved": 1,
+        "never_solved": 1,
+        "no_samples": 1,
+    }
     assert report.kept == 2 and report.notes["flagged: majority answer differs from the reference"] == 2
 
 
 def test_custom_bounds_and_keeping_flagged(pool):
     cfg = DifficultyConfig(low=0.1, high=0.9, drop_flagged=False)
-    kept, details, report = difficulty_filter(PROBLEMS, ATTEMPTS, cfg, pool=pool, progress=False)
+    kept, _details, report = difficulty_filter(PROBLEMS, ATTEMPTS, cfg, pool=pool, progress=False)
     assert [p.id for p in kept] == ["half", "wrong-ref", "split"]  # 2/16 = 0.125 > 0.1
     assert report.dropped["too_hard (pass rate <= 0.1)"] == 2  # hard (0) and rare (1/16)
     assert report.dropped["too_easy (pass rate >= 0.9)"] == 1
@@ -79,11 +115,24 @@ def test_config_checks_name_the_field():
 
 
 def test_attempts_from_scored_reads_reward_cli_output(tmp_path):
-    lines = [{"problem": "1+1?", "answer": "2", "group_id": "p1", "reason": "ok", "correct": True,
-              "completion": "<think>a</think>\\boxed{2}"},
-             {"problem": "1+1?", "answer": "2", "group_id": "p1", "reason": "wrong_answer",
-              "completion": "<think>a</think>\\boxed{3}"},
-             {"problem_id": "p2", "correct": False, "completion": "no format"}]
+    lines = [
+        {
+            "problem": "1+1?",
+            "answer": "2",
+            "group_id": "p1",
+            "reason": "ok",
+            "correct": True,
+            "completion": "<think>a</think>\\boxed{2}",
+        },
+        {
+            "problem": "1+1?",
+            "answer": "2",
+            "group_id": "p1",
+            "reason": "wrong_answer",
+            "completion": "<think>a</think>\\boxed{3}",
+        },
+        {"problem_id": "p2", "correct": False, "completion": "no format"},
+    ]
     path = tmp_path / "scored.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     got = attempts_from_scored(str(path))

@@ -11,10 +11,20 @@ from megatron_rl.data.rundir import Sample, SampleWriter, read_samples
 
 
 def sample(step=1, pid="p1", correct=True, **kw) -> Sample:
-    base = dict(step=step, prompt_id=pid, problem="1+1?", task="math", prompt_ids=[5, 6, 7],
-                completion_ids=[8, 9], completion="<think>x</think>\\boxed{2}", reward=1.0,
-                parts={"format": 0.1, "correct": 0.9}, reason="ok" if correct else "wrong_answer",
-                correct=correct, versions=[0, 1])
+    base = dict(
+        step=step,
+        prompt_id=pid,
+        problem="1+1?",
+        task="math",
+        prompt_ids=[5, 6, 7],
+        completion_ids=[8, 9],
+        completion="<think>x</think>\\boxed{2}",
+        reward=1.0,
+        parts={"format": 0.1, "correct": 0.9},
+        reason="ok" if correct else "wrong_answer",
+        correct=correct,
+        versions=[0, 1],
+    )
     return Sample(**{**base, **kw})
 
 
@@ -31,14 +41,17 @@ def test_writer_and_reader_roundtrip(tmp_path):
     assert list(read_samples(run / "samples.jsonl")) == got
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"step": -1}, "step: expected a non-negative integer"),
-    ({"task": "chat"}, "task: expected 'math' or 'code'"),
-    ({"reason": "bad_luck"}, "reason: expected one of ok, format_error"),
-    ({"versions": [0]}, "versions: 1 entries for 2 completion tokens"),
-    ({"prompt_ids": []}, "prompt_ids: expected a non-empty list"),
-    ({"correct": "yes"}, "correct: expected true, false or null"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"step": -1}, "step: expected a non-negative integer"),
+        ({"task": "chat"}, "task: expected 'math' or 'code'"),
+        ({"reason": "bad_luck"}, "reason: expected one of ok, format_error"),
+        ({"versions": [0]}, "versions: 1 entries for 2 completion tokens"),
+        ({"prompt_ids": []}, "prompt_ids: expected a non-empty list"),
+        ({"correct": "yes"}, "correct: expected true, false or null"),
+    ],
+)
 def test_a_bad_line_names_file_line_and_field(tmp_path, change, message):
     good = sample().to_json()
     bad = {**good, **change}
@@ -52,10 +65,19 @@ def test_from_the_loops_typed_records(tmp_path):
     from megatron_rl.types import Completion, Prompt, ScoredCompletion
 
     prompt = Prompt(prompt_id="p9", token_ids=[1, 2], text="2+2?", task="math", answer="4")
-    done = Completion(prompt_id="p9", sample_index=0, token_ids=[3, 4, 5], logprobs=[-0.1] * 3,
-                      versions=[6, 6, 7], text="<think>a</think>\\boxed{4}")
-    s = Sample.from_scored(7, prompt, ScoredCompletion(completion=done, reward=1.0, reason="ok",
-                                                       parts={"format": 0.1}, correct=True))
+    done = Completion(
+        prompt_id="p9",
+        sample_index=0,
+        token_ids=[3, 4, 5],
+        logprobs=[-0.1] * 3,
+        versions=[6, 6, 7],
+        text="<think>a</think>\\boxed{4}",
+    )
+    s = Sample.from_scored(
+        7,
+        prompt,
+        ScoredCompletion(completion=done, reward=1.0, reason="ok", parts={"format": 0.1}, correct=True),
+    )
     with SampleWriter(tmp_path) as w:
         w.write(s)
     [back] = read_samples(tmp_path)

@@ -12,16 +12,31 @@ from megatron_rl.batching.sft import build_sft_batch
 from megatron_rl.data.benchmarks import sample_file
 from megatron_rl.data.problems import DataError
 from megatron_rl.data.rundir import Sample, SampleWriter, read_samples
-from megatron_rl.data.sft import (SFTTraceConfig, collect_traces, load_general, mix_general,
-                                  read_sft_pairs, render_general)
+from megatron_rl.data.sft import (
+    SFTTraceConfig,
+    collect_traces,
+    load_general,
+    mix_general,
+    read_sft_pairs,
+    render_general,
+)
 from tests.data.tinylm import make_tokenizer
 
 
 def s(step, pid, correct, completion_ids) -> Sample:
-    return Sample(step=step, prompt_id=pid, problem=pid, task="math", prompt_ids=[1, 2, 3],
-                  completion_ids=completion_ids, completion="...", reward=float(bool(correct)),
-                  reason="ok" if correct else ("wrong_answer" if correct is False else "worker_timeout"),
-                  correct=correct, versions=[step] * len(completion_ids))
+    return Sample(
+        step=step,
+        prompt_id=pid,
+        problem=pid,
+        task="math",
+        prompt_ids=[1, 2, 3],
+        completion_ids=completion_ids,
+        completion="...",
+        reward=float(bool(correct)),
+        reason="ok" if correct else ("wrong_answer" if correct is False else "worker_timeout"),
+        correct=correct,
+        versions=[step] * len(completion_ids),
+    )
 
 
 def run_samples() -> list[Sample]:
@@ -79,8 +94,9 @@ def test_general_data_share_and_sft_batch(tmp_path):
 
 def test_render_general_splits_prompt_and_answer():
     tok = make_tokenizer()
-    prompt, answer = render_general([{"role": "user", "content": "Hi"},
-                                     {"role": "assistant", "content": "Hello"}], tok)
+    prompt, answer = render_general(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}], tok
+    )
     assert tok.decode(prompt) == "<|user|>Hi<|assistant|>"
     assert tok.decode(answer) == "Hello</s>" and answer[-1] == tok.eos_token_id
     with pytest.raises(ValueError, match="last message must be the assistant"):

@@ -7,15 +7,21 @@ import pytest
 
 from megatron_rl.data.problems import Problem
 from megatron_rl.data.sampling import load_tokenizer
-from megatron_rl.data.translate import (GeneratorTranslator, load_translator,
-                                        mark_for_translation, translate_marked)
+from megatron_rl.data.translate import (
+    GeneratorTranslator,
+    load_translator,
+    mark_for_translation,
+    translate_marked,
+)
 from megatron_rl.generation.api import LocalGenerator
 from tests.data.translators import word_for_word
 
 
 def problems(n: int, start: int = 0) -> list[Problem]:
-    return [Problem(id=f"p{i}", problem=f"What is the sum of {i} and 1", answer=str(i + 1))
-            for i in range(start, start + n)]
+    return [
+        Problem(id=f"p{i}", problem=f"What is the sum of {i} and 1", answer=str(i + 1))
+        for i in range(start, start + n)
+    ]
 
 
 def test_marking_takes_the_fraction_stably():
@@ -24,11 +30,14 @@ def test_marking_takes_the_fraction_stably():
     assert 70 <= len(chosen) <= 130 and set(chosen.values()) == {"fr", "de"}
     assert report.kept == 1000 and sum(report.notes.values()) == len(chosen)
     # Adding problems does not change the marks of the others.
-    more, _ = mark_for_translation(problems(1000) + problems(500, start=1000), fraction=0.1,
-                                   languages=["fr", "de"])
+    more, _ = mark_for_translation(
+        problems(1000) + problems(500, start=1000), fraction=0.1, languages=["fr", "de"]
+    )
     assert {p.id: p.meta["translate_to"] for p in more[:1000] if "translate_to" in p.meta} == chosen
-    assert not any("translate_to" in p.meta for p in mark_for_translation(
-        problems(50), fraction=0.0, languages=["fr"])[0])
+    assert not any(
+        "translate_to" in p.meta
+        for p in mark_for_translation(problems(50), fraction=0.0, languages=["fr"])[0]
+    )
     with pytest.raises(ValueError, match="fraction"):
         mark_for_translation(problems(1), fraction=1.5, languages=["fr"])
 

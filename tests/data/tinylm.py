@@ -20,9 +20,11 @@ import transformers
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 THINK = ["<think>", "</think>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
-                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def make_tokenizer(folder: str | Path | None = None) -> transformers.PreTrainedTokenizerFast:
@@ -35,8 +37,12 @@ def make_tokenizer(folder: str | Path | None = None) -> transformers.PreTrainedT
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        additional_special_tokens=SPECIALS[3:])
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=SPECIALS[3:],
+    )
     fast.add_tokens(THINK)  # not special: they stay in decoded text
     fast.chat_template = CHAT_TEMPLATE
     if folder is not None:
@@ -46,9 +52,18 @@ def make_tokenizer(folder: str | Path | None = None) -> transformers.PreTrainedT
 
 def _config(vocab: int, hidden: int, eos: int) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=4096,
-        eos_token_id=eos, bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
 
 
 def random_model(folder: str | Path, seed: int = 0) -> transformers.PreTrainedTokenizerFast:
@@ -61,8 +76,9 @@ def random_model(folder: str | Path, seed: int = 0) -> transformers.PreTrainedTo
     return tok
 
 
-def answering_model(folder: str | Path, p_four: float = 0.75,
-                    logit: float = 30.0) -> transformers.PreTrainedTokenizerFast:
+def answering_model(
+    folder: str | Path, p_four: float = 0.75, logit: float = 30.0
+) -> transformers.PreTrainedTokenizerFast:
     """The bigram model of the module docstring and its tokenizer, saved in ``folder``."""
     tok = make_tokenizer()
     vocab = len(tok)

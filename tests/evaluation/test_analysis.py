@@ -18,7 +18,9 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def test_fit_log_recovers_the_curve():
     xs = [100, 300, 1000, 3000, 10000]
     fit = fit_log(xs, [0.1 + 0.05 * math.log(x) for x in xs])
-    assert fit["a"] == pytest.approx(0.1) and fit["b"] == pytest.approx(0.05) and fit["r2"] == pytest.approx(1.0)
+    assert (
+        fit["a"] == pytest.approx(0.1) and fit["b"] == pytest.approx(0.05) and fit["r2"] == pytest.approx(1.0)
+    )
     with pytest.raises(ValueError, match="every length is the same"):
         fit_log([5, 5], [1, 2])
 
@@ -28,16 +30,32 @@ def test_reward_length_removes_the_length_penalty(tmp_path, capsys):
     for step in range(1, 30):
         length = 200 * step
         penalty = -0.1 if step > 20 else 0.0  # late steps hit the length penalty
-        rows.append({"step": step, "reward/mean": 0.2 + 0.1 * math.log(length) + penalty,
-                     "reward/length_penalty": penalty, "length/mean": length})
+        rows.append(
+            {
+                "step": step,
+                "reward/mean": 0.2 + 0.1 * math.log(length) + penalty,
+                "reward/length_penalty": penalty,
+                "length/mean": length,
+            }
+        )
         rows.append({"step": step, "eval/aime": 0.3})  # other lines are skipped
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     res = reward_length(tmp_path / "metrics.jsonl", tmp_path / "fig9.png")
     assert res["b"] == pytest.approx(0.1) and res["r2"] == pytest.approx(1.0) and res["points"] == 29
     assert (tmp_path / "fig9.png").read_bytes()[:8] == PNG
     assert json.loads((tmp_path / "fig9.json").read_text())["a"] == pytest.approx(0.2)
-    assert main(["reward-length", "--metrics", str(tmp_path / "metrics.jsonl"), "--out",
-                 str(tmp_path / "again.png")]) == 0
+    assert (
+        main(
+            [
+                "reward-length",
+                "--metrics",
+                str(tmp_path / "metrics.jsonl"),
+                "--out",
+                str(tmp_path / "again.png"),
+            ]
+        )
+        == 0
+    )
     assert "0.1000 ln(length)" in capsys.readouterr().out
     rows[4]["length/mean"] = "long"
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -55,8 +73,10 @@ def checkpoints(tmp_path, n=6) -> list[str]:
     for i in range(n):
         folder = tmp_path / f"step_{i * 100}"
         folder.mkdir()
-        save_file({k: base[k] + i * d1[k] + 0.1 * (-1) ** i * d2[k] for k in base},
-                  str(folder / "model.safetensors"))
+        save_file(
+            {k: base[k] + i * d1[k] + 0.1 * (-1) ** i * d2[k] for k in base},
+            str(folder / "model.safetensors"),
+        )
         folders.append(str(folder))
     return folders
 
@@ -76,8 +96,10 @@ def test_weight_pca_finds_the_main_direction(tmp_path):
 
 def test_weight_pca_refuses_mismatched_checkpoints(tmp_path):
     folders = checkpoints(tmp_path, 3)
-    save_file({"a.weight": torch.zeros(40, 30), "c": torch.zeros(2)},
-              str(tmp_path / "step_200" / "model.safetensors"))
+    save_file(
+        {"a.weight": torch.zeros(40, 30), "c": torch.zeros(2)},
+        str(tmp_path / "step_200" / "model.safetensors"),
+    )
     with pytest.raises(DataError, match="holds different tensors"):
         weight_pca(folders, tmp_path / "x.png")
     assert main(["weight-pca", "--checkpoints", folders[0], "--out", str(tmp_path / "y.png")]) == 2

@@ -17,29 +17,39 @@ from collections import Counter
 import pytest
 
 from megatron_rl.batching.sft import build_sft_batch
-from megatron_rl.data.cli import main as curate
+from megatron_rl.cli.curate import main as curate
+from megatron_rl.cli.evaluate import main as evaluate
 from megatron_rl.data.difficulty import difficulty_filter
-from megatron_rl.data.problems import Problem, read_problems, write_jsonl
+from megatron_rl.data.problems import Problem, read_problems, write_problems
 from megatron_rl.data.rundir import Sample, SampleWriter
 from megatron_rl.data.sampling import SamplingConfig, load_tokenizer, sample_and_score
 from megatron_rl.data.sft import read_sft_pairs
-from megatron_rl.evaluation.cli import main as evaluate
 from megatron_rl.evaluation.metrics import pass_at_k
 from megatron_rl.generation.api import LocalGenerator
 from megatron_rl.rewards.compose import RewardConfig
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SET = [Problem(id="four", problem="What is 2 + 2?", answer="4"),
-       Problem(id="five", problem="What is 2 + 3?", answer="5"),
-       Problem(id="seven", problem="What is 3 + 4?", answer="7")]
+SET = [
+    Problem(id="four", problem="What is 2 + 2?", answer="4"),
+    Problem(id="five", problem="What is 2 + 3?", answer="5"),
+    Problem(id="seven", problem="What is 3 + 4?", answer="7"),
+]
 
 
 @pytest.fixture(scope="module")
 def sampled(answering_folder, pool):
     tok = load_tokenizer(answering_folder)
     gen = LocalGenerator.from_pretrained(answering_folder, max_slots=16, max_len=1024)
-    attempts = sample_and_score(SET, gen, tok, SamplingConfig(k=32, max_new_tokens=24, seed=0),
-                                RewardConfig(), pool=pool, progress=False, keep_tokens=True)
+    attempts = sample_and_score(
+        SET,
+        gen,
+        tok,
+        SamplingConfig(k=32, max_new_tokens=24, seed=0),
+        RewardConfig(),
+        pool=pool,
+        progress=False,
+        keep_tokens=True,
+    )
     return tok, attempts
 
 
@@ -59,10 +69,27 @@ def test_difficulty_filter_through_the_engine(sampled, pool, answering_folder, t
         assert d[pid].decision == "likely_wrong_reference"
     assert report.dropped == {"likely_wrong_reference": 2}
     # The same through `megatron-rl curate difficulty --model`: same seeds, same verdicts.
-    write_jsonl(tmp_path / "set.jsonl", SET)
+    write_problems(tmp_path / "set.jsonl", SET)
     out = tmp_path / "kept.jsonl"
-    assert curate(["difficulty", "--input", str(tmp_path / "set.jsonl"), "--output", str(out),
-                   "--model", answering_folder, "--k", "32", "--max-new-tokens", "24", "--quiet"]) == 0
+    assert (
+        curate(
+            [
+                "difficulty",
+                "--input",
+                str(tmp_path / "set.jsonl"),
+                "--output",
+                str(out),
+                "--model",
+                answering_folder,
+                "--k",
+                "32",
+                "--max-new-tokens",
+                "24",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     assert [p.id for p in read_problems(out)] == ["four"]
     cli = [json.loads(x) for x in (tmp_path / "kept.difficulty.jsonl").read_text().splitlines()]
     assert [x["pass_rate"] for x in cli] == [d[p.id].pass_rate for p in SET]
@@ -75,14 +102,24 @@ def test_sft_traces_from_a_run_directory_to_a_batch(sampled, tmp_path):
     with SampleWriter(run) as w:  # what the RL loop would have written, one step per 8 samples
         for p in SET:
             for a in attempts[p.id]:
-                w.write(Sample(step=a.index // 8, prompt_id=p.id, problem=p.problem, task="math",
-                               prompt_ids=a.prompt_ids, completion_ids=a.completion_ids,
-                               completion=a.completion, reward=a.reward, parts=a.parts,
-                               reason=a.reason, correct=a.correct,
-                               versions=[a.index // 8] * len(a.completion_ids)))
+                w.write(
+                    Sample(
+                        step=a.index // 8,
+                        prompt_id=p.id,
+                        problem=p.problem,
+                        task="math",
+                        prompt_ids=a.prompt_ids,
+                        completion_ids=a.completion_ids,
+                        completion=a.completion,
+                        reward=a.reward,
+                        parts=a.parts,
+                        reason=a.reason,
+                        correct=a.correct,
+                        versions=[a.index // 8] * len(a.completion_ids),
+                    )
+                )
     out = tmp_path / "sft.jsonl"
-    assert curate(["sft-traces", "--run", str(run), "--output", str(out), "--min-step", "1",
-                   "--quiet"]) == 0
+    assert curate(["sft-traces", "--run", str(run), "--output", str(out), "--min-step", "1", "--quiet"]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     # Correct completions only: one distinct trace each for "four" and "five", none for "seven";
     # "five" (pass rate ~0.25 from step 1 on) is upsampled by ceil(0.5 / rate).
@@ -91,19 +128,40 @@ def test_sft_traces_from_a_run_directory_to_a_batch(sampled, tmp_path):
     assert Counter(r["prompt_id"] for r in rows) == {"four": 1, "five": min(4, math.ceil(0.5 / rate))}
     batch = build_sft_batch(read_sft_pairs(str(out)))
     seq = next(s for s, r in zip(batch.sequences, rows) if r["prompt_id"] == "five")
-    assert tok.decode(seq.tokens[seq.prompt_length:].tolist()) == "<think>hm</think>\\boxed{5}</s>"
-    assert tok.decode(seq.tokens[:seq.prompt_length].tolist()).endswith("<|assistant|>")
+    assert tok.decode(seq.tokens[seq.prompt_length :].tolist()) == "<think>hm</think>\\boxed{5}</s>"
+    assert tok.decode(seq.tokens[: seq.prompt_length].tolist()).endswith("<|assistant|>")
     assert sum(s.weight * s.completion_length for s in batch.sequences) == pytest.approx(1.0)
 
 
 def test_eval_cli_writes_json_markdown_and_plots(answering_folder, tmp_path, capsys):
     data = tmp_path / "eval.jsonl"
-    write_jsonl(data, [Problem(id="four", problem="What is 2 + 2?", answer="4", lang="en"),
-                       Problem(id="four@fr", problem="Combien font 2 + 2 ?", answer="4", lang="fr"),
-                       Problem(id="five", problem="What is 2 + 3?", answer="5", lang="en")])
+    write_problems(
+        data,
+        [
+            Problem(id="four", problem="What is 2 + 2?", answer="4", lang="en"),
+            Problem(id="four@fr", problem="Combien font 2 + 2 ?", answer="4", lang="fr"),
+            Problem(id="five", problem="What is 2 + 3?", answer="5", lang="en"),
+        ],
+    )
     out = tmp_path / "report"
-    assert evaluate(["--model", answering_folder, "--data", str(data), "--k", "8",
-                     "--max-new-tokens", "24", "--out", str(out), "--quiet"]) == 0
+    assert (
+        evaluate(
+            [
+                "--model",
+                answering_folder,
+                "--data",
+                str(data),
+                "--k",
+                "8",
+                "--max-new-tokens",
+                "24",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     report = json.loads((out / "report.json").read_text())
     samples = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 24

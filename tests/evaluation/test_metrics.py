@@ -8,18 +8,24 @@ from math import comb
 import pytest
 
 from megatron_rl.data.sampling import Attempt
-from megatron_rl.evaluation.metrics import (aggregate, default_ks, evaluate_problem,
-                                            majority_score, pass_at_k)
+from megatron_rl.evaluation.metrics import aggregate, default_ks, evaluate_problem, majority_score, pass_at_k
 
 
 def exact(n: int, c: int, k: int) -> Fraction:
     return 1 - Fraction(comb(n - c, k), comb(n, k))
 
 
-@pytest.mark.parametrize("n, c, k, value", [
-    (16, 0, 1, 0.0), (16, 1, 1, 1 / 16), (16, 16, 16, 1.0), (10, 3, 5, 1 - 21 / 252),
-    (4, 2, 2, 1 - 1 / 6), (16, 15, 2, 1.0),  # n - c < k: every pair holds a correct one
-])
+@pytest.mark.parametrize(
+    "n, c, k, value",
+    [
+        (16, 0, 1, 0.0),
+        (16, 1, 1, 1 / 16),
+        (16, 16, 16, 1.0),
+        (10, 3, 5, 1 - 21 / 252),
+        (4, 2, 2, 1 - 1 / 6),
+        (16, 15, 2, 1.0),  # n - c < k: every pair holds a correct one
+    ],
+)
 def test_known_counts(n, c, k, value):
     assert pass_at_k(n, c, k) == pytest.approx(value, abs=1e-12)
 
@@ -47,15 +53,28 @@ def test_majority_score():
 
 
 def att(correct: bool, n: int = 10, finish: str = "stop") -> Attempt:
-    return Attempt(index=0, completion="", num_tokens=n, finish_reason=finish, reward=float(correct),
-                   reason="ok" if correct else "wrong_answer", correct=correct)
+    return Attempt(
+        index=0,
+        completion="",
+        num_tokens=n,
+        finish_reason=finish,
+        reward=float(correct),
+        reason="ok" if correct else "wrong_answer",
+        correct=correct,
+    )
 
 
 def test_evaluate_and_aggregate():
     ks = default_ks(4)
     assert ks == [1, 2, 4]
-    a = evaluate_problem("a", "math", "en", [att(True, 10), att(False, 20), att(False, 30, "length"),
-                                             att(True, 40)], ks, [0, 1, 1, 0])
+    a = evaluate_problem(
+        "a",
+        "math",
+        "en",
+        [att(True, 10), att(False, 20), att(False, 30, "length"), att(True, 40)],
+        ks,
+        [0, 1, 1, 0],
+    )
     b = evaluate_problem("b", "math", "fr", [att(False)] * 4, ks, [2, 2, 1, None])
     c = evaluate_problem("c", "code", "en", [att(True)] * 3 + [att(False)], ks)
     assert a.pass_at == pytest.approx({1: 0.5, 2: 1 - 1 / 6, 4: 1.0}) and a.maj == 0.5  # 2-2 tie

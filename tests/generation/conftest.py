@@ -10,10 +10,20 @@ import transformers
 
 from tests.training.conftest import single_rank  # noqa: F401
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-            initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-            tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
 
 
 @pytest.fixture(scope="session")

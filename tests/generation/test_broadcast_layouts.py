@@ -42,31 +42,36 @@ SEQUENCES = [(prompt(4 + i, 300 + i), prompt(8, 400 + i)) for i in range(3)]  # 
 LOGPROB_TOL = 1e-4
 
 
-def _sync_one_layout(rank: int, name: str, folder: str, url: str, port: int,
-                     out_file: str) -> list[list[float]]:
+def _sync_one_layout(
+    rank: int, name: str, folder: str, url: str, port: int, out_file: str
+) -> list[list[float]]:
     """Build the trainer at layout ``name``, join the update group, sync, report."""
     from safetensors.torch import save_file
 
     from megatron_rl.algorithms.config import GRPOConfig
     from megatron_rl.batching.config import BatchingConfig
+    from megatron_rl.training.chunks import iter_model_hf
     from megatron_rl.training.config import TrainerConfig
     from megatron_rl.training.parallel import ParallelConfig
     from megatron_rl.training.trainer import PolicyTrainer
     from megatron_rl.types import TrainBatch, TrainSequence
-    from megatron_rl.weight_sync.broadcast import (WeightBroadcaster, WeightSyncConfig,
-                                                   iter_model_hf)
+    from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
 
     tp, pp = LAYOUTS[name]
-    trainer = PolicyTrainer(folder, TrainerConfig(
-        parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp)), GRPOConfig(),
-        BatchingConfig())
+    trainer = PolicyTrainer(
+        folder,
+        TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp)),
+        GRPOConfig(),
+        BatchingConfig(),
+    )
     fleet = FleetClient([url])
     try:
         # Small buckets (50 KB): several broadcasts per sync.
-        bc = WeightBroadcaster(trainer.chunks, folder, fleet,
-                               WeightSyncConfig(backend="gloo", master_port=port, bucket_mb=0.05,
-                                                group_name=f"layouts_{name}"),
-                               tensor_parallel=tp)
+        bc = WeightBroadcaster(
+            trainer.hf_tensors,
+            fleet,
+            WeightSyncConfig(backend="gloo", master_port=port, bucket_mb=0.05, group_name=f"layouts_{name}"),
+        )
         bc.connect()
         stats = bc.sync(version=VERSION)
         hf = {n: t.clone() for n, t in iter_model_hf(trainer.chunks, bc.converter)}
@@ -76,11 +81,20 @@ def _sync_one_layout(rank: int, name: str, folder: str, url: str, port: int,
         else:
             assert not hf  # everything went to rank 0
         bc.close()
-        batch = TrainBatch(sequences=[TrainSequence(
-            tokens=torch.tensor(p + c), prompt_length=len(p),
-            behaviour_logprobs=torch.zeros(len(c)), versions=torch.zeros(len(c), dtype=torch.long),
-            advantage=0.0, weight=1.0, group_id=i)
-            for i, (p, c) in enumerate(SEQUENCES)])
+        batch = TrainBatch(
+            sequences=[
+                TrainSequence(
+                    tokens=torch.tensor(p + c),
+                    prompt_length=len(p),
+                    behaviour_logprobs=torch.zeros(len(c)),
+                    versions=torch.zeros(len(c), dtype=torch.long),
+                    advantage=0.0,
+                    weight=1.0,
+                    group_id=i,
+                )
+                for i, (p, c) in enumerate(SEQUENCES)
+            ]
+        )
         # Plain floats: tensors would cross the result queue as shared memory that dies with
         # this process.
         return [lp.tolist() for lp in trainer.compute_logprobs(batch, temperature=1.0)]
@@ -124,7 +138,7 @@ def _decoder_logprobs(folder: str, hf: dict[str, torch.Tensor]) -> list[torch.Te
     model.load_state_dict(hf)
     out = []
     for p, c in SEQUENCES:
-        logits = model.full_logits(torch.tensor([p + c]))[0, len(p) - 1:-1]
+        logits = model.full_logits(torch.tensor([p + c]))[0, len(p) - 1 : -1]
         out.append(torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(c)[:, None])[:, 0])
     return out
 
@@ -133,8 +147,7 @@ def test_two_rank_trainers_at_tp2_and_pp2_update_their_servers(servers, tiny_lla
     from safetensors.torch import load_file
 
     before = {name: _digest(s.url) for name, s in servers.items()}
-    jobs = {name: (s.url, free_port(), str(tmp_path / f"{name}.safetensors"))
-            for name, s in servers.items()}
+    jobs = {name: (s.url, free_port(), str(tmp_path / f"{name}.safetensors")) for name, s in servers.items()}
     per_rank = run_ranks(_sync_every_layout, 2, args=(tiny_llama, jobs), timeout=120)
 
     for name, server in servers.items():
@@ -144,8 +157,16 @@ def test_two_rank_trainers_at_tp2_and_pp2_update_their_servers(servers, tiny_lla
         assert digest != before[name], name
 
         fleet = FleetClient([server.url])
-        reqs = [GenRequest(request_id=f"{name}-{i}", input_ids=prompt(5, 700 + i),
-                           max_new_tokens=6, temperature=1.0, seed=i) for i in range(3)]
+        reqs = [
+            GenRequest(
+                request_id=f"{name}-{i}",
+                input_ids=prompt(5, 700 + i),
+                max_new_tokens=6,
+                temperature=1.0,
+                seed=i,
+            )
+            for i in range(3)
+        ]
         results = list(fleet.generate(reqs))
         fleet.close()
         assert sorted(r.request_id for r in results) == [r.request_id for r in reqs], name
@@ -154,5 +175,6 @@ def test_two_rank_trainers_at_tp2_and_pp2_update_their_servers(servers, tiny_lla
         # Both ranks got the same trainer log-probs (all-reduced); the tensors reproduce them.
         assert per_rank[0][name] == per_rank[1][name], name
         for trainer_lp, decoder_lp in zip(per_rank[0][name], _decoder_logprobs(tiny_llama, hf)):
-            torch.testing.assert_close(decoder_lp, torch.tensor(trainer_lp), atol=LOGPROB_TOL,
-                                       rtol=0, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(
+                decoder_lp, torch.tensor(trainer_lp), atol=LOGPROB_TOL, rtol=0, msg=lambda m: f"{name}: {m}"
+            )

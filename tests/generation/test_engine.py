@@ -10,17 +10,26 @@ import transformers
 from megatron_rl.algorithms.logprobs import token_logprobs
 from megatron_rl.generation.engine import Decoder, Engine, EngineConfig
 
-_COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               initializer_range=0.1, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+_COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
 
 # name -> (config class, extra config, randomise biases, save shard size)
 _MODELS = {
     # head_dim 24 != 64 / 4: the projections are not square, the rope width follows head_dim.
     "llama": (transformers.LlamaConfig, dict(head_dim=24, rope_theta=500000.0), False, "40KB"),
     "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True), False, None),
-    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=False),
-              True, None),
+    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=False), True, None),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None), False, None),
 }
 
@@ -74,6 +83,7 @@ def test_logits_match_transformers(hf_models, name):
 
 def test_sharded_folder_was_sharded(hf_models):
     import os
+
     assert "model.safetensors.index.json" in os.listdir(hf_models["llama"][0])
 
 
@@ -86,11 +96,11 @@ def test_load_state_dict_takes_transformers_tensors(hf_models, name):
     ids = torch.tensor([_prompt(7)])
     torch.testing.assert_close(fresh.full_logits(ids), model.full_logits(ids), atol=0, rtol=0)
     names = set(fresh.named_weights())
-    assert names == {n for n in hf.state_dict() if not (n == "lm_head.weight" and
-                                                       model.cfg.tie_word_embeddings)}
+    assert names == {
+        n for n in hf.state_dict() if not (n == "lm_head.weight" and model.cfg.tie_word_embeddings)
+    }
     if model.cfg.tie_word_embeddings:  # an explicit tied head is accepted only if it matches
-        state = dict(hf.state_dict(), **{"lm_head.weight": hf.state_dict()[
-            "model.embed_tokens.weight"]})
+        state = dict(hf.state_dict(), **{"lm_head.weight": hf.state_dict()["model.embed_tokens.weight"]})
         fresh.load_state_dict(state)
         state["lm_head.weight"] = state["lm_head.weight"] + 1.0
         with pytest.raises(ValueError, match="lm_head.weight"):
@@ -114,8 +124,9 @@ def test_greedy_matches_generate(hf_models, name):
     folder, hf = hf_models[name]
     prompt = _prompt(9, 3)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
-                          min_new_tokens=16, pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     engine = _engine(folder)
     engine.add_request("r", prompt, max_new_tokens=16, temperature=0.0)
     assert _run(engine)["r"].token_ids == ref
@@ -123,6 +134,7 @@ def test_greedy_matches_generate(hf_models, name):
 
 def test_kv_cache_decode_matches_full_forward(hf_models):
     from megatron_rl.generation.engine import KVCache
+
     model = Decoder.from_pretrained(hf_models["qwen2"][0])
     seqs = [_prompt(14, 4), _prompt(14, 5)]
     full = [model.full_logits(torch.tensor([s]))[0] for s in seqs]
@@ -145,13 +157,15 @@ def test_batched_requests_equal_each_alone(hf_models):
     specs = [(f"r{i}", _prompt(n, 10 + i), 100 + i) for i, n in enumerate([3, 12, 7, 1, 9])]
     batched = _engine(folder, slots=3)  # 5 requests, 3 slots: some wait, slots get reused
     for rid, prompt, seed in specs:
-        batched.add_request(rid, prompt, max_new_tokens=10 + len(prompt) % 4, temperature=0.9,
-                            top_p=0.95, seed=seed)
+        batched.add_request(
+            rid, prompt, max_new_tokens=10 + len(prompt) % 4, temperature=0.9, top_p=0.95, seed=seed
+        )
     together = _run(batched)
     for rid, prompt, seed in specs:
         alone = _engine(folder, slots=1)
-        alone.add_request(rid, prompt, max_new_tokens=10 + len(prompt) % 4, temperature=0.9,
-                          top_p=0.95, seed=seed)
+        alone.add_request(
+            rid, prompt, max_new_tokens=10 + len(prompt) % 4, temperature=0.9, top_p=0.95, seed=seed
+        )
         got = _run(alone)[rid]
         assert together[rid].token_ids == got.token_ids
         torch.testing.assert_close(together[rid].logprobs, got.logprobs, atol=1e-5, rtol=0)
@@ -163,12 +177,11 @@ def test_logprobs_are_full_vocab_tempered_logsoftmax(hf_models, temperature, top
     engine = _engine(folder)
     prompts = {"a": _prompt(5, 20), "b": _prompt(10, 21)}
     for rid, p in prompts.items():
-        engine.add_request(rid, p, max_new_tokens=12, temperature=temperature, top_p=top_p,
-                           seed=7)
+        engine.add_request(rid, p, max_new_tokens=12, temperature=temperature, top_p=top_p, seed=7)
     out = _run(engine)
     for rid, p in prompts.items():
         toks = out[rid].token_ids
-        logits = engine.model.full_logits(torch.tensor([p + toks]))[0, len(p) - 1:-1]
+        logits = engine.model.full_logits(torch.tensor([p + toks]))[0, len(p) - 1 : -1]
         ref = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(toks)[:, None])
         got = torch.tensor(out[rid].logprobs)
         torch.testing.assert_close(got, ref[:, 0], atol=1e-5, rtol=0)
@@ -235,13 +248,11 @@ def test_stop_token_ends_the_request(hf_models):
     engine.add_request("a", _prompt(8), max_new_tokens=12, temperature=0.0)
     full = _run(engine)["a"].token_ids
     stop = full[4]
-    engine.add_request("b", _prompt(8), max_new_tokens=12, temperature=0.0,
-                       stop_token_ids=[stop])
+    engine.add_request("b", _prompt(8), max_new_tokens=12, temperature=0.0, stop_token_ids=[stop])
     got = _run(engine)["b"]
     cut = full.index(stop) + 1
     assert got.finish_reason == "stop" and got.token_ids == full[:cut]
-    eos_engine = Engine.from_pretrained(folder, EngineConfig(max_slots=2, max_len=32),
-                                        eos_token_ids=[stop])
+    eos_engine = Engine.from_pretrained(folder, EngineConfig(max_slots=2, max_len=32), eos_token_ids=[stop])
     eos_engine.add_request("c", _prompt(8), max_new_tokens=12, temperature=0.0)
     assert _run(eos_engine)["c"].token_ids == full[:cut]
 

@@ -18,9 +18,9 @@ from megatron_rl.generation.api import GenRequest, LocalGenerator
 from megatron_rl.generation.client import FleetClient, ServerLost
 from megatron_rl.generation.engine import Engine, EngineConfig
 from megatron_rl.generation.engine.launch import EngineProcess
+from megatron_rl.training.chunks import iter_model_hf
 from megatron_rl.types import TrainBatch, TrainSequence
-from megatron_rl.weight_sync.broadcast import (WeightBroadcaster, WeightSyncConfig,
-                                               iter_model_hf)
+from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
 from tests.generation.conftest import free_port, prompt
 
 pytestmark = pytest.mark.distributed  # real processes and process groups
@@ -37,8 +37,7 @@ def trainer(single_rank, tiny_llama):
     from megatron_rl.training.config import OptimConfig, TrainerConfig
     from megatron_rl.training.trainer import PolicyTrainer
 
-    t = PolicyTrainer(tiny_llama, TrainerConfig(optim=OptimConfig(lr=1e-3)), GRPOConfig(),
-                      BatchingConfig())
+    t = PolicyTrainer(tiny_llama, TrainerConfig(optim=OptimConfig(lr=1e-3)), GRPOConfig(), BatchingConfig())
     yield t
 
 
@@ -46,9 +45,9 @@ def trainer(single_rank, tiny_llama):
 def synced(trainer, server, tiny_llama):
     """The server joined to the trainer's update group (rank 0 = this process)."""
     fleet = FleetClient([server.url])
-    bc = WeightBroadcaster(trainer.chunks, tiny_llama, fleet,
-                           WeightSyncConfig(backend="gloo", master_port=free_port(),
-                                            bucket_mb=0.05))
+    bc = WeightBroadcaster(
+        trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo", master_port=free_port(), bucket_mb=0.05)
+    )
     bc.connect()
     yield fleet, bc
     bc.close()
@@ -60,8 +59,9 @@ def _info(url: str) -> dict:
 
 
 def _post(url: str, route: str, body) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{url}{route}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{url}{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req) as r:
             return r.status, json.load(r)
@@ -70,25 +70,36 @@ def _post(url: str, route: str, body) -> tuple[int, dict]:
 
 
 def _trainer_hf(trainer, tiny_llama) -> dict[str, torch.Tensor]:
-    from megatron_rl.weight_sync.hf_map import HFConverter
+    from megatron_rl.hf.layout import HFConverter
 
-    return {n: t.clone() for n, t in iter_model_hf(trainer.chunks,
-                                                   HFConverter.for_config(tiny_llama))}
+    return {n: t.clone() for n, t in iter_model_hf(trainer.chunks, HFConverter.for_config(tiny_llama))}
 
 
 def test_generate_over_http_matches_the_in_process_engine(server, tiny_llama):
     fleet = FleetClient([server.url])
     assert fleet.capacity_tokens() == 8 * 512
-    reqs = [GenRequest(request_id=f"r{i}", input_ids=prompt(5 + i, i), max_new_tokens=10 + i,
-                       temperature=0.8, top_p=0.95, seed=100 + i) for i in range(6)]
+    reqs = [
+        GenRequest(
+            request_id=f"r{i}",
+            input_ids=prompt(5 + i, i),
+            max_new_tokens=10 + i,
+            temperature=0.8,
+            top_p=0.95,
+            seed=100 + i,
+        )
+        for i in range(6)
+    ]
     remote = {r.request_id: r for r in fleet.generate(reqs)}
-    local = {r.request_id: r for r in
-             LocalGenerator.from_pretrained(tiny_llama, max_slots=8, max_len=512).generate(reqs)}
+    local = {
+        r.request_id: r
+        for r in LocalGenerator.from_pretrained(tiny_llama, max_slots=8, max_len=512).generate(reqs)
+    }
     assert sorted(remote) == sorted(local) == [r.request_id for r in reqs]
     for rid, r in remote.items():
         assert r.token_ids == local[rid].token_ids
-        torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(local[rid].logprobs),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.logprobs), torch.tensor(local[rid].logprobs), atol=1e-5, rtol=0
+        )
         assert r.versions == [0] * len(r.token_ids) and r.finish_reason == "length"
         assert r.server == server.url
     fleet.close()
@@ -97,20 +108,21 @@ def test_generate_over_http_matches_the_in_process_engine(server, tiny_llama):
 def test_bad_requests_get_a_clear_error(server):
     status, body = _post(server.url, "/generate", {"text": "hello"})
     assert status == 400 and "input_ids" in body["message"]
-    status, body = _post(server.url, "/generate", {"input_ids": [1, 2],
-                                                   "sampling_params": {"max_new_tokens": 600}})
+    status, body = _post(
+        server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 600}}
+    )
     assert status == 400 and "max_len 512" in body["message"]
     status, body = _post(server.url, "/pause_generation", {"mode": "retract"})
     assert status == 400 and "in_place" in body["message"]
-    status, body = _post(server.url, "/update_weights_from_distributed",
-                         {"names": [], "dtypes": [], "shapes": []})
+    status, body = _post(
+        server.url, "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []}
+    )
     assert status == 400 and "begin_weight_update" in body["message"]
     status, _ = _post(server.url, "/no_such_route", {})
     assert status == 404
 
 
-def test_update_in_flight_keeps_the_kv_cache_and_versions_the_tokens(synced, trainer, server,
-                                                                     tiny_llama):
+def test_update_in_flight_keeps_the_kv_cache_and_versions_the_tokens(synced, trainer, server, tiny_llama):
     fleet, bc = synced
     start_prefill = _info(server.url)["internal_states"][0]["prefill_tokens"]
     ids = prompt(9, 42)
@@ -142,24 +154,33 @@ def test_update_in_flight_keeps_the_kv_cache_and_versions_the_tokens(synced, tra
     engine.set_version(1)
     (ref,) = engine.generate_all()
     assert ref.token_ids == result.token_ids and ref.versions == result.versions
-    torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(ref.logprobs),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(ref.logprobs), atol=1e-5, rtol=0)
     # ...which a recompute of the prefix under the new weights would not give.
     full = torch.tensor([ids + result.token_ids])
-    recomputed = torch.log_softmax(engine.model.full_logits(full)[0, len(ids) - 1:-1], -1)
+    recomputed = torch.log_softmax(engine.model.full_logits(full)[0, len(ids) - 1 : -1], -1)
     recomputed = recomputed.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]
     assert (recomputed[n_old:] - torch.tensor(result.logprobs[n_old:])).abs().max() > 1e-4
 
     # The server now holds the trainer's weights bit for bit.
     digest = json.load(urllib.request.urlopen(f"{server.url}/megatron_rl/weights_digest"))
-    assert digest == {n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy()
-                                        .tobytes()).hexdigest() for n, t in new.items()}
+    assert digest == {
+        n: hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in new.items()
+    }
 
 
 def test_no_request_lost_or_duplicated_across_updates(synced, trainer, server):
     fleet, bc = synced
-    reqs = [GenRequest(request_id=f"q{i}", input_ids=prompt(4 + i % 5, 1000 + i),
-                       max_new_tokens=100 + 35 * i, temperature=1.0, seed=i) for i in range(12)]
+    reqs = [
+        GenRequest(
+            request_id=f"q{i}",
+            input_ids=prompt(4 + i % 5, 1000 + i),
+            max_new_tokens=100 + 35 * i,
+            temperature=1.0,
+            seed=i,
+        )
+        for i in range(12)
+    ]
     futs = [fleet.submit(r) for r in reqs]
     for version in (2, 3):
         steps = _info(server.url)["internal_states"][0]["steps"]
@@ -179,26 +200,47 @@ def test_server_logprobs_agree_with_the_trainer(synced, trainer, server):
     fleet, bc = synced
     bc.sync(version=4)
     temperature = 0.7
-    reqs = [GenRequest(request_id=f"lp{i}", input_ids=prompt(3 + 2 * i, 500 + i),
-                       max_new_tokens=24, temperature=temperature, seed=i) for i in range(6)]
+    reqs = [
+        GenRequest(
+            request_id=f"lp{i}",
+            input_ids=prompt(3 + 2 * i, 500 + i),
+            max_new_tokens=24,
+            temperature=temperature,
+            seed=i,
+        )
+        for i in range(6)
+    ]
     results = sorted(fleet.generate(reqs), key=lambda r: r.request_id)
-    batch = TrainBatch(sequences=[TrainSequence(
-        tokens=torch.tensor(r.prompt_ids + r.token_ids), prompt_length=len(r.prompt_ids),
-        behaviour_logprobs=torch.tensor(r.logprobs), versions=torch.tensor(r.versions),
-        advantage=0.0, weight=1.0, group_id=i) for i, r in enumerate(results)])
+    batch = TrainBatch(
+        sequences=[
+            TrainSequence(
+                tokens=torch.tensor(r.prompt_ids + r.token_ids),
+                prompt_length=len(r.prompt_ids),
+                behaviour_logprobs=torch.tensor(r.logprobs),
+                versions=torch.tensor(r.versions),
+                advantage=0.0,
+                weight=1.0,
+                group_id=i,
+            )
+            for i, r in enumerate(results)
+        ]
+    )
     recomputed = trainer.compute_logprobs(batch, temperature=temperature)
-    worst = max(float((torch.tensor(r.logprobs) - lp).abs().max())
-                for r, lp in zip(results, recomputed))
+    worst = max(float((torch.tensor(r.logprobs) - lp).abs().max()) for r, lp in zip(results, recomputed))
     assert worst <= 1e-5, worst
     assert all(v == [4] * 24 for v in (r.versions for r in results))
 
 
 def test_a_killed_server_reports_its_requests_and_they_finish_elsewhere(tiny_llama):
-    with EngineProcess(tiny_llama, max_slots=4, max_len=512) as a, \
-            EngineProcess(tiny_llama, max_slots=4, max_len=512) as b:
+    with (
+        EngineProcess(tiny_llama, max_slots=4, max_len=512) as a,
+        EngineProcess(tiny_llama, max_slots=4, max_len=512) as b,
+    ):
         fleet = FleetClient([a.url, b.url])
-        reqs = [GenRequest(request_id=f"k{i}", input_ids=prompt(6, 900 + i), max_new_tokens=480,
-                           temperature=0.0) for i in range(6)]
+        reqs = [
+            GenRequest(request_id=f"k{i}", input_ids=prompt(6, 900 + i), max_new_tokens=480, temperature=0.0)
+            for i in range(6)
+        ]
         futs = {r.request_id: fleet.submit(r) for r in reqs}
         while _info(a.url)["internal_states"][0]["num_running_reqs"] == 0:
             time.sleep(0.01)

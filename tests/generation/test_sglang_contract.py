@@ -18,8 +18,8 @@ imports only torch / msgspec) with a stand-in for ``msgspec.Struct``.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import ast
 import dataclasses
 import difflib
@@ -31,18 +31,29 @@ import random
 import re
 import sys
 import types
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Union
+from typing import Any, Union
 from unittest import mock
 
 import pytest
 import torch
 
 from megatron_rl.generation.api import GenRequest
-from megatron_rl.generation.protocol import (ROUTES, SGLANG_VERSION, abort_payload, bucket_layout,
-                                             generate_payload, init_group_payload, pack_bucket,
-                                             parse_generate, pause_payload, unpack_bucket,
-                                             update_weights_payload, versions_per_token)
+from megatron_rl.generation.protocol import (
+    ROUTES,
+    SGLANG_VERSION,
+    abort_payload,
+    bucket_layout,
+    generate_payload,
+    init_group_payload,
+    pack_bucket,
+    parse_generate,
+    pause_payload,
+    unpack_bucket,
+    update_weights_payload,
+    versions_per_token,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 IO_STRUCT = "srt/managers/io_struct.py"
@@ -64,7 +75,7 @@ class _Source:
     def text(self, rel: str) -> str:
         return self.path(rel).read_text(encoding="utf-8")
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def tree(self, rel: str) -> ast.Module:
         return ast.parse(self.text(rel), filename=str(self.path(rel)))
 
@@ -75,9 +86,12 @@ def src() -> _Source:
     root = os.environ.get("MEGATRON_RL_SGLANG_SRC") or REPO / ".cache" / f"sglang-{v}"
     pkg = Path(root) / "sglang"
     if not (pkg / IO_STRUCT).is_file():
-        pytest.fail(f"SGLang {v}'s source is not at {pkg}: run `make install` (it runs `pip "
-                    f"install --no-deps --target .cache/sglang-{v} sglang=={v}`), or set "
-                    "MEGATRON_RL_SGLANG_SRC to a folder that holds sglang/", pytrace=False)
+        pytest.fail(
+            f"SGLang {v}'s source is not at {pkg}: run `make install` (it runs `pip "
+            f"install --no-deps --target .cache/sglang-{v} sglang=={v}`), or set "
+            "MEGATRON_RL_SGLANG_SRC to a folder that holds sglang/",
+            pytrace=False,
+        )
     return _Source(pkg)
 
 
@@ -113,9 +127,13 @@ def _load_defs(src: _Source, rel: str, names: Iterable[str], **env) -> dict:
             body[node.targets[0].id] = node
     missing = [n for n in names if n not in body]
     assert not missing, f"{rel}: SGLang no longer defines {missing}"
-    code = compile(ast.Module(body=[body[n] for n in names], type_ignores=[]),
-                   str(src.path(rel)), "exec", dont_inherit=True,
-                   flags=__future__.annotations.compiler_flag)
+    code = compile(
+        ast.Module(body=[body[n] for n in names], type_ignores=[]),
+        str(src.path(rel)),
+        "exec",
+        dont_inherit=True,
+        flags=__future__.annotations.compiler_flag,
+    )
     module = types.ModuleType(f"_sglang_{Path(rel).stem}")
     module.__dict__.update(env)
     with mock.patch.dict(sys.modules, {module.__name__: module}):  # dataclasses look it up
@@ -144,9 +162,11 @@ def _release(src: _Source) -> str | None:
         if not src.path(rel).is_file():
             continue
         for node in ast.walk(src.tree(rel)):
-            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-                    and any(isinstance(t, ast.Name) and t.id == "__version__"
-                            for t in node.targets)):
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)
+            ):
                 return node.value.value
     return None
 
@@ -163,9 +183,14 @@ def _routes(tree: ast.Module) -> dict[str, tuple[set[str], str | None]]:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         for dec in fn.decorator_list:
-            if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
-                    and isinstance(dec.func.value, ast.Name) and dec.func.value.id == "app"
-                    and dec.args and isinstance(dec.args[0], ast.Constant)):
+            if not (
+                isinstance(dec, ast.Call)
+                and isinstance(dec.func, ast.Attribute)
+                and isinstance(dec.func.value, ast.Name)
+                and dec.func.value.id == "app"
+                and dec.args
+                and isinstance(dec.args[0], ast.Constant)
+            ):
                 continue
             verb, kw = dec.func.attr, {k.arg: k.value for k in dec.keywords}
             if verb == "api_route":  # FastAPI's default is GET
@@ -190,8 +215,7 @@ def _body_class(fn: ast.AsyncFunctionDef | ast.FunctionDef) -> str | None:
     return None
 
 
-def _route_errors(ours: dict[str, str],
-                  theirs: dict[str, tuple[set[str], str | None]]) -> list[str]:
+def _route_errors(ours: dict[str, str], theirs: dict[str, tuple[set[str], str | None]]) -> list[str]:
     errors = []
     for route, method in ours.items():
         if route not in theirs:
@@ -216,8 +240,11 @@ def _class_fields(tree: ast.Module, name: str) -> dict[str, _Field]:
         if isinstance(base, ast.Name) and base.id in classes:
             fields.update(_class_fields(tree, base.id))
     for stmt in classes[name].body:
-        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                and "ClassVar" not in ast.unparse(stmt.annotation)):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and "ClassVar" not in ast.unparse(stmt.annotation)
+        ):
             fields[stmt.target.id] = _Field(stmt.annotation, _no_default(stmt.value))
     return fields
 
@@ -230,8 +257,14 @@ def _no_default(value: ast.expr | None) -> bool:
     return False
 
 
-_SCALARS = {"str": (str,), "int": (int,), "float": (int, float), "bool": (bool,),
-            "dict": (dict,), "list": (list,)}
+_SCALARS = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "dict": (dict,),
+    "list": (list,),
+}
 
 
 def _admits(ann: ast.expr, v: Any) -> bool:
@@ -269,13 +302,17 @@ def _payload_errors(payload: dict, fields: dict[str, _Field], where: str) -> lis
     for key, value in payload.items():
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
-            errors.append(f"{where}: SGLang has no field {key!r}, it would be silently ignored"
-                          + (f" (did you mean {near[0]!r}?)" if near else ""))
+            errors.append(
+                f"{where}: SGLang has no field {key!r}, it would be silently ignored"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+            )
         elif not _admits(fields[key].annotation, value):
-            errors.append(f"{where}.{key}: {value!r} does not fit "
-                          f"{ast.unparse(fields[key].annotation)}")
-    errors += [f"{where}: required field {k!r} not sent"
-               for k, f in fields.items() if f.required and k not in payload]
+            errors.append(f"{where}.{key}: {value!r} does not fit {ast.unparse(fields[key].annotation)}")
+    errors += [
+        f"{where}: required field {k!r} not sent"
+        for k, f in fields.items()
+        if f.required and k not in payload
+    ]
     return errors
 
 
@@ -283,9 +320,11 @@ def _contract_errors(src: _Source, route: str, cls: str, payload: dict) -> list[
     """Everything wrong with one request body against its SGLang request class."""
     errors = _payload_errors(payload, _class_fields(src.tree(IO_STRUCT), cls), f"{route} {cls}")
     if isinstance(payload.get("sampling_params"), dict):
-        errors += _payload_errors(payload["sampling_params"],
-                                  _class_fields(src.tree(SAMPLING), "SamplingParams"),
-                                  f"{route} sampling_params")
+        errors += _payload_errors(
+            payload["sampling_params"],
+            _class_fields(src.tree(SAMPLING), "SamplingParams"),
+            f"{route} sampling_params",
+        )
     return errors
 
 
@@ -293,17 +332,35 @@ def _contract_errors(src: _Source, route: str, cls: str, payload: dict) -> list[
 
 
 def _gen_request(**over) -> GenRequest:
-    args = dict(request_id="rollout-7-3", input_ids=[151644, 872, 198], max_new_tokens=512,
-                temperature=0.7, top_p=0.95, seed=1234, stop_token_ids=(151645, 151643))
+    args = dict(
+        request_id="rollout-7-3",
+        input_ids=[151644, 872, 198],
+        max_new_tokens=512,
+        temperature=0.7,
+        top_p=0.95,
+        seed=1234,
+        stop_token_ids=(151645, 151643),
+    )
     return GenRequest(**{**args, **over})
 
 
 def _update_payload(**over) -> dict:
-    names, dtypes, shapes, _ = pack_bucket([
-        ("model.embed_tokens.weight", torch.zeros(8, 4)),
-        ("model.norm.weight", torch.zeros(4, dtype=torch.bfloat16))])
-    return update_weights_payload(**{"names": names, "dtypes": dtypes, "shapes": shapes,
-                                     "group_name": "megatron_rl", "weight_version": 12, **over})
+    names, dtypes, shapes, _ = pack_bucket(
+        [
+            ("model.embed_tokens.weight", torch.zeros(8, 4)),
+            ("model.norm.weight", torch.zeros(4, dtype=torch.bfloat16)),
+        ]
+    )
+    return update_weights_payload(
+        **{
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": "megatron_rl",
+            "weight_version": 12,
+            **over,
+        }
+    )
 
 
 def _cases() -> list[tuple[str, str, dict]]:
@@ -311,25 +368,36 @@ def _cases() -> list[tuple[str, str, dict]]:
     gen = _gen_request()
     return [
         ("/generate", "GenerateReqInput", generate_payload(gen)),
-        ("/generate", "GenerateReqInput",
-         generate_payload(_gen_request(seed=None, stop_token_ids=()))),
-        *[("/pause_generation", "PauseGenerationReqInput", pause_payload(m))
-          for m in ("in_place", "abort", "retract")],
-        ("/init_weights_update_group", "InitWeightsUpdateGroupReqInput",
-         init_group_payload(master_address="10.0.0.1", master_port=29600, rank_offset=1,
-                            world_size=3, group_name="megatron_rl", backend="nccl")),
-        ("/update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
-         _update_payload()),
-        ("/update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput",
-         _update_payload(flattened_bucket=False)),
+        ("/generate", "GenerateReqInput", generate_payload(_gen_request(seed=None, stop_token_ids=()))),
+        *[
+            ("/pause_generation", "PauseGenerationReqInput", pause_payload(m))
+            for m in ("in_place", "abort", "retract")
+        ],
+        (
+            "/init_weights_update_group",
+            "InitWeightsUpdateGroupReqInput",
+            init_group_payload(
+                master_address="10.0.0.1",
+                master_port=29600,
+                rank_offset=1,
+                world_size=3,
+                group_name="megatron_rl",
+                backend="nccl",
+            ),
+        ),
+        ("/update_weights_from_distributed", "UpdateWeightsFromDistributedReqInput", _update_payload()),
+        (
+            "/update_weights_from_distributed",
+            "UpdateWeightsFromDistributedReqInput",
+            _update_payload(flattened_bucket=False),
+        ),
         ("/abort_request", "AbortReq", abort_payload(gen.request_id)),
         ("/abort_request", "AbortReq", abort_payload()),
         # Bodies the client writes inline (client.py, weight_sync): they must need no field.
         ("/continue_generation", "ContinueGenerationReqInput", {}),
         ("/begin_weight_update", "BeginWeightUpdateReqInput", {}),
         ("/end_weight_update", "EndWeightUpdateReqInput", {}),
-        ("/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput",
-         {"group_name": "megatron_rl"}),
+        ("/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", {"group_name": "megatron_rl"}),
     ]
 
 
@@ -360,8 +428,7 @@ def test_each_body_is_checked_against_the_class_its_route_parses(src):
 
 
 def test_payloads_fit_sglang_request_classes(src):
-    errors = [e for route, cls, body in _cases()
-              for e in _contract_errors(src, route, cls, _json(body))]
+    errors = [e for route, cls, body in _cases() for e in _contract_errors(src, route, cls, _json(body))]
     assert not errors, "\n".join(errors)
 
 
@@ -385,8 +452,10 @@ def test_literal_values_we_send(src):
         for fn in ast.walk(src.tree("srt/model_executor/model_runner_components/weight_updater.py"))
         if isinstance(fn, ast.FunctionDef) and "from_distributed" in fn.name
         for cmp in ast.walk(fn)
-        if isinstance(cmp, ast.Compare) and getattr(cmp.left, "id", "") == "load_format"
-        and isinstance(cmp.ops[0], ast.Eq) and isinstance(cmp.comparators[0], ast.Constant)
+        if isinstance(cmp, ast.Compare)
+        and getattr(cmp.left, "id", "") == "load_format"
+        and isinstance(cmp.ops[0], ast.Eq)
+        and isinstance(cmp.comparators[0], ast.Constant)
     }
     assert _update_payload()["load_format"] in handled, f"weight updater handles {handled}"
 
@@ -399,14 +468,22 @@ def _keys_written(tree: ast.AST, var: str) -> set[str]:
         dicts = []
         if isinstance(node, ast.Assign):
             for t in node.targets:
-                if (isinstance(t, ast.Subscript) and getattr(t.value, "id", "") == var
-                        and isinstance(t.slice, ast.Constant)):
+                if (
+                    isinstance(t, ast.Subscript)
+                    and getattr(t.value, "id", "") == var
+                    and isinstance(t.slice, ast.Constant)
+                ):
                     keys.add(t.slice.value)
                 if isinstance(t, ast.Name) and t.id == var and isinstance(node.value, ast.Dict):
                     dicts.append(node.value)
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "update" and getattr(node.func.value, "id", "") == var
-                and node.args and isinstance(node.args[0], ast.Dict)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "update"
+            and getattr(node.func.value, "id", "") == var
+            and node.args
+            and isinstance(node.args[0], ast.Dict)
+        ):
             dicts.append(node.args[0])
         keys |= {k.value for d in dicts for k in d.keys if isinstance(k, ast.Constant)}
     return keys
@@ -414,18 +491,22 @@ def _keys_written(tree: ast.AST, var: str) -> set[str]:
 
 def test_reply_keys_we_read_are_written_by_sglang(src, api):
     tm = src.tree("srt/managers/tokenizer_manager.py")
-    assert ({"finish_reason", "weight_version", "output_token_logprobs"}
-            <= _keys_written(tm, "meta_info"))
+    assert {"finish_reason", "weight_version", "output_token_logprobs"} <= _keys_written(tm, "meta_info")
     assert {"output_ids", "meta_info"} <= _keys_written(tm, "out_dict")
     assert {"weight_versions", "weight_version"} <= _keys_written(
-        src.tree("srt/utils/weight_versions.py"), "meta_info")
-    init_info = next(n for n in ast.walk(src.tree("srt/managers/scheduler.py"))
-                     if isinstance(n, ast.FunctionDef) and n.name == "get_init_info")
+        src.tree("srt/utils/weight_versions.py"), "meta_info"
+    )
+    init_info = next(
+        n
+        for n in ast.walk(src.tree("srt/managers/scheduler.py"))
+        if isinstance(n, ast.FunctionDef) and n.name == "get_init_info"
+    )
     assert "max_total_num_tokens" in _keys_written(init_info, "result_dict")
     # The schema both SGLang servers (Python and Rust) answer with.
     assert {"output_ids", "meta_info"} <= set(api.GenerateResponse.__annotations__)
-    assert {"finish_reason", "output_token_logprobs", "weight_version",
-            "weight_versions"} <= set(api.GenerateMetaInfo.__annotations__)
+    assert {"finish_reason", "output_token_logprobs", "weight_version", "weight_versions"} <= set(
+        api.GenerateMetaInfo.__annotations__
+    )
     assert {"version", "start", "end"} <= set(api.WeightVersionSpan.__annotations__)
     assert "max_total_num_tokens" in api.GetServerInfoResponse.__annotations__
 
@@ -433,15 +514,34 @@ def test_reply_keys_we_read_are_written_by_sglang(src, api):
 @pytest.fixture(scope="module")
 def sg(src) -> dict:
     """SGLang's own reply builders: finish reasons, log-prob triples, weight-version spans."""
-    ns = _load_defs(src, "srt/managers/schedule_batch.py",
-                    ["BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_LENGTH", "FINISH_ABORT"])
-    ns.update(_load_defs(src, "srt/managers/tokenizer_manager.py",
-                         ["TokenizerManager.detokenize_logprob_tokens"]))
-    ns.update(_load_defs(src, "srt/utils/weight_versions.py",
-                         ["WeightVersionSpan", "WeightVersionSpans", "WeightVersionEvent",
-                          "compute_weight_version_spans", "add_weight_versions_to_meta_info"],
-                         msgspec=_msgspec_stub(), dataclasses=dataclasses, List=List, Dict=Dict,
-                         Any=Any, Union=Union, msgspec_struct_pydantic_core_schema=None))
+    ns = _load_defs(
+        src,
+        "srt/managers/schedule_batch.py",
+        ["BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_LENGTH", "FINISH_ABORT"],
+    )
+    ns.update(
+        _load_defs(src, "srt/managers/tokenizer_manager.py", ["TokenizerManager.detokenize_logprob_tokens"])
+    )
+    ns.update(
+        _load_defs(
+            src,
+            "srt/utils/weight_versions.py",
+            [
+                "WeightVersionSpan",
+                "WeightVersionSpans",
+                "WeightVersionEvent",
+                "compute_weight_version_spans",
+                "add_weight_versions_to_meta_info",
+            ],
+            msgspec=_msgspec_stub(),
+            dataclasses=dataclasses,
+            List=list,
+            Dict=dict,
+            Any=Any,
+            Union=Union,
+            msgspec_struct_pydantic_core_schema=None,
+        )
+    )
     return ns
 
 
@@ -453,16 +553,29 @@ def _sglang_meta(sg, n: int, events: list[tuple[str, int]], current: str, **meta
     return meta
 
 
-@pytest.mark.parametrize("finish, reason", [("FINISH_MATCHED_TOKEN", "stop"),
-                                            ("FINISH_LENGTH", "length"), ("FINISH_ABORT", "abort")])
+@pytest.mark.parametrize(
+    "finish, reason",
+    [("FINISH_MATCHED_TOKEN", "stop"), ("FINISH_LENGTH", "length"), ("FINISH_ABORT", "abort")],
+)
 def test_parse_generate_reads_a_reply_built_by_sglang(sg, api, finish, reason):
     req, ids, lps = _gen_request(), [17, 4, 151645, 9], [-0.25, -1.5, -0.125, -3.0]
-    fr = {"FINISH_MATCHED_TOKEN": lambda c: c(matched=151645),
-          "FINISH_LENGTH": lambda c: c(length=4), "FINISH_ABORT": lambda c: c()}[finish](sg[finish])
+    fr = {
+        "FINISH_MATCHED_TOKEN": lambda c: c(matched=151645),
+        "FINISH_LENGTH": lambda c: c(length=4),
+        "FINISH_ABORT": lambda c: c(),
+    }[finish](sg[finish])
     triples = sg["detokenize_logprob_tokens"](None, lps, ids, False)  # (logprob, id, None)
-    meta = _sglang_meta(sg, len(ids), [("default", 1), ("3", 3)], "4", id=req.request_id,
-                        finish_reason=fr.to_json(), prompt_tokens=3, completion_tokens=len(ids),
-                        output_token_logprobs=triples)
+    meta = _sglang_meta(
+        sg,
+        len(ids),
+        [("default", 1), ("3", 3)],
+        "4",
+        id=req.request_id,
+        finish_reason=fr.to_json(),
+        prompt_tokens=3,
+        completion_tokens=len(ids),
+        output_token_logprobs=triples,
+    )
     body = _json({"text": "", "output_ids": ids, "meta_info": meta})
     api.GenerateResponse.from_json_value(body)  # a well-formed SGLang reply
     res = parse_generate(req, body, server="http://gen-0", initial_version=0)
@@ -478,8 +591,9 @@ def test_versions_per_token_expands_sglang_spans(sg):
         counts = sorted(rng.randint(1, n) for _ in range(rng.randint(0, 4))) if n else []
         versions = ["default", *map(str, range(1, len(counts) + 1))]
         events = list(zip(versions, counts))
-        want = [next((int(v) if v.isdigit() else 0 for v, k in events if k > t), len(counts))
-                for t in range(n)]
+        want = [
+            next((int(v) if v.isdigit() else 0 for v, k in events if k > t), len(counts)) for t in range(n)
+        ]
         meta = _json(_sglang_meta(sg, n, events, str(len(counts))))
         assert versions_per_token(meta["weight_versions"], n, initial_version=0) == want, events
 
@@ -491,21 +605,24 @@ def bucket_cls(src):
 
 def _mixed_tensors() -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [("model.norm.bias", torch.arange(3, dtype=torch.int8)),  # odd size first: unaligned
-            ("model.embed_tokens.weight", torch.randn(5, 3, generator=g).bfloat16()),
-            ("model.layers.0.mlp.fc.weight", torch.randn(4, 6, generator=g).t()),  # strided
-            ("model.rotary.inv_freq", torch.rand(4, generator=g, dtype=torch.float64)),
-            ("lm_head.bias", torch.randn(7, generator=g).half()),
-            ("step", torch.tensor([3], dtype=torch.int64)),
-            ("mask", torch.tensor([True, False, True]))]
+    return [
+        ("model.norm.bias", torch.arange(3, dtype=torch.int8)),  # odd size first: unaligned
+        ("model.embed_tokens.weight", torch.randn(5, 3, generator=g).bfloat16()),
+        ("model.layers.0.mlp.fc.weight", torch.randn(4, 6, generator=g).t()),  # strided
+        ("model.rotary.inv_freq", torch.rand(4, generator=g, dtype=torch.float64)),
+        ("lm_head.bias", torch.randn(7, generator=g).half()),
+        ("step", torch.tensor([3], dtype=torch.int64)),
+        ("mask", torch.tensor([True, False, True])),
+    ]
 
 
 def test_bucket_matches_sglang_flattened_tensor_bucket(bucket_cls):
     tensors = _mixed_tensors()
     orig = dict(tensors)
     names, dtypes, shapes, flat = pack_bucket(tensors)
-    body = _json(update_weights_payload(names=names, dtypes=dtypes, shapes=shapes,
-                                        group_name="g", weight_version=1))
+    body = _json(
+        update_weights_payload(names=names, dtypes=dtypes, shapes=shapes, group_name="g", weight_version=1)
+    )
     # Receiver: SGLang allocates from the metadata we post; the broadcast fills its uint8 tensor.
     bucket = bucket_cls.empty(body["names"], body["dtypes"], body["shapes"], "cpu")
     recv = bucket.get_flattened_tensor()
@@ -541,19 +658,36 @@ def _gen_with(**sampling_over) -> dict:
 
 _UPDATE = "UpdateWeightsFromDistributedReqInput"
 _MUTANTS = {
-    "misspelt sampling key": ("/generate", "GenerateReqInput",
-                              lambda: _gen_with(sampling_seeds=1), "'sampling_seeds'"),
-    "misspelt top-level key": ("/generate", "GenerateReqInput",
-                               lambda: {**generate_payload(_gen_request()), "return_logprobs": 1},
-                               "did you mean 'return_logprob'"),
-    "int weight version": ("/update_weights_from_distributed", _UPDATE,
-                           lambda: {**_update_payload(), "weight_version": 12},
-                           "weight_version: 12"),
-    "missing names": ("/update_weights_from_distributed", _UPDATE,
-                      lambda: {k: v for k, v in _update_payload().items() if k != "names"},
-                      "required field 'names'"),
-    "unknown pause mode": ("/pause_generation", "PauseGenerationReqInput",
-                           lambda: {"mode": "inplace"}, "mode: 'inplace'"),
+    "misspelt sampling key": (
+        "/generate",
+        "GenerateReqInput",
+        lambda: _gen_with(sampling_seeds=1),
+        "'sampling_seeds'",
+    ),
+    "misspelt top-level key": (
+        "/generate",
+        "GenerateReqInput",
+        lambda: {**generate_payload(_gen_request()), "return_logprobs": 1},
+        "did you mean 'return_logprob'",
+    ),
+    "int weight version": (
+        "/update_weights_from_distributed",
+        _UPDATE,
+        lambda: {**_update_payload(), "weight_version": 12},
+        "weight_version: 12",
+    ),
+    "missing names": (
+        "/update_weights_from_distributed",
+        _UPDATE,
+        lambda: {k: v for k, v in _update_payload().items() if k != "names"},
+        "required field 'names'",
+    ),
+    "unknown pause mode": (
+        "/pause_generation",
+        "PauseGenerationReqInput",
+        lambda: {"mode": "inplace"},
+        "mode: 'inplace'",
+    ),
 }
 
 

@@ -16,9 +16,13 @@ SCRIPT = [[10, 11, 12, EOS], [20, 21, 22, 23, 24, 25, EOS], [30, 31]]
 
 def engine(slots: int = 4, **timing) -> tuple[TimingEngine, list[float]]:
     slept: list[float] = []
-    e = TimingEngine(TimingConfig(script=SCRIPT, **timing), EngineConfig(max_slots=slots,
-                                                                         max_len=64),
-                     eos_token_ids=[EOS], vocab_size=100, sleep=slept.append)
+    e = TimingEngine(
+        TimingConfig(script=SCRIPT, **timing),
+        EngineConfig(max_slots=slots, max_len=64),
+        eos_token_ids=[EOS],
+        vocab_size=100,
+        sleep=slept.append,
+    )
     return e, slept
 
 
@@ -96,16 +100,14 @@ def test_served_over_http_with_versions_and_in_place_pause(tmp_path):
     fleet = FleetClient([server.url])
     try:
         assert fleet.capacity_tokens() == 4 * 64
-        reqs = [GenRequest(request_id=f"r{s}", input_ids=[1, 2], max_new_tokens=16, seed=s)
-                for s in range(6)]
+        reqs = [GenRequest(request_id=f"r{s}", input_ids=[1, 2], max_new_tokens=16, seed=s) for s in range(6)]
         out = {r.request_id: r for r in fleet.generate(reqs)}
         assert [out[f"r{s}"].token_ids for s in range(6)] == [SCRIPT[s % 3] for s in range(6)]
         assert all(r.versions == [0] * len(r.token_ids) for r in out.values())
         fleet.pause("in_place")
         e.set_version(5)  # what /update_weight_version does, between steps
         fleet.resume()
-        (r,) = fleet.generate([GenRequest(request_id="v", input_ids=[1], max_new_tokens=3,
-                                          seed=1)])
+        (r,) = fleet.generate([GenRequest(request_id="v", input_ids=[1], max_new_tokens=3, seed=1)])
         assert r.token_ids == [20, 21, 22] and r.versions == [5, 5, 5]
         internal = fleet.server_info(server.url)["internal_states"][0]
         assert internal["busy_s"] > 0 and internal["generated_tokens"] == 4 + 7 + 2 + 4 + 7 + 2 + 3

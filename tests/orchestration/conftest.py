@@ -19,23 +19,25 @@ SYSTEM_PROMPT = "Think inside <think> </think>, then answer."
 @pytest.fixture(scope="session")
 def policy(tmp_path_factory) -> dict[str, str]:
     """``{"model": HF folder, "train": problems JSONL}`` of a format-aware tiny policy."""
+    from megatron_rl.data.problems import write_problems
     from megatron_rl.quickstart.model import TinyModelConfig, build_model_folder
-    from megatron_rl.quickstart.problems import write_jsonl
     from megatron_rl.quickstart.sft import format_trace
     from megatron_rl.quickstart.tokenizer import build_tokenizer
     from megatron_rl.rewards.template import MATH_INSTRUCTION
 
     out = tmp_path_factory.mktemp("policy")
     train = _train_problems()
-    write_jsonl(train, out / "train.jsonl")
+    write_problems(out / "train.jsonl", (p.to_record() for p in train))
     corpus = [SYSTEM_PROMPT, MATH_INSTRUCTION]
     corpus += [t for p in train for t in (p.problem, format_trace(p))]
     tok = build_tokenizer(corpus, out / "tok")
-    init = build_model_folder(TinyModelConfig(hidden_size=64, num_layers=2, intermediate_size=128,
-                                              max_positions=160), tok, out / "init")
+    init = build_model_folder(
+        TinyModelConfig(hidden_size=64, num_layers=2, intermediate_size=128, max_positions=160),
+        tok,
+        out / "init",
+    )
     # A subprocess: the SFT trainer sets up (and tears down) Megatron state of its own.
-    code = ("from tests.orchestration.conftest import _sft; "
-            f"_sft({str(init)!r}, {str(out / 'sft')!r})")
+    code = f"from tests.orchestration.conftest import _sft; _sft({str(init)!r}, {str(out / 'sft')!r})"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
     return {"model": str(out / "sft"), "train": str(out / "train.jsonl")}
 
@@ -50,8 +52,13 @@ def _train_problems():
 def _sft(init: str, out: str) -> None:
     from megatron_rl.quickstart.sft import SFTConfig, run_sft
 
-    run_sft(init, _train_problems(), out,
-            SFTConfig(steps=60, batch_size=32, warmup_steps=5, lr=3e-3), progress=False)
+    run_sft(
+        init,
+        _train_problems(),
+        out,
+        SFTConfig(steps=60, batch_size=32, warmup_steps=5, lr=3e-3),
+        progress=False,
+    )
 
 
 def recipe(tmp_path: Path, policy: dict, name: str = "run", **sections) -> Path:
@@ -75,8 +82,7 @@ def recipe(tmp_path: Path, policy: dict, name: str = "run", **sections) -> Path:
 
 
 def train_cmd(path: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl", "train", str(path), "--no-progress",
-            *overrides]
+    return [sys.executable, "-m", "megatron_rl", "train", str(path), "--no-progress", *overrides]
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -13,13 +13,36 @@ from tests.orchestration.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--steps", "3", "--servers", "2", "--slots", "16", "--l-max", "256", "--median-len",
-         "32", "--decode-ms", "5", "--n-batch", "32", "--n-async", "64", "--group-size", "8"]
+SMALL = [
+    "--steps",
+    "3",
+    "--servers",
+    "2",
+    "--slots",
+    "16",
+    "--l-max",
+    "256",
+    "--median-len",
+    "32",
+    "--decode-ms",
+    "5",
+    "--n-batch",
+    "32",
+    "--n-async",
+    "64",
+    "--group-size",
+    "8",
+]
 
 
 def test_bench_async_runs_both_loops_and_async_keeps_the_generators_fuller():
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl", "bench", "async", *SMALL],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl", "bench", "async", *SMALL],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     out = json.loads(lines[-1])

@@ -62,16 +62,21 @@ def test_async_run_bounds_staleness_trains_each_group_once_and_syncs_weights(tmp
 
 
 def _trained_keys(run) -> list[tuple[int, str, int]]:
-    return sorted((e["step"], e["prompt_id"], e["epoch"]) for e in read_jsonl(run / "ledger.jsonl")
-                  if e["event"] == "trained")
+    return sorted(
+        (e["step"], e["prompt_id"], e["epoch"])
+        for e in read_jsonl(run / "ledger.jsonl")
+        if e["event"] == "trained"
+    )
 
 
 def test_kill_9_at_random_points_then_resume_gives_the_same_run(tmp_path, policy):
     # Sync mode, one engine slot: generation is a pure function of weights and seeds, so the
     # interrupted run must reproduce the uninterrupted one exactly (fp32 CPU).
     # 12 steps: each of the five kill cycles consumes one to two of them.
-    common = dict(loop={"mode": "sync", "max_steps": 12, "n_batch": 8, "n_async": 16},
-                  fleet={"local_servers": 1, "max_slots": 1})
+    common = dict(
+        loop={"mode": "sync", "max_steps": 12, "n_batch": 8, "n_async": 16},
+        fleet={"local_servers": 1, "max_slots": 1},
+    )
     ref_path = recipe(tmp_path, policy, "reference", **common)
     _run(train_cmd(ref_path))
     ref = read_jsonl(tmp_path / "reference" / "metrics.jsonl")
@@ -82,12 +87,21 @@ def test_kill_9_at_random_points_then_resume_gives_the_same_run(tmp_path, policy
     rng = random.Random(1234)
     kills = 0
     while kills < 5:
-        proc = subprocess.Popen(train_cmd(path), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            train_cmd(path),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             start = len(read_jsonl(run / "metrics.jsonl"))
-            wait_for(lambda: len(read_jsonl(run / "metrics.jsonl")) > start or proc.poll() is not None,
-                     300, "a step", None)
+            wait_for(
+                lambda: len(read_jsonl(run / "metrics.jsonl")) > start or proc.poll() is not None,
+                300,
+                "a step",
+                None,
+            )
             if proc.poll() is not None:
                 break  # finished before we could kill it: the run is done
             # A random point: mid-step, mid-sync, mid-checkpoint or mid-generation.
@@ -121,10 +135,14 @@ def test_time_limit_finishes_like_the_end_and_a_rerun_resumes(tmp_path, policy):
     running it again resumes from that checkpoint and evaluates again at the real end."""
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(open(policy["train"]).readlines()[:6]))
-    path = recipe(tmp_path, policy, loop={"max_steps": 3},
-                  data={"eval": str(held_out)},
-                  fleet={"local_servers": 1},
-                  run={"checkpoint_every": 0})  # 0: only the end (here: the time limit) saves
+    path = recipe(
+        tmp_path,
+        policy,
+        loop={"max_steps": 3},
+        data={"eval": str(held_out)},
+        fleet={"local_servers": 1},
+        run={"checkpoint_every": 0},
+    )  # 0: only the end (here: the time limit) saves
     run = tmp_path / "run"
     # The limit (6 ms) is past before the first step: set-up alone takes longer.
     first = _run(train_cmd(path, "run.time_limit_min=0.0001"))
@@ -147,11 +165,16 @@ def test_time_limit_finishes_like_the_end_and_a_rerun_resumes(tmp_path, policy):
 
 
 def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy):
-    path = recipe(tmp_path, policy, loop={"max_steps": 4},
-                  weight_sync={"timeout_s": 60.0})
+    path = recipe(tmp_path, policy, loop={"max_steps": 4}, weight_sync={"timeout_s": 60.0})
     run = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(path), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        train_cmd(path),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         wait_for(lambda: len(read_jsonl(run / "metrics.jsonl")) >= 1, 300, "step 1", proc)
         engines = json.loads((run / "logs" / "pids.json").read_text())["engines"]
@@ -173,6 +196,7 @@ def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert metrics[-1]["requests/lost"] >= 1  # lost with the server, re-issued elsewhere
     assert all(m["weight_sync/verified"] == 1.0 for m in metrics)  # the survivor stays in sync
-    trained = [(e["prompt_id"], e["epoch"]) for e in read_jsonl(run / "ledger.jsonl")
-               if e["event"] == "trained"]
+    trained = [
+        (e["prompt_id"], e["epoch"]) for e in read_jsonl(run / "ledger.jsonl") if e["event"] == "trained"
+    ]
     assert len(trained) == len(set(trained))

@@ -22,8 +22,7 @@ def tokenizer_dir(problems, tmp_path_factory):
 
     train, _ = problems
     corpus = [QUICKSTART_SYSTEM_PROMPT, MATH_INSTRUCTION]
-    corpus += [t for p in train
-               for t in (p.problem, format_trace(p), format_trace(p, slip="0"))]
+    corpus += [t for p in train for t in (p.problem, format_trace(p), format_trace(p, slip="0"))]
     return build_tokenizer(corpus, tmp_path_factory.mktemp("tok") / "tokenizer")
 
 

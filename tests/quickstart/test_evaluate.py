@@ -24,9 +24,14 @@ class ScriptedGenerator:
             self.requests.append(r)
             i, k = map(int, r.request_id.split("/"))
             ids = text_ids(self.tokenizer, self.script(i, k)) + [self.tokenizer.eos_token_id]
-            yield GenResult(request_id=r.request_id, prompt_ids=r.input_ids, token_ids=ids,
-                            logprobs=[0.0] * len(ids), versions=[0] * len(ids),
-                            finish_reason="stop")
+            yield GenResult(
+                request_id=r.request_id,
+                prompt_ids=r.input_ids,
+                token_ids=ids,
+                logprobs=[0.0] * len(ids),
+                versions=[0] * len(ids),
+                finish_reason="stop",
+            )
 
 
 def test_pass_at_1_format_and_length(tokenizer, problems):
@@ -53,8 +58,9 @@ def test_pass_at_1_format_and_length(tokenizer, problems):
     assert set(report.by_difficulty) == {p.difficulty for p in chosen}
     # requests: the chat-templated prompt, sampling settings and a distinct seed each
     assert len({r.seed for r in gen.requests}) == 8
-    assert all(r.temperature == 1.0 and r.input_ids[-1] == gen.requests[0].input_ids[-1]
-               for r in gen.requests)
+    assert all(
+        r.temperature == 1.0 and r.input_ids[-1] == gen.requests[0].input_ids[-1] for r in gen.requests
+    )
 
 
 def test_warmup_end_to_end_at_toy_size(tmp_path):
@@ -64,11 +70,14 @@ def test_warmup_end_to_end_at_toy_size(tmp_path):
     from megatron_rl.quickstart.warmup import run_warmup
 
     result = run_warmup(
-        tmp_path / "qs", problems=ProblemConfig(count=400),
-        model=TinyModelConfig(hidden_size=32, num_layers=2, intermediate_size=64,
-                              max_positions=128),
+        tmp_path / "qs",
+        problems=ProblemConfig(count=400),
+        model=TinyModelConfig(hidden_size=32, num_layers=2, intermediate_size=64, max_positions=128),
         sft=SFTConfig(steps=3, batch_size=8, warmup_steps=1, threads=1),
-        eval_cfg=EvalConfig(max_new_tokens=16), eval_problems=6, progress=False)
+        eval_cfg=EvalConfig(max_new_tokens=16),
+        eval_problems=6,
+        progress=False,
+    )
     for name in ("train", "held_out", "tokenizer", "init", "sft"):
         assert result.paths[name].exists(), name
     assert result.eval.completions == 6 and 0.0 <= result.eval.pass_at_1 <= 1.0

@@ -11,10 +11,15 @@ from collections import Counter
 
 import pytest
 
-from megatron_rl.config_checks import ConfigFieldError
-from megatron_rl.quickstart.problems import (KINDS, LEVELS, ProblemConfig, generate_problems,
-                                             is_held_out, split_problems,
-                                             write_jsonl)
+from megatron_rl.config import ConfigFieldError
+from megatron_rl.quickstart.problems import (
+    KINDS,
+    LEVELS,
+    ProblemConfig,
+    generate_problems,
+    is_held_out,
+    split_problems,
+)
 from megatron_rl.quickstart.sft import format_trace
 from megatron_rl.rewards.compose import RewardConfig, RewardInput, score
 
@@ -83,23 +88,25 @@ def test_reference_answers_pass_the_real_verifier_on_a_formatted_trace():
         sample += [p for p in problems if (p.kind, p.difficulty) == key][:15]
     cfg = RewardConfig()
     for p in sample:
-        r = score(RewardInput(problem=p.problem, completion=format_trace(p), task="math",
-                              answer=p.answer), cfg)
+        r = score(
+            RewardInput(problem=p.problem, completion=format_trace(p), task="math", answer=p.answer), cfg
+        )
         assert r.correct and r.format_ok, (p, r)
         # and a wrong number in the box is caught
         wrong = format_trace(p).replace(f"{{{p.answer}}}", f"{{{int(p.answer) + 1}}}")
-        r = score(RewardInput(problem=p.problem, completion=wrong, task="math",
-                              answer=p.answer), cfg)
+        r = score(RewardInput(problem=p.problem, completion=wrong, task="math", answer=p.answer), cfg)
         assert r.format_ok and not r.correct, (p, r)
 
 
 def test_jsonl_round_trip(tmp_path):
     """The file the warm-up writes is what the RL loop's reader gets back."""
-    from megatron_rl.data.problems import read_problems
+    from megatron_rl.data.problems import read_problems, write_problems
 
     problems = generate_problems(ProblemConfig(count=50))
-    read = read_problems(str(write_jsonl(problems, tmp_path / "p.jsonl")))
-    assert [(r.id, r.problem, r.answer, r.task) for r in read] == \
-        [(p.id, p.problem, p.answer, p.task) for p in problems]
+    write_problems(tmp_path / "p.jsonl", (p.to_record() for p in problems))
+    read = read_problems(str(tmp_path / "p.jsonl"))
+    assert [(r.id, r.problem, r.answer, r.task) for r in read] == [
+        (p.id, p.problem, p.answer, p.task) for p in problems
+    ]
     assert all(r.meta == {"difficulty": p.difficulty} for r, p in zip(read, problems))
     assert not list(tmp_path.glob(".*tmp*"))  # written atomically: no temporary left behind

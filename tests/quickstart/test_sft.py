@@ -15,13 +15,22 @@ import torch
 from megatron_rl.batching.sft import build_sft_batch
 from megatron_rl.generation.engine.model import Decoder
 from megatron_rl.quickstart.model import TinyModelConfig, build_model_folder
-from megatron_rl.quickstart.sft import (SFTConfig, ThreadGovernor, _batches, format_trace,
-                                        make_trainer, run_sft, sft_pairs, slipped_answer)
+from megatron_rl.quickstart.sft import (
+    SFTConfig,
+    ThreadGovernor,
+    _batches,
+    format_trace,
+    make_trainer,
+    run_sft,
+    sft_pairs,
+    slipped_answer,
+)
 from megatron_rl.rewards.compose import RewardConfig, RewardInput, score
 from megatron_rl.rewards.format import check_format
 
-TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=64, max_positions=128, seed=1)
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, max_positions=128, seed=1
+)
 
 
 @pytest.fixture(autouse=True)
@@ -48,15 +57,18 @@ def test_trace_gets_the_full_reward(problems):
         trace = format_trace(p)
         parsed, why = check_format(trace, "math")
         assert parsed is not None, why
-        r = score(RewardInput(problem=p.problem, completion=trace, task="math", answer=p.answer,
-                              num_tokens=40), cfg)
+        r = score(
+            RewardInput(problem=p.problem, completion=trace, task="math", answer=p.answer, num_tokens=40), cfg
+        )
         assert r.format_ok and r.correct, (trace, r)
         # format 0.1 + correct 0.9 + language 0.1 (English words in both sections)
         assert r.reward == pytest.approx(1.1), (trace, r)
         # a slipped trace keeps the format and loses exactly the correctness part
         slipped = format_trace(p, slip=slipped_answer(p.answer, rng))
-        r = score(RewardInput(problem=p.problem, completion=slipped, task="math",
-                              answer=p.answer, num_tokens=40), cfg)
+        r = score(
+            RewardInput(problem=p.problem, completion=slipped, task="math", answer=p.answer, num_tokens=40),
+            cfg,
+        )
         assert r.format_ok and not r.correct and r.reward == pytest.approx(0.2), (slipped, r)
 
 
@@ -67,7 +79,7 @@ def test_slip_changes_one_digit_of_the_last_result_and_the_box(problems):
         wrong = slipped_answer(p.answer, rng)
         assert wrong != p.answer and len(wrong) == len(p.answer)
         assert sum(a != b for a, b in zip(wrong, p.answer)) == 1
-        assert wrong != "-0" and not wrong.lstrip("-").startswith("0") or wrong == "0"
+        assert (wrong != "-0" and not wrong.lstrip("-").startswith("0")) or wrong == "0"
         plain, slipped = format_trace(p), format_trace(p, slip=wrong)
         # everything before the last result is the same; the box holds the slipped value
         last = plain.rindex(f" {p.answer}.</think>")
@@ -101,8 +113,7 @@ def test_init_folder_is_an_hf_model(init_dir, tokenizer):
     Decoder.from_pretrained(init_dir)  # the engine's loader accepts it
 
 
-def test_short_sft_lowers_the_loss_and_exports_the_trainer_model(init_dir, tokenizer, problems,
-                                                                 tmp_path):
+def test_short_sft_lowers_the_loss_and_exports_the_trainer_model(init_dir, tokenizer, problems, tmp_path):
     train, _ = problems
     batch = build_sft_batch(sft_pairs(tokenizer, train[:16]))
     trainer = make_trainer(init_dir, lr=1e-2)
@@ -125,10 +136,13 @@ def test_short_sft_lowers_the_loss_and_exports_the_trainer_model(init_dir, token
 
 def test_run_sft_end_to_end(init_dir, problems, tmp_path):
     train, _ = problems
-    result = run_sft(init_dir, train, tmp_path / "sft",
-                     SFTConfig(steps=8, batch_size=16, lr=1e-2, min_lr=1e-3, warmup_steps=1,
-                               slip_rate=0.0),
-                     progress=False)
+    result = run_sft(
+        init_dir,
+        train,
+        tmp_path / "sft",
+        SFTConfig(steps=8, batch_size=16, lr=1e-2, min_lr=1e-3, warmup_steps=1, slip_rate=0.0),
+        progress=False,
+    )
     assert len(result.losses) == 8 and result.losses[-1] < result.losses[0]
     assert (result.folder / "model.safetensors").is_file()
     assert (result.folder / "tokenizer_config.json").is_file()

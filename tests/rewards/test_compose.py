@@ -35,11 +35,15 @@ def test_wrong_answer_keeps_format_and_language():
 
 
 def test_language_mismatch_loses_only_the_bonus():
-    r = score(math(EN_THINK + "Adding the two numbers gives the result $\\boxed{5}$.", problem=FR_PROBLEM),
-              RewardConfig())
+    r = score(
+        math(EN_THINK + "Adding the two numbers gives the result $\\boxed{5}$.", problem=FR_PROBLEM),
+        RewardConfig(),
+    )
     assert r.correct and r.parts["language"] == 0.0 and r.reward == pytest.approx(1.0)
-    r = score(math(FR_THINK + "En additionnant les deux nombres, on obtient $\\boxed{5}$.", problem=FR_PROBLEM),
-              RewardConfig())
+    r = score(
+        math(FR_THINK + "En additionnant les deux nombres, on obtient $\\boxed{5}$.", problem=FR_PROBLEM),
+        RewardConfig(),
+    )
     assert r.parts["language"] == pytest.approx(0.1)
 
 
@@ -53,12 +57,22 @@ def test_length_penalty_enters_the_total():
 
 def test_code_reward_python_stdin():
     tests = [{"input": "2 3\n", "output": "5\n"}, {"input": "10 -4\n", "output": "6\n"}]
-    good = EN_THINK + "Read both numbers and print their sum.\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-    bad = EN_THINK + "Read both numbers and print their sum.\n```python\na, b = map(int, input().split())\nprint(a - b)\n```"
+    good = (
+        EN_THINK
+        + "Read both numbers and print their sum.\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    )
+    bad = (
+        EN_THINK
+        + "Read both numbers and print their sum.\n```python\na, b = map(int, input().split())\nprint(a - b)\n```"
+    )
     cfg = RewardConfig()
-    r = score(RewardInput(problem=EN_PROBLEM, completion=good, task="code", tests=tests, language="python"), cfg)
+    r = score(
+        RewardInput(problem=EN_PROBLEM, completion=good, task="code", tests=tests, language="python"), cfg
+    )
     assert r.reason == "ok" and r.reward == pytest.approx(1.1)
-    r = score(RewardInput(problem=EN_PROBLEM, completion=bad, task="code", tests=tests, language="python"), cfg)
+    r = score(
+        RewardInput(problem=EN_PROBLEM, completion=bad, task="code", tests=tests, language="python"), cfg
+    )
     assert r.reason == "wrong_answer" and r.reward == pytest.approx(0.2)
     r = score(RewardInput(problem=EN_PROBLEM, completion=good, task="code", tests=tests, language="cpp"), cfg)
     assert r.reason == "wrong_answer" and "asks for 'cpp'" in r.detail

@@ -26,7 +26,9 @@ def test_whole_span_not_truncated():
 
 
 def test_stripping():
-    s = strip_for_language("Voici $x^2$ et \\(y\\) puis \\[z\\]\n`code` \\textbf{gras} \\begin{align}a\\end{align} fin")
+    s = strip_for_language(
+        "Voici $x^2$ et \\(y\\) puis \\[z\\]\n`code` \\textbf{gras} \\begin{align}a\\end{align} fin"
+    )
     assert s == "Voici et puis gras fin"
     assert detect_language("$$x^2 + 1 = 2$$ ```\nx=1\n```") == (None, 0.0)
 
@@ -37,11 +39,14 @@ def test_consistent_when_all_three_agree(lang):
     assert ok and set(langs.values()) == {lang}
 
 
-@pytest.mark.parametrize("problem, thinking, answer", [
-    ("fr", "en", "fr"),  # reasoned in English on a French problem
-    ("zh", "zh", "en"),  # summary switched language
-    ("ru", "de", "ru"),
-])
+@pytest.mark.parametrize(
+    "problem, thinking, answer",
+    [
+        ("fr", "en", "fr"),  # reasoned in English on a French problem
+        ("zh", "zh", "en"),  # summary switched language
+        ("ru", "de", "ru"),
+    ],
+)
 def test_mixed_languages_get_no_bonus(problem, thinking, answer):
     ok, langs = language_consistent(SENTENCES[problem], SENTENCES[thinking], SENTENCES[answer])
     assert not ok and langs == {"problem": problem, "thinking": thinking, "answer": answer}

@@ -22,7 +22,7 @@ def test_equivalent_and_non_equivalent_pairs(pool):
     expected = [True] * len(EQUIVALENT) + [False] * len(NOT_EQUIVALENT)
     wrong = [(items[i], v) for i, (v, e) in enumerate(zip(verdicts, expected)) if v.correct != e]
     assert not wrong
-    assert all(v.reason == "wrong_answer" for v in verdicts[len(EQUIVALENT):])
+    assert all(v.reason == "wrong_answer" for v in verdicts[len(EQUIVALENT) :])
 
 
 def test_gold_with_or_without_dollars():

@@ -34,7 +34,7 @@ def raise_value_error(msg):
 
 
 def huge_power(_):
-    return 9 ** (9 ** 9)  # one C call: no signal can interrupt it
+    return 9 ** (9**9)  # one C call: no signal can interrupt it
 
 
 def unpicklable(_):
@@ -128,8 +128,13 @@ def test_workers_that_cannot_start_break_the_pool_instead_of_spinning(tmp_path):
     script = tmp_path / "broken_start.py"
     script.write_text(BROKEN_START)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": root})
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": root},
+    )
     assert "3 verifier processes in a row died while starting" in proc.stdout, proc.stderr
     assert "first: worker_crash" in proc.stdout or "first: the verifier pool is broken" in proc.stdout
     assert "submit: the verifier pool is broken" in proc.stdout

@@ -8,22 +8,60 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 THINK = "<think>We add the two numbers together, which gives the total.</think>"
 LINES = [
-    {"problem": "What is two plus three?", "completion": THINK + "The sum is $\\boxed{5}$.", "answer": "5", "group_id": "g1"},
-    {"problem": "What is two plus three?", "completion": THINK + "The sum is $\\boxed{6}$.", "answer": "5", "group_id": "g1",
-     "num_tokens": 30000},
-    {"problem": "Print the sum of two integers.", "completion": THINK + "Sum them.\n```python\nprint(sum(map(int, input().split())))\n```",
-     "tests": [{"input": "2 3\n", "output": "5\n"}], "language": "python"},
+    {
+        "problem": "What is two plus three?",
+        "completion": THINK + "The sum is $\\boxed{5}$.",
+        "answer": "5",
+        "group_id": "g1",
+    },
+    {
+        "problem": "What is two plus three?",
+        "completion": THINK + "The sum is $\\boxed{6}$.",
+        "answer": "5",
+        "group_id": "g1",
+        "num_tokens": 30000,
+    },
+    {
+        "problem": "Print the sum of two integers.",
+        "completion": THINK + "Sum them.\n```python\nprint(sum(map(int, input().split())))\n```",
+        "tests": [{"input": "2 3\n", "output": "5\n"}],
+        "language": "python",
+    },
     {"problem": "What is two plus three?", "completion": "no thinking at all \\boxed{5}", "answer": "5"},
-    {"problem": "Print the sum of two integers.", "language": "cpp", "tests": [{"input": "2 3\n", "output": "5\n"}],
-     "completion": THINK + "Sum them.\n```cpp\nint main(){long long a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}\n```"},
+    {
+        "problem": "Print the sum of two integers.",
+        "language": "cpp",
+        "tests": [{"input": "2 3\n", "output": "5\n"}],
+        "completion": THINK
+        + "Sum them.\n```cpp\nint main(){long long a,b;std::cin>>a>>b;std::cout<<a+b<<std::endl;}\n```",
+    },
 ]
 
 
-def run(tmp_path, lines, *extra, raw=None):
+def run(tmp_path, lines, *extra, raw=None, keep_input=False):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text(raw if raw is not None else "".join(json.dumps(x) + "\n" for x in lines))
-    proc = subprocess.run([sys.executable, "-m", "megatron_rl", "reward", "--input", str(inp), "--output", str(out),
-                           "--workers", "2", "--quiet", *extra], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    if not keep_input:
+        inp.write_text(raw if raw is not None else "".join(json.dumps(x) + "\n" for x in lines))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl",
+            "reward",
+            "--input",
+            str(inp),
+            "--output",
+            str(out),
+            "--workers",
+            "2",
+            "--quiet",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     return proc, out
 
 
@@ -46,14 +84,62 @@ def test_bad_line_is_an_error_naming_the_line(tmp_path):
     assert not list(tmp_path.glob(".out.jsonl.tmp*"))
 
 
-def test_skip_bad_writes_bad_input(tmp_path):
-    raw = (json.dumps(LINES[0]) + "\n{not json\n\n"
-           + json.dumps({**LINES[2], "language": "rust"}) + "\n" + json.dumps(LINES[0]) + "\n")
-    proc, out = run(tmp_path, None, "--skip-bad", raw=raw)
+def test_skip_bad_reports_each_bad_line_and_writes_exactly_the_good_ones(tmp_path):
+    good = [LINES[0], {**LINES[1], "group_id": "g2"}, LINES[0]]
+    raw = (
+        b"{not json\n"
+        + json.dumps(good[0]).encode()
+        + b"\n\xff\xfe not utf-8\n\n"
+        + json.dumps({**LINES[2], "language": "rust"}).encode()
+        + b"\n"
+        + json.dumps(good[1]).encode()
+        + b"\n[1, 2]\n"
+        + json.dumps({"problem": "p", "completion": "c"}).encode()
+        + b"\n"
+        + json.dumps(good[2]).encode()
+        + b"\n"
+    )
+    (tmp_path / "in.jsonl").write_bytes(raw)
+    proc, out = run(tmp_path, None, "--skip-bad", raw=None, keep_input=True)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [r["reason"] for r in rows] == ["ok", "bad_input", "bad_input", "ok"]
-    assert "in.jsonl:2:" in rows[1]["detail"] and "in.jsonl:4:" in rows[2]["detail"] and "'language'" in rows[2]["detail"]
+    assert [{k: r[k] for k in g} for r, g in zip(rows, good)] == good and len(rows) == 3
+    for line, why in (
+        (1, "invalid JSON"),
+        (3, "not UTF-8"),
+        (5, "language"),
+        (7, "expected a JSON object"),
+        (8, "answer"),
+    ):
+        assert (
+            f"in.jsonl:{line}:" in proc.stderr
+            and why in proc.stderr.split(f"in.jsonl:{line}:")[1].split("\n")[0]
+        )
+    assert "5 bad lines skipped" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unwritable_output_is_one_clear_line(tmp_path):
+    (tmp_path / "ro").write_text("a file, so no folder can be made under it (root ignores modes)")
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(LINES[0]) + "\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl",
+            "reward",
+            "--input",
+            str(inp),
+            "--output",
+            str(tmp_path / "ro" / "sub" / "out.jsonl"),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "cannot write" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_overrides_reach_the_reward(tmp_path):

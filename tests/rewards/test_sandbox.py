@@ -32,10 +32,14 @@ REPO = Path(__file__).resolve().parents[2]
 SECRET_VAR = "MEGATRON_RL_TEST_SECRET"
 IS_ROOT = os.geteuid() == 0
 MODES = [
-    pytest.param("bwrap", marks=pytest.mark.skipif(
-        sandbox_problem("bwrap") is not None, reason=str(sandbox_problem("bwrap")))),
-    pytest.param("plain", marks=pytest.mark.skipif(
-        sandbox_problem("plain") is not None, reason=str(sandbox_problem("plain")))),
+    pytest.param(
+        "bwrap",
+        marks=pytest.mark.skipif(sandbox_problem("bwrap") is not None, reason=str(sandbox_problem("bwrap"))),
+    ),
+    pytest.param(
+        "plain",
+        marks=pytest.mark.skipif(sandbox_problem("plain") is not None, reason=str(sandbox_problem("plain"))),
+    ),
 ]
 LIMITS = dict(memory_mb=300, output_limit_bytes=4 << 20, max_processes=32)
 TIMEOUT_S = 1.0  # for the programs that must time out
@@ -48,39 +52,49 @@ def _py(src: str) -> str:
 
 # name -> (source, expected status). Python programs print JSON where the test checks more.
 PY_HOSTILE = {
-    "fork_bomb": (_py("""
+    "fork_bomb": (
+        _py("""
         import os
         while True:
             try:
                 os.fork()
             except OSError:
                 pass
-        """), "timeout"),
+        """),
+        "timeout",
+    ),
     "memory_hog": ("x = bytearray(10 ** 9)\n", "memory"),
     "memory_creep": ("chunks = []\nwhile True:\n    chunks.append(b'x' * 10 ** 6)\n", "memory"),
     "infinite_loop": ("while True:\n    pass\n", "timeout"),
     "sleep_forever": ("import time\ntime.sleep(60)\n", "timeout"),
-    "huge_stdout": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n",
-                    "output_limit"),
-    "huge_stderr": ("import sys\nwhile True:\n    sys.stderr.write('y' * 65536)\n",
-                    "output_limit"),
-    "huge_file": ("with open('big.bin', 'wb') as f:\n    for _ in range(100):\n"
-                  "        f.write(b'z' * 10 ** 6)\n", "output_limit"),
+    "huge_stdout": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", "output_limit"),
+    "huge_stderr": ("import sys\nwhile True:\n    sys.stderr.write('y' * 65536)\n", "output_limit"),
+    "huge_file": (
+        "with open('big.bin', 'wb') as f:\n    for _ in range(100):\n        f.write(b'z' * 10 ** 6)\n",
+        "output_limit",
+    ),
     "recursion_error": ("def f(n):\n    return f(n + 1) + 1\nf(0)\n", "exit_nonzero"),
-    "c_stack_overflow": (_py("""
+    "c_stack_overflow": (
+        _py("""
         import sys
         sys.setrecursionlimit(10 ** 8)
         def f(n):  # recursion through map() runs on the C stack, which overflows
             return list(map(f, [n + 1]))
         f(0)
-        """), "signal"),
-    "many_threads": (_py("""
+        """),
+        "signal",
+    ),
+    "many_threads": (
+        _py("""
         import threading, time
         for _ in range(500):
             threading.Thread(target=time.sleep, args=(2,), daemon=True).start()
-        """), "exit_nonzero"),
+        """),
+        "exit_nonzero",
+    ),
     "self_kill": ("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n", "signal"),
-    "write_outside": (_py("""
+    "write_outside": (
+        _py("""
         import json
         result = {}
         for path in json.loads('@ESCAPE_PATHS@') + ['./own-file']:
@@ -91,8 +105,11 @@ PY_HOSTILE = {
             except OSError as e:
                 result[path] = type(e).__name__
         print(json.dumps(result))
-        """), "ok"),
-    "fill_tmp": (_py("""
+        """),
+        "ok",
+    ),
+    "fill_tmp": (
+        _py("""
         n = 0
         try:
             while True:
@@ -101,9 +118,12 @@ PY_HOSTILE = {
                 n += 1
         except OSError as e:
             print(n, type(e).__name__)
-        """), "ok"),
+        """),
+        "ok",
+    ),
     "env_secrets": ("import json, os\nprint(json.dumps(dict(os.environ)))\n", "ok"),
-    "network": (_py("""
+    "network": (
+        _py("""
         import json, socket
         result = {}
         # The test's own listener on the host's loopback, and TEST-NET-1 (RFC 5737: reserved,
@@ -117,8 +137,11 @@ PY_HOSTILE = {
             except OSError as e:
                 result[host] = type(e).__name__
         print(json.dumps(result))
-        """), "ok"),
-    "kill_parent": (_py("""
+        """),
+        "ok",
+    ),
+    "kill_parent": (
+        _py("""
         import json, os, signal
         result = {}
         for name, pid in [('parent', os.getppid()), ('everyone', -1), ('init', 1)]:
@@ -128,8 +151,11 @@ PY_HOSTILE = {
             except OSError as e:
                 result[name] = type(e).__name__
         print(json.dumps(result))
-        """), "ok"),
-    "privilege": (_py("""
+        """),
+        "ok",
+    ),
+    "privilege": (
+        _py("""
         import json, os, stat
         mem = lambda: os.mknod('mem', 0o666 | stat.S_IFCHR, os.makedev(1, 1))  # /dev/mem
         result = {}
@@ -142,8 +168,11 @@ PY_HOSTILE = {
                 result[name] = type(e).__name__
         result['uid'] = os.getuid()
         print(json.dumps(result))
-        """), "ok"),
-    "daemon": (_py("""
+        """),
+        "ok",
+    ),
+    "daemon": (
+        _py("""
         import os, sys, time
         # Double fork + setsid: the grandchild leaves our session and process group, then
         # exec's a process whose argv carries the marker. It writes 'started' now and 'late'
@@ -158,8 +187,11 @@ PY_HOSTILE = {
         while not os.path.exists('started'):
             time.sleep(0.01)
         print('daemon started')
-        """), "ok"),
-    "read_secrets": (_py("""
+        """),
+        "ok",
+    ),
+    "read_secrets": (
+        _py("""
         import json, os
         result = {}
         for path in ['@SECRET_FILE@', '/etc/shadow', '@REPO@/setup.py']:
@@ -169,8 +201,11 @@ PY_HOSTILE = {
                 result[path] = type(e).__name__
         result['root_listing'] = sorted(os.listdir('/root')) if os.path.isdir('/root') else []
         print(json.dumps(result))
-        """), "ok"),
-    "delete_parent": (_py("""
+        """),
+        "ok",
+    ),
+    "delete_parent": (
+        _py("""
         import os, shutil
         for target in ['../sibling.txt', '../../sibling.txt']:
             try:
@@ -179,27 +214,33 @@ PY_HOSTILE = {
                 print(target, type(e).__name__)
         shutil.rmtree('..', ignore_errors=True)
         print(os.listdir('..'))
-        """), "ok"),
-    "proc_view": ("import json, os\nprint(json.dumps([p for p in os.listdir('/proc') "
-                  "if p.isdigit()]))\n", "ok"),
+        """),
+        "ok",
+    ),
+    "proc_view": (
+        "import json, os\nprint(json.dumps([p for p in os.listdir('/proc') if p.isdigit()]))\n",
+        "ok",
+    ),
 }
 
 CPP_HOSTILE = {
-    "cpp_spin": ("int main() { volatile unsigned long long x = 0; while (true) ++x; }\n",
-                 "timeout"),
+    "cpp_spin": ("int main() { volatile unsigned long long x = 0; while (true) ++x; }\n", "timeout"),
     "cpp_segfault": ("int main() { int* volatile p = nullptr; *p = 42; return *p; }\n", "signal"),
-    "cpp_bad_alloc": ("int main() { std::vector<char> v(2000000000ULL, 'x'); "
-                      "return v[12345]; }\n", "memory"),
-    "cpp_huge_output": ("int main() { for (;;) std::printf(\"spam spam spam spam\\n\"); }\n",
-                        "output_limit"),
+    "cpp_bad_alloc": ("int main() { std::vector<char> v(2000000000ULL, 'x'); return v[12345]; }\n", "memory"),
+    "cpp_huge_output": ('int main() { for (;;) std::printf("spam spam spam spam\\n"); }\n', "output_limit"),
     "cpp_fork_bomb": ("#include <unistd.h>\nint main() { for (;;) fork(); }\n", "timeout"),
-    "cpp_file_bomb": ("int main() { FILE* f = std::fopen(\"big.bin\", \"wb\");\n"
-                      "  static char buf[1 << 20];\n"
-                      "  for (int i = 0; i < 100; ++i) std::fwrite(buf, 1, sizeof buf, f);\n"
-                      "  std::fclose(f); }\n", "output_limit"),
-    "cpp_stack_overflow": ("int f(int n) { volatile char pad[4096]; pad[0] = n; "
-                           "return f(n + 1) + pad[0]; }\nint main() { return f(0); }\n",
-                           "signal"),
+    "cpp_file_bomb": (
+        'int main() { FILE* f = std::fopen("big.bin", "wb");\n'
+        "  static char buf[1 << 20];\n"
+        "  for (int i = 0; i < 100; ++i) std::fwrite(buf, 1, sizeof buf, f);\n"
+        "  std::fclose(f); }\n",
+        "output_limit",
+    ),
+    "cpp_stack_overflow": (
+        "int f(int n) { volatile char pad[4096]; pad[0] = n; "
+        "return f(n + 1) + pad[0]; }\nint main() { return f(0); }\n",
+        "signal",
+    ),
 }
 
 ALL_NAMES = sorted([*PY_HOSTILE, *CPP_HOSTILE])
@@ -215,9 +256,21 @@ class Suite:
         self.listener_reached = False
         self.workdirs: dict[str, str] = {}
         self.secret_file = os.path.join(scratch, "private", f"secret-{token}")
-        self.escape_paths = [os.path.join(d, f"escape-{token}") for d in
-                             ("/tmp", "/var/tmp", "/dev/shm", "/root", "/etc", str(REPO), "/",
-                              "/home", scratch, os.path.join(scratch, "work"))]
+        self.escape_paths = [
+            os.path.join(d, f"escape-{token}")
+            for d in (
+                "/tmp",
+                "/var/tmp",
+                "/dev/shm",
+                "/root",
+                "/etc",
+                str(REPO),
+                "/",
+                "/home",
+                scratch,
+                os.path.join(scratch, "work"),
+            )
+        ]
 
 
 def _compile_hostile_cpp(build_root: str) -> dict[str, str]:
@@ -239,9 +292,13 @@ def _prepare(suite: Suite, listener_port: int) -> list[tuple[str, list[str]]]:
     os.makedirs(os.path.dirname(suite.secret_file), 0o700)
     Path(suite.secret_file).write_text(f"the secret {suite.token}")
     os.chmod(suite.secret_file, 0o600)
-    subs = {"@TOKEN@": suite.token, "@PORT@": str(listener_port), "@REPO@": str(REPO),
-            "@SECRET_FILE@": suite.secret_file,
-            "@ESCAPE_PATHS@": json.dumps(suite.escape_paths)}
+    subs = {
+        "@TOKEN@": suite.token,
+        "@PORT@": str(listener_port),
+        "@REPO@": str(REPO),
+        "@SECRET_FILE@": suite.secret_file,
+        "@ESCAPE_PATHS@": json.dumps(suite.escape_paths),
+    }
     jobs = []
     for name, (src, _) in PY_HOSTILE.items():
         for key, value in subs.items():
@@ -260,25 +317,45 @@ def _run_one(suite: Suite, name: str, argv: list[str]) -> sandbox.SandboxResult:
     Path(suite.scratch, "work", "sibling.txt").touch(exist_ok=True)
     suite.workdirs[name] = workdir
     timeout = TIMEOUT_S if EXPECTED[name] == "timeout" else GENEROUS_S
-    return run_sandboxed(argv, stdin=b"", workdir=workdir, timeout_s=timeout, mode=suite.mode,
-                         extra_ro_paths=[os.path.join(suite.scratch, "progs"),
-                                         os.path.join(suite.scratch, "cpp")], **LIMITS)
+    return run_sandboxed(
+        argv,
+        stdin=b"",
+        workdir=workdir,
+        timeout_s=timeout,
+        mode=suite.mode,
+        extra_ro_paths=[os.path.join(suite.scratch, "progs"), os.path.join(suite.scratch, "cpp")],
+        **LIMITS,
+    )
 
 
 def _refuse_unless_isolated(mode: str, scratch: str) -> None:
     """Hostile programs are live grenades (kill(-1), fork bombs): if a broken sandbox would run
     them as root or in the host's pid namespace, stop before firing any."""
-    probe = ("import json, os\nprint(json.dumps({'uid': os.getuid(), 'pid': os.getpid(), "
-             "'procs': sum(p.isdigit() for p in os.listdir('/proc'))}))\n")
+    probe = (
+        "import json, os\nprint(json.dumps({'uid': os.getuid(), 'pid': os.getpid(), "
+        "'procs': sum(p.isdigit() for p in os.listdir('/proc'))}))\n"
+    )
     work = os.path.join(scratch, "preflight")
     os.makedirs(work, 0o700)
-    res = run_sandboxed([sys.executable, "-I", "-c", probe], stdin=b"", workdir=work,
-                        timeout_s=GENEROUS_S, mode=mode, **LIMITS)
+    res = run_sandboxed(
+        [sys.executable, "-I", "-c", probe],
+        stdin=b"",
+        workdir=work,
+        timeout_s=GENEROUS_S,
+        mode=mode,
+        **LIMITS,
+    )
     info = json.loads(res.stdout or b"{}")
-    if (res.status != "ok" or info.get("pid", 99) > 10 or info.get("procs", 99) > 4
-            or (IS_ROOT and info.get("uid", 0) == 0)):
-        pytest.fail(f"the {mode} sandbox does not isolate ({res.status}: {res.detail} {info}); "
-                    f"refusing to run hostile programs on this host")
+    if (
+        res.status != "ok"
+        or info.get("pid", 99) > 10
+        or info.get("procs", 99) > 4
+        or (IS_ROOT and info.get("uid", 0) == 0)
+    ):
+        pytest.fail(
+            f"the {mode} sandbox does not isolate ({res.status}: {res.detail} {info}); "
+            f"refusing to run hostile programs on this host"
+        )
 
 
 @pytest.fixture(scope="module", params=MODES)
@@ -412,27 +489,43 @@ def test_nothing_survives_the_suite(suite):
 # ---------------------------------------------------------------------------------------------
 # Plain behaviour and failure modes
 
+
 @pytest.mark.parametrize("mode", MODES)
 def test_stdin_stdout_exit_code_and_workdir(mode, tmp_path):
     work = tmp_path / "w"
     work.mkdir()
-    code = ("import os, sys\ndata = sys.stdin.read()\nopen('out.txt', 'w').write(data)\n"
-            "print(data.upper(), os.getcwd())\nsys.stderr.write('warn')\nsys.exit(3)\n")
-    res = run_sandboxed([sys.executable, "-I", "-c", code], stdin=b"hello", workdir=str(work),
-                        timeout_s=5.0, mode=mode, **LIMITS)
+    code = (
+        "import os, sys\ndata = sys.stdin.read()\nopen('out.txt', 'w').write(data)\n"
+        "print(data.upper(), os.getcwd())\nsys.stderr.write('warn')\nsys.exit(3)\n"
+    )
+    res = run_sandboxed(
+        [sys.executable, "-I", "-c", code],
+        stdin=b"hello",
+        workdir=str(work),
+        timeout_s=5.0,
+        mode=mode,
+        **LIMITS,
+    )
     assert (res.status, res.returncode) == ("exit_nonzero", 3)
     assert res.stdout.decode().split() == ["HELLO", str(work)]
     assert res.stderr == b"warn"
     assert (work / "out.txt").read_text() == "hello"
-    ok = run_sandboxed(["/bin/echo", "hi"], stdin=b"", workdir=str(work), timeout_s=5.0,
-                       mode=mode, **LIMITS)
+    ok = run_sandboxed(["/bin/echo", "hi"], stdin=b"", workdir=str(work), timeout_s=5.0, mode=mode, **LIMITS)
     assert (ok.status, ok.returncode, ok.stdout) == ("ok", 0, b"hi\n")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_output_cap_keeps_the_first_bytes(mode, tmp_path):
-    res = run_sandboxed(["/usr/bin/yes", "abc"], stdin=b"", workdir=str(tmp_path), timeout_s=5.0,
-                        mode=mode, memory_mb=300, output_limit_bytes=1000, max_processes=8)
+    res = run_sandboxed(
+        ["/usr/bin/yes", "abc"],
+        stdin=b"",
+        workdir=str(tmp_path),
+        timeout_s=5.0,
+        mode=mode,
+        memory_mb=300,
+        output_limit_bytes=1000,
+        max_processes=8,
+    )
     assert res.status == "output_limit" and res.returncode == -signal.SIGKILL
     assert res.stdout == b"abc\n" * 250
 
@@ -442,9 +535,14 @@ def test_concurrent_sandboxes_get_distinct_uids(tmp_path):
     def run(i):
         work = tmp_path / f"w{i}"
         work.mkdir()
-        return run_sandboxed([sys.executable, "-I", "-c",
-                              "import os, time; time.sleep(0.5); print(os.getuid())"],
-                             stdin=b"", workdir=str(work), timeout_s=5.0, **LIMITS)
+        return run_sandboxed(
+            [sys.executable, "-I", "-c", "import os, time; time.sleep(0.5); print(os.getuid())"],
+            stdin=b"",
+            workdir=str(work),
+            timeout_s=5.0,
+            **LIMITS,
+        )
+
     with ThreadPool(4) as pool:
         results = pool.map(run, range(4))
     uids = [int(r.stdout) for r in results]
@@ -453,17 +551,18 @@ def test_concurrent_sandboxes_get_distinct_uids(tmp_path):
 
 
 def test_bad_requests_are_sandbox_errors(tmp_path):
-    res = run_sandboxed(["/bin/true"], stdin=b"", workdir=str(tmp_path / "missing"),
-                        timeout_s=1.0, **LIMITS)
+    res = run_sandboxed(["/bin/true"], stdin=b"", workdir=str(tmp_path / "missing"), timeout_s=1.0, **LIMITS)
     assert res.status == "sandbox_error" and "does not exist" in res.detail
-    res = run_sandboxed(["/bin/true"], stdin=b"", workdir=str(tmp_path), timeout_s=1.0,
-                        mode="docker", **LIMITS)
+    res = run_sandboxed(
+        ["/bin/true"], stdin=b"", workdir=str(tmp_path), timeout_s=1.0, mode="docker", **LIMITS
+    )
     assert res.status == "sandbox_error" and "mode" in res.detail
 
 
-@pytest.mark.skipif(not IS_ROOT or not shutil.which("setpriv") or
-                    not os.path.exists("/usr/bin/python3"),
-                    reason="needs root, setpriv and /usr/bin/python3 to act as another user")
+@pytest.mark.skipif(
+    not IS_ROOT or not shutil.which("setpriv") or not os.path.exists("/usr/bin/python3"),
+    reason="needs root, setpriv and /usr/bin/python3 to act as another user",
+)
 def test_plain_mode_without_privileges_is_a_clear_sandbox_error():
     """An unprivileged caller cannot create the namespaces of plain mode: every run says so."""
     script = textwrap.dedent("""
@@ -478,9 +577,24 @@ def test_plain_mode_without_privileges_is_a_clear_sandbox_error():
         """)
     with tempfile.TemporaryDirectory() as work:  # pytest's tmp_path is not reachable by nobody
         os.chmod(work, 0o777)
-        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                              "/usr/bin/python3", "-I", "-c", script, sandbox.__file__, work],
-                             capture_output=True, text=True, timeout=60, cwd="/")
+        out = subprocess.run(
+            [
+                "setpriv",
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "/usr/bin/python3",
+                "-I",
+                "-c",
+                script,
+                sandbox.__file__,
+                work,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
     assert out.returncode == 0, out.stderr
     status, detail = json.loads(out.stdout)
     assert status == "sandbox_error" and "plain mode needs root" in detail

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 
-def diff_failures(per_rank: list[list[dict]], tolerance: Callable[[str, float], float],
-                  *, require_scale: bool = False) -> tuple[list[str], dict[str, int]]:
+def diff_failures(
+    per_rank: list[list[dict]], tolerance: Callable[[str, float], float], *, require_scale: bool = False
+) -> tuple[list[str], dict[str, int]]:
     """Lines for every diff over its tolerance, and how many diffs each layout compared.
 
     ``per_rank[r]`` holds rank ``r``'s results, each ``{"layout": name, "diffs": {what: (err,
@@ -20,6 +21,5 @@ def diff_failures(per_rank: list[list[dict]], tolerance: Callable[[str, float], 
             compared[res["layout"]] = compared.get(res["layout"], 0) + len(res["diffs"])
             for what, (err, scale) in res["diffs"].items():
                 if err > tolerance(what, scale) or (require_scale and not scale > 0):
-                    bad.append(f"rank {rank} {res['layout']}: {what} off by {err:.3g} "
-                               f"(scale {scale:.3g})")
+                    bad.append(f"rank {rank} {res['layout']}: {what} off by {err:.3g} (scale {scale:.3g})")
     return bad, compared

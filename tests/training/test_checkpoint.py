@@ -48,49 +48,88 @@ NORM_REL_TOL = 1e-5
 
 # -- a tiny training run ------------------------------------------------------------------------
 
+
 def _hf_config(hidden: int = 64, tied: bool = False):
     import transformers
 
     return transformers.LlamaConfig(
-        hidden_size=hidden, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=2 * hidden, vocab_size=VOCAB, max_position_embeddings=64,
-        rms_norm_eps=1e-5, tie_word_embeddings=tied)
+        hidden_size=hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Input ids and next-token labels ``[BATCH, SEQ]`` of ``step``: a function of the step only."""
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1),
-                           generator=torch.Generator().manual_seed(1000 + step))
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1000 + step))
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _build(tp: int = 1, pp: int = 1, vpp: int | None = None, *, hidden: int = 64,
-           tied: bool = False, distributed_optimizer: bool = False):
+def _build(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    *,
+    hidden: int = 64,
+    tied: bool = False,
+    distributed_optimizer: bool = False,
+):
     """Model chunks wrapped in Megatron's DDP, its Adam, and an LR scheduler (warm-up, cosine)."""
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_rl.training.model import build_model_chunks
     from megatron_rl.training.parallel import ParallelConfig
 
-    chunks = build_model_chunks(_hf_config(hidden, tied), ParallelConfig(
-        tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp))
+    chunks = build_model_chunks(
+        _hf_config(hidden, tied),
+        ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp),
+    )
     config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               use_distributed_optimizer=distributed_optimizer)
-    ddp = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-           for i, chunk in enumerate(chunks)]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
+    )
+    ddp = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [w.no_sync for w in ddp] if len(ddp) > 1 else ddp[0].no_sync
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=1e-3, min_lr=1e-4, weight_decay=0.01, clip_grad=1.0,
-        use_distributed_optimizer=distributed_optimizer), ddp)
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-3,
+            min_lr=1e-4,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            use_distributed_optimizer=distributed_optimizer,
+        ),
+        ddp,
+    )
     sched = OptimizerParamScheduler(
-        opt, init_lr=2e-4, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=10,
-        lr_decay_style="cosine", start_wd=0.01, end_wd=0.01, wd_incr_steps=10,
-        wd_incr_style="constant")
+        opt,
+        init_lr=2e-4,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
     return ddp, opt, sched
 
 
@@ -124,10 +163,16 @@ def _train_step(ddp, opt, sched, step: int) -> dict:
     opt.zero_grad()
     micro = list(zip(ids.chunk(MICRO), labels.chunk(MICRO)))
     outputs = get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=[iter(micro) for _ in ddp],
-        model=ddp, num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=BATCH // dp // MICRO,
-        forward_only=False, pg_collection=pgs, p2p_communicator=P2PCommunicator(pgs.pp,
-                                                                                ddp[0].config))
+        forward_step_func=_forward_step,
+        data_iterator=[iter(micro) for _ in ddp],
+        model=ddp,
+        num_microbatches=MICRO,
+        seq_length=SEQ,
+        micro_batch_size=BATCH // dp // MICRO,
+        forward_only=False,
+        pg_collection=pgs,
+        p2p_communicator=P2PCommunicator(pgs.pp, ddp[0].config),
+    )
     lr = opt.param_groups[0]["lr"]
     ok, grad_norm, _ = opt.step()
     assert ok
@@ -146,11 +191,16 @@ def _rng_draws() -> dict:
 
     with get_cuda_rng_tracker().fork():
         tensor_parallel = torch.rand(4).tolist()
-    return {"python": random.random(), "numpy": float(np.random.rand()),
-            "torch": torch.rand(4).tolist(), "tensor_parallel": tensor_parallel}
+    return {
+        "python": random.random(),
+        "numpy": float(np.random.rand()),
+        "torch": torch.rand(4).tolist(),
+        "tensor_parallel": tensor_parallel,
+    }
 
 
 # -- the distributed runs -----------------------------------------------------------------------
+
 
 def _run_layout_a(rank: int, world_size: int, root: str) -> dict:
     import os
@@ -166,21 +216,30 @@ def _run_layout_a(rank: int, world_size: int, root: str) -> dict:
         for step in range(1, 5):
             steps[step] = _train_step(ddp, opt, sched, step)
             if step == SAVE_AFTER:
-                save_checkpoint(root, step, ddp, opt, sched, seed=SEED,
-                                extra={"sampler": {"epoch": 0, "cursor": step * BATCH}})
+                save_checkpoint(
+                    root,
+                    step,
+                    ddp,
+                    opt,
+                    sched,
+                    seed=SEED,
+                    extra={"sampler": {"epoch": 0, "cursor": step * BATCH}},
+                )
                 draws = _rng_draws()
         return {"steps": steps, "draws": draws}
     finally:
         destroy_parallel()
 
 
-def _resume(layout: str, tp: int, pp: int, root: str, *, vpp: int | None = None,
-            with_optimizer: bool = True) -> dict:
+def _resume(
+    layout: str, tp: int, pp: int, root: str, *, vpp: int | None = None, with_optimizer: bool = True
+) -> dict:
     from megatron_rl.training.checkpoint import load_checkpoint
     from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
 
-    init_parallel(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp),
-                  seed=SEED + 1)
+    init_parallel(
+        ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp), seed=SEED + 1
+    )
     try:
         ddp, opt, sched = _build(tp, pp, vpp)
         if with_optimizer:
@@ -201,9 +260,13 @@ def _run_resumes(rank: int, world_size: int, root: str) -> list[dict]:
     import os
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    return [_resume("same", 1, 1, root), _resume("tp2", 2, 1, root),
-            _resume("pp2", 1, 2, root), _resume("pp2 vpp2", 1, 2, root, vpp=2),
-            _resume("model only", 1, 1, root, with_optimizer=False)]
+    return [
+        _resume("same", 1, 1, root),
+        _resume("tp2", 2, 1, root),
+        _resume("pp2", 1, 2, root),
+        _resume("pp2 vpp2", 1, 2, root, vpp=2),
+        _resume("model only", 1, 1, root, with_optimizer=False),
+    ]
 
 
 def _close(a: float, b: float, tol: float = REL_TOL) -> bool:
@@ -215,8 +278,11 @@ def _matches(got: dict, want: dict, exact: bool) -> bool:
     LR always exactly; the loss where this rank has it, i.e. on a last pipeline stage)."""
     if exact:
         return got == want
-    return (got["lr"] == want["lr"] and _close(got["grad_norm"], want["grad_norm"], NORM_REL_TOL)
-            and (got["loss"] is None or _close(got["loss"], want["loss"])))
+    return (
+        got["lr"] == want["lr"]
+        and _close(got["grad_norm"], want["grad_norm"], NORM_REL_TOL)
+        and (got["loss"] is None or _close(got["loss"], want["loss"]))
+    )
 
 
 @pytest.mark.distributed
@@ -235,7 +301,11 @@ def test_resume_is_exact_at_same_layout_and_matches_at_other_tp_pp():
             if leg["layout"] != "model only":
                 for s in (3, 4):
                     assert _matches(leg["steps"][s], ref_steps[s], leg["layout"] == "same"), (
-                        where, s, leg["steps"][s], ref_steps[s])
+                        where,
+                        s,
+                        leg["steps"][s],
+                        ref_steps[s],
+                    )
     by_layout = {leg["layout"]: [legs[i] for legs in resumed] for i, leg in enumerate(resumed[0])}
     # Same layout: every rank continues its own RNG streams exactly.
     assert [leg["draws"] for leg in by_layout["same"]] == [r["draws"] for r in ref]
@@ -259,16 +329,20 @@ def test_resume_is_exact_at_same_layout_and_matches_at_other_tp_pp():
 
 # -- single process: atomicity, errors, extra ---------------------------------------------------
 
+
 def _names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
-def test_latest_ignores_partial_checkpoints_and_keep_last_prunes_after_completion(
-        single_rank, tmp_path):
+def test_latest_ignores_partial_checkpoints_and_keep_last_prunes_after_completion(single_rank, tmp_path):
     import torch.distributed as dist
 
-    from megatron_rl.training.checkpoint import (CheckpointError, latest_checkpoint,
-                                                 load_checkpoint, save_checkpoint)
+    from megatron_rl.training.checkpoint import (
+        CheckpointError,
+        latest_checkpoint,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
     assert latest_checkpoint(tmp_path / "nothing-here") is None
     ddp, opt, sched = _build()
@@ -292,10 +366,19 @@ def test_latest_ignores_partial_checkpoints_and_keep_last_prunes_after_completio
             load_checkpoint(incomplete, ddp)
     # A save that fails part-way (the scheduler's numpy float is not JSON) deletes nothing and
     # completes nothing, so keep_last has not pruned step 1 yet.
-    bad_sched = type(sched)(opt, init_lr=2e-4, max_lr=1e-3, min_lr=np.float32(1e-4),
-                            lr_warmup_steps=2, lr_decay_steps=10, lr_decay_style="cosine",
-                            start_wd=0.01, end_wd=0.01, wd_incr_steps=10,
-                            wd_incr_style="constant")
+    bad_sched = type(sched)(
+        opt,
+        init_lr=2e-4,
+        max_lr=1e-3,
+        min_lr=np.float32(1e-4),
+        lr_warmup_steps=2,
+        lr_decay_steps=10,
+        lr_decay_style="cosine",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=10,
+        wd_incr_style="constant",
+    )
     with pytest.raises(TypeError, match="float32"):
         save_checkpoint(tmp_path, 5, ddp, opt, bad_sched, keep_last=2)
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
@@ -317,8 +400,13 @@ def test_extra_round_trips(single_rank, tmp_path):
     from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
 
     ddp, opt, sched = _build()
-    extra = {"sampler": {"epoch": 3, "cursor": 1234, "order_seed": 7},
-             "policy_version": 42, "note": "ünïcode", "ratio": 0.125, "flags": [True, None]}
+    extra = {
+        "sampler": {"epoch": 3, "cursor": 1234, "order_seed": 7},
+        "policy_version": 42,
+        "note": "ünïcode",
+        "ratio": 0.125,
+        "flags": [True, None],
+    }
     # Saved before the first optimizer step (no Adam state yet): loading resets the optimizer,
     # which has stepped since, and it steps again from there.
     path = save_checkpoint(tmp_path, 7, ddp, opt, sched, extra=extra)
@@ -334,8 +422,7 @@ def test_extra_round_trips(single_rank, tmp_path):
 
 
 def test_mismatched_model_fails_naming_checkpoint_and_tensor(single_rank, tmp_path):
-    from megatron_rl.training.checkpoint import (CheckpointMismatchError, load_checkpoint,
-                                                 save_checkpoint)
+    from megatron_rl.training.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
 
     ddp, opt, sched = _build(hidden=64)
     path = save_checkpoint(tmp_path, 1, ddp, opt, sched)
@@ -352,20 +439,20 @@ def test_mismatched_model_fails_naming_checkpoint_and_tensor(single_rank, tmp_pa
 
 
 def test_missing_tensor_is_an_error_unless_not_strict(single_rank, tmp_path):
-    from megatron_rl.training.checkpoint import (CheckpointMismatchError, load_checkpoint,
-                                                 save_checkpoint)
+    from megatron_rl.training.checkpoint import CheckpointMismatchError, load_checkpoint, save_checkpoint
 
     tied, _, _ = _build(tied=True)  # no output_layer.weight: the embedding is reused
     save_checkpoint(tmp_path, 1, tied, None, None)
-    untied, untied_opt, untied_sched = _build()
+    untied, untied_opt, _untied_sched = _build()
     with pytest.raises(CheckpointMismatchError, match="output_layer.weight"):
         load_checkpoint(tmp_path, untied)
     model = untied[0].module
     kept = model.output_layer.weight.detach().clone()
     assert load_checkpoint(tmp_path, untied, strict=False) == (1, {})
     assert torch.equal(model.output_layer.weight, kept)
-    assert torch.equal(model.embedding.word_embeddings.weight,
-                       tied[0].module.embedding.word_embeddings.weight)
+    assert torch.equal(
+        model.embedding.word_embeddings.weight, tied[0].module.embedding.word_embeddings.weight
+    )
     from megatron_rl.training.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match="no optimizer state"):
@@ -381,8 +468,7 @@ def test_distributed_optimizer_saves_but_refuses_to_resume_on_cpu(single_rank, t
     _train_step(ddp, opt, sched, 1)
     path = save_checkpoint(tmp_path, 1, ddp, opt, sched)
     contents = json.loads((path / "complete").read_text())["contents"]
-    assert (contents["optimizer"], contents["optimizer_sharding"]) == ("distributed",
-                                                                       "dp_reshardable")
+    assert (contents["optimizer"], contents["optimizer_sharding"]) == ("distributed", "dp_reshardable")
     with pytest.raises(CheckpointError, match="distributed optimizer does not resume on CPU"):
         load_checkpoint(path, ddp, opt, sched)
     plain, plain_opt, _ = _build()

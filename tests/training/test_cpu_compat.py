@@ -9,8 +9,9 @@ import torch
 
 from megatron_rl.training import cpu_compat
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="cpu_compat applies only where CUDA is absent")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="cpu_compat applies only where CUDA is absent"
+)
 
 
 def test_apply_is_idempotent():

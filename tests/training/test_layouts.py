@@ -49,9 +49,16 @@ def _hf_config(variant: str):
     import transformers
 
     return transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5,
-        tie_word_embeddings=variant == "tied")
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=variant == "tied",
+    )
 
 
 def _input_ids() -> torch.Tensor:
@@ -71,9 +78,11 @@ def _reference(variant: str, ckpt: str) -> dict:
     save_model_checkpoint(model, ckpt)
     logits = model(_input_ids(), _positions(BATCH), None)
     ((logits.float() ** 2).sum() / (BATCH * SEQ)).backward()
-    return {"logits": logits.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "logits": logits.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def _global_names(chunk, tied: bool) -> dict[str, str]:
@@ -128,10 +137,16 @@ def _run_schedule(chunks, pgs, ids: torch.Tensor, m: int, scale: float, forward_
     micro = list(ids.chunk(m))
     _forward_step.scale = scale
     return get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=[iter(micro) for _ in chunks],
-        model=chunks, num_microbatches=m, seq_length=SEQ, micro_batch_size=micro[0].shape[0],
-        forward_only=forward_only, pg_collection=pgs,
-        p2p_communicator=P2PCommunicator(pgs.pp, chunks[0].config))
+        forward_step_func=_forward_step,
+        data_iterator=[iter(micro) for _ in chunks],
+        model=chunks,
+        num_microbatches=m,
+        seq_length=SEQ,
+        micro_batch_size=micro[0].shape[0],
+        forward_only=forward_only,
+        pg_collection=pgs,
+        p2p_communicator=P2PCommunicator(pgs.pp, chunks[0].config),
+    )
 
 
 def _gather_logits(outputs: list, tp_group, dp_group) -> torch.Tensor:
@@ -154,25 +169,36 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def _wrap_ddp(chunks, distributed_optimizer: bool):
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
     config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                               use_distributed_optimizer=distributed_optimizer)
-    wrapped = [DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-               for i, chunk in enumerate(chunks)]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
+    )
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
     return wrapped
 
 
-def _compare(chunks, names, ref_tensors: dict, tp_rank: int, tp: int, label: str,
-             value=lambda p: p.detach()) -> dict:
+def _compare(
+    chunks, names, ref_tensors: dict, tp_rank: int, tp: int, label: str, value=lambda p: p.detach()
+) -> dict:
     """``value(param)`` of every local parameter against its shard of the reference tensor."""
-    return {f"{label} {chunk_names[local]}": _max_diff(value(p), _shard(
-                p, local, ref_tensors[chunk_names[local]], tp_rank, tp))
-            for chunk, chunk_names in zip(chunks, names) for local, p in chunk.named_parameters()}
+    return {
+        f"{label} {chunk_names[local]}": _max_diff(
+            value(p), _shard(p, local, ref_tensors[chunk_names[local]], tp_rank, tp)
+        )
+        for chunk, chunk_names in zip(chunks, names)
+        for local, p in chunk.named_parameters()
+    }
 
 
 def _run_layout(layout: tuple, ref: dict, ckpt: str) -> dict:
@@ -206,8 +232,9 @@ def _run_layout(layout: tuple, ref: dict, ckpt: str) -> dict:
     if distopt:
         out["diffs"].update(_step_and_compare(ddp, chunks, names, ref, tp_rank, tp))
     else:
-        out["diffs"].update(_compare(chunks, names, ref["grads"], tp_rank, tp, "grad",
-                                     value=lambda p: p.main_grad))
+        out["diffs"].update(
+            _compare(chunks, names, ref["grads"], tp_rank, tp, "grad", value=lambda p: p.main_grad)
+        )
     return out
 
 
@@ -221,15 +248,24 @@ def _step_and_compare(ddp, chunks, names, ref, tp_rank: int, tp: int) -> dict:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1.0, adam_eps=1.0, weight_decay=0.0,
-                        use_distributed_optimizer=True, clip_grad=1e6), ddp)
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1.0,
+            adam_eps=1.0,
+            weight_decay=0.0,
+            use_distributed_optimizer=True,
+            clip_grad=1e6,
+        ),
+        ddp,
+    )
     ok, grad_norm, _ = opt.step()
     assert ok
     ref_norm = torch.sqrt(sum((g.double() ** 2).sum() for g in ref["grads"].values())).item()
-    stepped = {n: p - ref["grads"][n] / (ref["grads"][n].abs() + 1.0)
-               for n, p in ref["params"].items()}
-    return {"grad norm": (abs(grad_norm - ref_norm), ref_norm),
-            **_compare(chunks, names, stepped, tp_rank, tp, "stepped")}
+    stepped = {n: p - ref["grads"][n] / (ref["grads"][n].abs() + 1.0) for n, p in ref["params"].items()}
+    return {
+        "grad norm": (abs(grad_norm - ref_norm), ref_norm),
+        **_compare(chunks, names, stepped, tp_rank, tp, "stepped"),
+    }
 
 
 def _all_layouts(rank: int, world_size: int, ckpt_root: str) -> list[dict]:
@@ -243,8 +279,9 @@ def _all_layouts(rank: int, world_size: int, ckpt_root: str) -> list[dict]:
         refs = {v: _reference(v, f"{ckpt_root}/{v}") for v in ("untied", "tied")}
     results = []
     for layout in LAYOUTS:
-        cfg = ParallelConfig(tensor_parallel=layout[1], pipeline_parallel=layout[2],
-                             virtual_pipeline=layout[3])
+        cfg = ParallelConfig(
+            tensor_parallel=layout[1], pipeline_parallel=layout[2], virtual_pipeline=layout[3]
+        )
         with parallel_layout(cfg, seed=1234):
             results.append(_run_layout(layout, refs[layout[4]], f"{ckpt_root}/{layout[4]}"))
     return results
@@ -256,8 +293,8 @@ def test_logits_and_grads_match_tp1_pp1_at_every_layout():
         per_rank = run_ranks(_all_layouts, 4, args=(ckpt_root,), timeout=150)
     # init: bit-identical; everything else relative to the tensor's scale, which must be > 0.
     bad, compared = diff_failures(
-        per_rank, lambda what, scale: 0.0 if what.startswith("init") else REL_TOL * scale,
-        require_scale=True)
+        per_rank, lambda what, scale: 0.0 if what.startswith("init") else REL_TOL * scale, require_scale=True
+    )
     assert not bad, "\n".join(bad)
     assert set(compared) == {layout[0] for layout in LAYOUTS}, compared
     # Each rank holds a nonempty set of parameters (+ logits on last stages): all compared.

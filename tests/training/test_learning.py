@@ -36,11 +36,22 @@ def _one_thread():
 
 def _trainer(lr: float, seed: int) -> PolicyTrainer:
     hf = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, rms_norm_eps=1e-5)
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(seed)  # CPU initialisation draws from the default generator
-    return PolicyTrainer(hf, TrainerConfig(optim=OptimConfig(lr=lr, clip_grad=1.0)), GRPOConfig(),
-                         BatchingConfig(token_budget=256))
+    return PolicyTrainer(
+        hf,
+        TrainerConfig(optim=OptimConfig(lr=lr, clip_grad=1.0)),
+        GRPOConfig(),
+        BatchingConfig(token_budget=256),
+    )
 
 
 # -- SFT: reverse a string of digits ----------------------------------------------------------------
@@ -76,8 +87,9 @@ GROUPS, GROUP_SIZE, COMPLETION = 4, 8, 8
 
 
 @torch.no_grad()
-def _sample(model, prompt: list[int], n: int, length: int, gen: torch.Generator
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(
+    model, prompt: list[int], n: int, length: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` completions of ``length`` tokens and their behaviour log-probs, both ``[n, length]``."""
     seqs = torch.tensor(prompt).repeat(n, 1)
     logps = []
@@ -88,7 +100,7 @@ def _sample(model, prompt: list[int], n: int, length: int, gen: torch.Generator
         token = torch.multinomial(logprobs.exp(), 1, generator=gen)
         logps.append(logprobs.gather(1, token))
         seqs = torch.cat([seqs, token], dim=1)
-    return seqs[:, len(prompt):], torch.cat(logps, dim=1)
+    return seqs[:, len(prompt) :], torch.cat(logps, dim=1)
 
 
 def _groups(model, prompts: list[list[int]], gen: torch.Generator, version: int) -> list[Group]:
@@ -99,8 +111,13 @@ def _groups(model, prompts: list[list[int]], gen: torch.Generator, version: int)
         for k in range(GROUP_SIZE):
             ids = tokens[k].tolist()
             reward = sum(t in TARGET for t in ids) / len(ids)
-            comp = Completion(prompt_id=str(i), sample_index=k, token_ids=ids,
-                              logprobs=logps[k].tolist(), versions=[version] * len(ids))
+            comp = Completion(
+                prompt_id=str(i),
+                sample_index=k,
+                token_ids=ids,
+                logprobs=logps[k].tolist(),
+                versions=[version] * len(ids),
+            )
             scored.append(ScoredCompletion(completion=comp, reward=reward))
         groups.append(Group(prompt=Prompt(prompt_id=str(i), token_ids=prompt), completions=scored))
     return groups

@@ -7,14 +7,26 @@ import pytest
 import torch
 import transformers
 
-from megatron_rl.training.model import (build_gpt_model, gpt_model_kwargs_from_hf, padded_vocab_size,
-                                        save_model_checkpoint, load_model_checkpoint,
-                                        transformer_config_from_hf)
+from megatron_rl.hf.arch import padded_vocab_size
+from megatron_rl.training.model import (
+    build_gpt_model,
+    gpt_model_kwargs_from_hf,
+    load_model_checkpoint,
+    save_model_checkpoint,
+    transformer_config_from_hf,
+)
 from megatron_rl.training.parallel import ParallelConfig
 
 VOCAB = 250
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 
 
 def _ids(model, batch: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +43,7 @@ def test_tiny_llama_forward_and_backward(single_rank):
     logits = model(ids, pos, None)
     assert logits.shape == (2, 16, padded_vocab_size(VOCAB, 1)) == (2, 16, 1024)
     assert torch.isfinite(logits).all()
-    (logits ** 2).mean().backward()
+    (logits**2).mean().backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
@@ -52,10 +64,12 @@ def _megatron_to_hf(model, hf) -> dict[str, torch.Tensor]:
     heads, groups = hf.num_attention_heads, hf.num_key_value_heads
     hd = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     split = [heads // groups * hd, hd, hd]
-    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][:hf.vocab_size],
-           "model.norm.weight": sd["decoder.final_layernorm.weight"]}
+    out = {
+        "model.embed_tokens.weight": sd["embedding.word_embeddings.weight"][: hf.vocab_size],
+        "model.norm.weight": sd["decoder.final_layernorm.weight"],
+    }
     if not hf.tie_word_embeddings:
-        out["lm_head.weight"] = sd["output_layer.weight"][:hf.vocab_size]
+        out["lm_head.weight"] = sd["output_layer.weight"][: hf.vocab_size]
     for i in range(hf.num_hidden_layers):
         mg, h = f"decoder.layers.{i}.", f"model.layers.{i}."
         for kind in ("weight", "bias"):
@@ -66,36 +80,62 @@ def _megatron_to_hf(model, hf) -> dict[str, torch.Tensor]:
             for proj, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[f"{h}self_attn.{proj}.{kind}"] = t.reshape(-1, *fused.shape[1:])
         gate, up = sd[f"{mg}mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out.update({
-            f"{h}self_attn.o_proj.weight": sd[f"{mg}self_attention.linear_proj.weight"],
-            f"{h}input_layernorm.weight":
-                norm(mg, "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-            f"{h}post_attention_layernorm.weight":
-                norm(mg, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-            f"{h}mlp.gate_proj.weight": gate, f"{h}mlp.up_proj.weight": up,
-            f"{h}mlp.down_proj.weight": sd[f"{mg}mlp.linear_fc2.weight"]})
+        out.update(
+            {
+                f"{h}self_attn.o_proj.weight": sd[f"{mg}self_attention.linear_proj.weight"],
+                f"{h}input_layernorm.weight": norm(
+                    mg, "input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"
+                ),
+                f"{h}post_attention_layernorm.weight": norm(
+                    mg, "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"
+                ),
+                f"{h}mlp.gate_proj.weight": gate,
+                f"{h}mlp.up_proj.weight": up,
+                f"{h}mlp.down_proj.weight": sd[f"{mg}mlp.linear_fc2.weight"],
+            }
+        )
     return out
 
 
 FAMILIES = {
     # Mistral with head_dim != hidden / heads (kv_channels path), untied.
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                dict(head_dim=32, sliding_window=None, rope_theta=1e6, rms_norm_eps=1e-5,
-                     tie_word_embeddings=False)),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(head_dim=32, sliding_window=None, rope_theta=1e6, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    ),
     # Llama with tied embeddings and Llama-3 RoPE scaling.
-    "llama_tied": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                   dict(tie_word_embeddings=True, max_position_embeddings=16384,
-                        rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5,
-                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                         "original_max_position_embeddings": 8192})),
+    "llama_tied": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=True,
+            max_position_embeddings=16384,
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "rope_theta": 5e5,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
     # Llama with linear RoPE scaling.
-    "llama_linear": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                     dict(tie_word_embeddings=False,
-                          rope_parameters={"rope_type": "linear", "factor": 4.0,
-                                           "rope_theta": 1e4})),
+    "llama_linear": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4},
+        ),
+    ),
     # Qwen2 with its q/k/v biases (made nonzero below: Megatron initialises biases to 0).
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              dict(tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6),
+    ),
 }
 
 
@@ -124,9 +164,14 @@ def test_family_matches_hugging_face(single_rank, family):
 
 def test_config_translation_for_qwen2():
     hf = transformers.Qwen2Config(**TINY, rms_norm_eps=3e-6, initializer_range=0.01)
-    cfg = transformer_config_from_hf(hf, ParallelConfig(tensor_parallel=2),
-                                     params_dtype=torch.bfloat16, recompute_granularity="full",
-                                     recompute_method="uniform", recompute_num_layers=1)
+    cfg = transformer_config_from_hf(
+        hf,
+        ParallelConfig(tensor_parallel=2),
+        params_dtype=torch.bfloat16,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+    )
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size) == (2, 64, 128)
     assert (cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels) == (4, 2, 16)
     assert cfg.normalization == "RMSNorm" and cfg.layernorm_epsilon == 3e-6
@@ -138,8 +183,12 @@ def test_config_translation_for_qwen2():
     assert cfg.recompute_granularity == "full"  # overrides reach TransformerConfig
     if not torch.cuda.is_available():
         assert cfg.use_cpu_initialization
-        assert not (cfg.bias_activation_fusion or cfg.masked_softmax_fusion
-                    or cfg.bias_dropout_fusion or cfg.apply_rope_fusion)
+        assert not (
+            cfg.bias_activation_fusion
+            or cfg.masked_softmax_fusion
+            or cfg.bias_dropout_fusion
+            or cfg.apply_rope_fusion
+        )
 
 
 def test_model_kwargs_from_config_folder(tmp_path):
@@ -148,19 +197,33 @@ def test_model_kwargs_from_config_folder(tmp_path):
         '{"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, '
         '"num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 300, '
         '"rope_theta": 123456.0, "rope_scaling": null, "max_position_embeddings": 512, '
-        '"tie_word_embeddings": true}')
+        '"tie_word_embeddings": true}'
+    )
     kw = gpt_model_kwargs_from_hf(str(tmp_path), tensor_parallel=2)
-    assert kw == dict(vocab_size=1024, max_sequence_length=512, position_embedding_type="rope",
-                      share_embeddings_and_output_weights=True, rotary_base=123456.0)
-    assert gpt_model_kwargs_from_hf(str(tmp_path), tensor_parallel=1,
-                                    vocab_size=1000)["vocab_size"] == 1024
+    assert kw == dict(
+        vocab_size=1024,
+        max_sequence_length=512,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=True,
+        rotary_base=123456.0,
+    )
+    assert gpt_model_kwargs_from_hf(str(tmp_path), tensor_parallel=1, vocab_size=1000)["vocab_size"] == 1024
     with pytest.raises(ValueError, match="config.json"):
         gpt_model_kwargs_from_hf(str(tmp_path / "missing"), tensor_parallel=1)
 
 
-@pytest.mark.parametrize("vocab, tp, padded", [(250, 1, 1024), (250, 2, 1024), (1025, 1, 2048),
-                                               (1024, 8, 1024), (151936, 8, 152576), (1, 4, 1024),
-                                               (250, 3, 3072)])
+@pytest.mark.parametrize(
+    "vocab, tp, padded",
+    [
+        (250, 1, 1024),
+        (250, 2, 1024),
+        (1025, 1, 2048),
+        (1024, 8, 1024),
+        (151936, 8, 152576),
+        (1, 4, 1024),
+        (250, 3, 3072),
+    ],
+)
 def test_padded_vocab_size_does_not_depend_on_tp(vocab, tp, padded):
     # One padded size for TP 1, 2, 4, 8: a checkpoint resumes at any of them.
     assert padded_vocab_size(vocab, tp) == padded
@@ -168,25 +231,58 @@ def test_padded_vocab_size_does_not_depend_on_tp(vocab, tp, padded):
 
 
 UNSUPPORTED = [
-    (transformers.MistralConfig(**{**TINY, "max_position_embeddings": 32768},
-                                sliding_window=4096), ParallelConfig(), "sliding_window"),
-    (transformers.LlamaConfig(**TINY, rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
-        "original_max_position_embeddings": 64}), ParallelConfig(), "rope_type"),
-    (transformers.LlamaConfig(**{**TINY, "max_position_embeddings": 16384}, rope_parameters={
-        "rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 2.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-     ParallelConfig(), "low_freq_factor"),
+    (
+        transformers.MistralConfig(**{**TINY, "max_position_embeddings": 32768}, sliding_window=4096),
+        ParallelConfig(),
+        "sliding_window",
+    ),
+    (
+        transformers.LlamaConfig(
+            **TINY,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 1e4,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        ParallelConfig(),
+        "rope_type",
+    ),
+    (
+        transformers.LlamaConfig(
+            **{**TINY, "max_position_embeddings": 16384},
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "rope_theta": 5e5,
+                "low_freq_factor": 2.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+        ParallelConfig(),
+        "low_freq_factor",
+    ),
     (transformers.LlamaConfig(**TINY, attention_bias=True), ParallelConfig(), "attention_bias"),
     (transformers.LlamaConfig(**TINY, mlp_bias=True), ParallelConfig(), "mlp_bias"),
     (transformers.LlamaConfig(**TINY, hidden_act="gelu"), ParallelConfig(), "hidden_act"),
     (transformers.GPT2Config(), ParallelConfig(), "model_type"),
-    (transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 3}),
-     ParallelConfig(pipeline_parallel=2), "num_hidden_layers"),
-    (transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 1}),
-     ParallelConfig(tensor_parallel=2), "num_key_value_heads"),
-    (transformers.LlamaConfig(**{**TINY, "intermediate_size": 129}),
-     ParallelConfig(tensor_parallel=2), "intermediate_size"),
+    (
+        transformers.LlamaConfig(**{**TINY, "num_hidden_layers": 3}),
+        ParallelConfig(pipeline_parallel=2),
+        "num_hidden_layers",
+    ),
+    (
+        transformers.LlamaConfig(**{**TINY, "num_key_value_heads": 1}),
+        ParallelConfig(tensor_parallel=2),
+        "num_key_value_heads",
+    ),
+    (
+        transformers.LlamaConfig(**{**TINY, "intermediate_size": 129}),
+        ParallelConfig(tensor_parallel=2),
+        "intermediate_size",
+    ),
 ]
 
 

@@ -5,18 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.config_checks import ConfigFieldError
+from megatron_rl.config import ConfigFieldError
 from megatron_rl.training.parallel import ParallelConfig, init_parallel
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(tensor_parallel=0), "tensor_parallel"),
-    (dict(pipeline_parallel=0), "pipeline_parallel"),
-    (dict(pipeline_parallel=2, virtual_pipeline=1), "virtual_pipeline"),
-    (dict(virtual_pipeline=2), "virtual_pipeline"),  # interleaving without a pipeline
-    (dict(sequence_parallel=True), "sequence_parallel"),  # without TP
-    (dict(backend="mpi"), "backend"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(tensor_parallel=0), "tensor_parallel"),
+        (dict(pipeline_parallel=0), "pipeline_parallel"),
+        (dict(pipeline_parallel=2, virtual_pipeline=1), "virtual_pipeline"),
+        (dict(virtual_pipeline=2), "virtual_pipeline"),  # interleaving without a pipeline
+        (dict(sequence_parallel=True), "sequence_parallel"),  # without TP
+        (dict(backend="mpi"), "backend"),
+    ],
+)
 def test_invalid_layouts_name_the_field(kwargs, field):
     with pytest.raises(ConfigFieldError) as err:
         ParallelConfig(**kwargs)
@@ -24,8 +27,7 @@ def test_invalid_layouts_name_the_field(kwargs, field):
 
 
 def test_valid_layout_and_backend():
-    cfg = ParallelConfig(tensor_parallel=2, pipeline_parallel=4, virtual_pipeline=2,
-                         sequence_parallel=True)
+    cfg = ParallelConfig(tensor_parallel=2, pipeline_parallel=4, virtual_pipeline=2, sequence_parallel=True)
     assert cfg.model_parallel_size == 8
     assert ParallelConfig().resolved_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
     assert ParallelConfig(backend="gloo").resolved_backend() == "gloo"

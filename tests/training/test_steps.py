@@ -17,10 +17,16 @@ from megatron_rl.algorithms.loss import grpo_loss
 from megatron_rl.batching.collate import collate
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.sft import build_sft_batch
-from megatron_rl.config_checks import ConfigFieldError
+from megatron_rl.config import ConfigFieldError
 from megatron_rl.training.config import OptimConfig, TrainerConfig
-from megatron_rl.training.steps import (StepContext, grpo_loss_fn, mask_padded_vocab, metric_keys,
-                                        model_inputs, sft_loss_fn)
+from megatron_rl.training.steps import (
+    StepContext,
+    grpo_loss_fn,
+    mask_padded_vocab,
+    metric_keys,
+    model_inputs,
+    sft_loss_fn,
+)
 from megatron_rl.types import TrainBatch, TrainSequence
 
 VOCAB = 100  # padded to 1024 by the model
@@ -31,15 +37,22 @@ def _sequences(n: int, seed: int = 0, vocab: int = VOCAB) -> list[TrainSequence]
     out = []
     for i in range(n):
         p, c = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
-        out.append(TrainSequence(
-            tokens=torch.randint(0, vocab, (p + c,), generator=g), prompt_length=p,
-            behaviour_logprobs=-math.log(vocab) + 0.3 * torch.randn(c, generator=g),
-            versions=torch.zeros(c, dtype=torch.long), advantage=float(torch.randn(1, generator=g)),
-            weight=float(torch.rand(1, generator=g)) / 10, group_id=i // 3))
+        out.append(
+            TrainSequence(
+                tokens=torch.randint(0, vocab, (p + c,), generator=g),
+                prompt_length=p,
+                behaviour_logprobs=-math.log(vocab) + 0.3 * torch.randn(c, generator=g),
+                versions=torch.zeros(c, dtype=torch.long),
+                advantage=float(torch.randn(1, generator=g)),
+                weight=float(torch.rand(1, generator=g)) / 10,
+                group_id=i // 3,
+            )
+        )
     return out
 
 
 # -- pure pieces ----------------------------------------------------------------------------------
+
 
 def test_mask_padded_vocab_masks_only_ids_past_the_vocabulary():
     logits = torch.randn(2, 3, 8, requires_grad=True)
@@ -59,20 +72,27 @@ def test_loss_closures_equal_the_pure_functions_on_real_vocabulary_logits():
     want, want_metrics = 0.0, []
     for row, s in enumerate(seqs):
         p, c = s.prompt_length, s.completion_length
-        logp, ent = naive_token_logprobs(logits[row, p - 1:p + c - 1, :VOCAB], s.tokens[p:],
-                                         temperature=0.8)
-        part, m = grpo_loss(logp, s.behaviour_logprobs, torch.full((c,), s.advantage),
-                            torch.full((c,), s.weight), entropy=ent)
+        logp, ent = naive_token_logprobs(
+            logits[row, p - 1 : p + c - 1, :VOCAB], s.tokens[p:], temperature=0.8
+        )
+        part, m = grpo_loss(
+            logp, s.behaviour_logprobs, torch.full((c,), s.advantage), torch.full((c,), s.weight), entropy=ent
+        )
         want, want_metrics = want + part, want_metrics + [m]
     assert loss.item() == pytest.approx(want.item(), rel=1e-5)
     assert int(n) == sum(s.completion_length for s in seqs) == metrics["tokens"]
     assert metrics["entropy_sum"].item() == pytest.approx(
-        sum(m["entropy_sum"].item() for m in want_metrics), rel=1e-5)
+        sum(m["entropy_sum"].item() for m in want_metrics), rel=1e-5
+    )
     assert sorted(metrics) == metric_keys("grpo")
     sft, _, sft_metrics = sft_loss_fn(ctx, mb, logits)
-    nll = -sum(naive_token_logprobs(logits[r, s.prompt_length - 1:s.length - 1, :VOCAB],
-                                    s.tokens[s.prompt_length:])[0].sum() * s.weight
-               for r, s in enumerate(seqs))
+    nll = -sum(
+        naive_token_logprobs(
+            logits[r, s.prompt_length - 1 : s.length - 1, :VOCAB], s.tokens[s.prompt_length :]
+        )[0].sum()
+        * s.weight
+        for r, s in enumerate(seqs)
+    )
     assert sft.item() == pytest.approx(nll.item(), rel=1e-5)  # SFT ignores the temperature
     assert sorted(sft_metrics) == metric_keys("sft") == ["entropy_sum", "loss", "nll_sum", "tokens"]
 
@@ -85,8 +105,9 @@ def test_model_inputs_per_layout():
     thd = model_inputs(packed, thd=True)["packed_seq_params"]
     assert thd.qkv_format == "thd" and thd.cu_seqlens_q.dtype == torch.int32
     assert torch.equal(thd.cu_seqlens_q, packed.cu_seqlens) and thd.cu_seqlens_kv is thd.cu_seqlens_q
-    assert thd.max_seqlen_q == max(max(s.length for s in seqs), packed.tokens.shape[1] - sum(
-        s.length for s in seqs))
+    assert thd.max_seqlen_q == max(
+        max(s.length for s in seqs), packed.tokens.shape[1] - sum(s.length for s in seqs)
+    )
     assert model_inputs(collate(seqs, [0, 1, 2], layout="padded"), thd=True)["attention_mask"] is None
 
 
@@ -102,16 +123,19 @@ def test_build_sft_batch_weights_answer_tokens_only():
         build_sft_batch([([1], [2]), ([3], [])])
 
 
-@pytest.mark.parametrize("cls, kwargs, field", [
-    (OptimConfig, {"lr": 0.0}, "lr"),
-    (OptimConfig, {"lr": 1e-6, "min_lr": 1e-5}, "min_lr"),
-    (OptimConfig, {"clip_grad": 0.0}, "clip_grad"),
-    (OptimConfig, {"adam_beta2": 1.0}, "adam_beta2"),
-    (OptimConfig, {"decay_style": "linear", "warmup_steps": 5, "decay_steps": 5}, "decay_steps"),
-    (OptimConfig, {"decay_style": "step"}, "decay_style"),
-    (TrainerConfig, {"precision": "fp16"}, "precision"),
-    (TrainerConfig, {"distributed_optimizer": "yes"}, "distributed_optimizer"),
-])
+@pytest.mark.parametrize(
+    "cls, kwargs, field",
+    [
+        (OptimConfig, {"lr": 0.0}, "lr"),
+        (OptimConfig, {"lr": 1e-6, "min_lr": 1e-5}, "min_lr"),
+        (OptimConfig, {"clip_grad": 0.0}, "clip_grad"),
+        (OptimConfig, {"adam_beta2": 1.0}, "adam_beta2"),
+        (OptimConfig, {"decay_style": "linear", "warmup_steps": 5, "decay_steps": 5}, "decay_steps"),
+        (OptimConfig, {"decay_style": "step"}, "decay_style"),
+        (TrainerConfig, {"precision": "fp16"}, "precision"),
+        (TrainerConfig, {"distributed_optimizer": "yes"}, "distributed_optimizer"),
+    ],
+)
 def test_config_errors_name_the_field(cls, kwargs, field):
     with pytest.raises(ConfigFieldError) as err:
         cls(**kwargs)
@@ -128,19 +152,31 @@ def test_auto_settings_resolve_for_this_machine():
 
 # -- a single-process trainer -----------------------------------------------------------------------
 
+
 def _hf(tied: bool = False):
     return transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied)
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
 
 
 def _trainer(optim: OptimConfig | None = None, tied: bool = False, recompute: bool = False):
     from megatron_rl.training.trainer import PolicyTrainer
 
     torch.manual_seed(0)  # CPU initialisation draws from the default generator: same weights
-    return PolicyTrainer(_hf(tied), TrainerConfig(optim=optim or OptimConfig(), recompute=recompute),
-                         GRPOConfig(), BatchingConfig(token_budget=64))
+    return PolicyTrainer(
+        _hf(tied),
+        TrainerConfig(optim=optim or OptimConfig(), recompute=recompute),
+        GRPOConfig(),
+        BatchingConfig(token_budget=64),
+    )
 
 
 def _grads(trainer) -> dict[str, torch.Tensor]:
@@ -197,15 +233,17 @@ def test_compute_logprobs_equals_token_logprobs_of_the_full_logits(single_rank):
             with torch.no_grad():
                 logits = model(s.tokens[None], torch.arange(s.length)[None], None)[0]
             logits[:, VOCAB:] = -float("inf")  # the padded ids, as the generator never has them
-            want, _ = token_logprobs(logits[s.prompt_length - 1:-1], s.tokens[s.prompt_length:],
-                                     temperature=temperature)
+            want, _ = token_logprobs(
+                logits[s.prompt_length - 1 : -1], s.tokens[s.prompt_length :], temperature=temperature
+            )
             assert values.shape == (s.completion_length,)
             torch.testing.assert_close(values, want, rtol=1e-5, atol=1e-5)
 
 
 def test_lr_schedule_empty_batch_and_parameter_count(single_rank):
-    trainer = _trainer(OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=4,
-                                   decay_style="linear"), tied=True)
+    trainer = _trainer(
+        OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=2, decay_steps=4, decay_style="linear"), tied=True
+    )
     batch = build_sft_batch([([1, 2], [3, 4, 5])])
     lrs = [trainer.sft_step(batch)["lr"] for _ in range(5)]
     # Warm-up from step 1 (lr k/2), then linear to min_lr at step 4, min_lr after.

@@ -54,9 +54,16 @@ def _hf_config(tied: bool):
     import transformers
 
     return transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128, rms_norm_eps=1e-5,
-        tie_word_embeddings=tied)
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tied,
+    )
 
 
 def _grpo_batch(n_groups: int = 4, group_size: int = 3, seed: int = 0):
@@ -69,16 +76,22 @@ def _grpo_batch(n_groups: int = 4, group_size: int = 3, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     groups = []
     for gi in range(n_groups):
-        prompt = Prompt(prompt_id=f"p{gi}",
-                        token_ids=torch.randint(0, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),),
-                                                generator=g).tolist())
+        prompt = Prompt(
+            prompt_id=f"p{gi}",
+            token_ids=torch.randint(
+                0, VOCAB, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g
+            ).tolist(),
+        )
         scored = []
         for k in range(group_size):
             c = int(torch.randint(2, 15, (1,), generator=g))
-            comp = Completion(prompt_id=prompt.prompt_id, sample_index=k,
-                              token_ids=torch.randint(0, VOCAB, (c,), generator=g).tolist(),
-                              logprobs=(-math.log(VOCAB) + 0.3 * torch.randn(c, generator=g)).tolist(),
-                              versions=[0] * c)
+            comp = Completion(
+                prompt_id=prompt.prompt_id,
+                sample_index=k,
+                token_ids=torch.randint(0, VOCAB, (c,), generator=g).tolist(),
+                logprobs=(-math.log(VOCAB) + 0.3 * torch.randn(c, generator=g)).tolist(),
+                versions=[0] * c,
+            )
             scored.append(ScoredCompletion(completion=comp, reward=float(torch.rand(1, generator=g))))
         groups.append(Group(prompt=prompt, completions=scored))
     return build_train_batch(groups, GRPOConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH))
@@ -88,9 +101,13 @@ def _sft_batch(seed: int = 1):
     from megatron_rl.batching.sft import build_sft_batch
 
     g = torch.Generator().manual_seed(seed)
-    pairs = [(torch.randint(0, VOCAB, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist(),
-              torch.randint(0, VOCAB, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g).tolist())
-             for _ in range(7)]
+    pairs = [
+        (
+            torch.randint(0, VOCAB, (int(torch.randint(2, 8, (1,), generator=g)),), generator=g).tolist(),
+            torch.randint(0, VOCAB, (int(torch.randint(1, 10, (1,), generator=g)),), generator=g).tolist(),
+        )
+        for _ in range(7)
+    ]
     return build_sft_batch(pairs)
 
 
@@ -101,7 +118,7 @@ def _sequence_terms(model, seq):
     n, p = seq.length, seq.prompt_length
     logits = model(seq.tokens[None], torch.arange(n)[None], None)[0].float()  # [n, 1024]
     # Dropping the padded ids (1000..1023) is masking them to -inf, without 0 * -inf in the entropy.
-    return naive_token_logprobs(logits[p - 1:n - 1, :VOCAB], seq.tokens[p:])
+    return naive_token_logprobs(logits[p - 1 : n - 1, :VOCAB], seq.tokens[p:])
 
 
 def _reference_grpo(model, batch) -> dict:
@@ -112,15 +129,25 @@ def _reference_grpo(model, batch) -> dict:
     for s in batch.sequences:
         logp, entropy = _sequence_terms(model, s)
         c = s.completion_length
-        loss, metrics = grpo_loss(logp, s.behaviour_logprobs, torch.full((c,), s.advantage),
-                                  torch.full((c,), s.weight), eps_low=EPS_LOW, eps_high=EPS_HIGH,
-                                  entropy=entropy)
+        loss, metrics = grpo_loss(
+            logp,
+            s.behaviour_logprobs,
+            torch.full((c,), s.advantage),
+            torch.full((c,), s.weight),
+            eps_low=EPS_LOW,
+            eps_high=EPS_HIGH,
+            entropy=entropy,
+        )
         total = total + loss
         parts.append(metrics)
         logps.append(logp.detach().clone())
     total.backward()
-    return {"loss": total.item(), "metrics": finalize_loss_metrics(reduce_loss_metrics(parts)),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "logprobs": logps}
+    return {
+        "loss": total.item(),
+        "metrics": finalize_loss_metrics(reduce_loss_metrics(parts)),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+        "logprobs": logps,
+    }
 
 
 def _reference_sft(model, batch) -> dict:
@@ -138,11 +165,13 @@ def _references(ckpt_root: str) -> dict:
     for tied in (False, True):
         model = build_gpt_model(_hf_config(tied), ParallelConfig())
         save_model_checkpoint(model, f"{ckpt_root}/{tied}")
-        refs[tied] = {"grpo": _reference_grpo(model, _grpo_batch()),
-                      "small": _reference_grpo(model, _grpo_batch(n_groups=1, seed=5)),
-                      "sft": _reference_sft(model, _sft_batch()),
-                      "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-                      "num_parameters": sum(p.numel() for p in model.parameters())}
+        refs[tied] = {
+            "grpo": _reference_grpo(model, _grpo_batch()),
+            "small": _reference_grpo(model, _grpo_batch(n_groups=1, seed=5)),
+            "sft": _reference_sft(model, _sft_batch()),
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+        }
     return refs
 
 
@@ -154,10 +183,13 @@ def _scalar(what: str, value: float, ref: float, floor: float = 0.0) -> dict:
 
 def _grads(trainer, names, ref_grads: dict, label: str) -> dict:
     tp, tp_rank = trainer.pgs.tp.size(), trainer.pgs.tp.rank()
-    return {f"{label} {chunk_names[local]}": _max_diff(p.main_grad, _shard(
-                p, local, ref_grads[chunk_names[local]], tp_rank, tp))
-            for chunk, chunk_names in zip(trainer.chunks, names)
-            for local, p in chunk.named_parameters()}
+    return {
+        f"{label} {chunk_names[local]}": _max_diff(
+            p.main_grad, _shard(p, local, ref_grads[chunk_names[local]], tp_rank, tp)
+        )
+        for chunk, chunk_names in zip(trainer.chunks, names)
+        for local, p in chunk.named_parameters()
+    }
 
 
 def _grpo_checks(trainer, names, ref: dict, batch, label: str, check_grads: bool) -> dict:
@@ -202,12 +234,14 @@ def _run_layout(layout: tuple, refs: dict, ckpt_root: str) -> dict:
 
     name, tp, pp, vpp, tied, distopt = layout
     ref = refs[tied]
-    cfg = TrainerConfig(parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp,
-                                                virtual_pipeline=vpp),
-                        optim=OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=1e6),
-                        distributed_optimizer="on" if distopt else "off")
-    trainer = PolicyTrainer(_hf_config(tied), cfg, GRPOConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH),
-                            BatchingConfig(**PACKED))
+    cfg = TrainerConfig(
+        parallel=ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, virtual_pipeline=vpp),
+        optim=OptimConfig(lr=1.0, adam_eps=1.0, clip_grad=1e6),
+        distributed_optimizer="on" if distopt else "off",
+    )
+    trainer = PolicyTrainer(
+        _hf_config(tied), cfg, GRPOConfig(eps_low=EPS_LOW, eps_high=EPS_HIGH), BatchingConfig(**PACKED)
+    )
     load_model_checkpoint(trainer.model, f"{ckpt_root}/{tied}")
     trainer.optimizer.reload_model_params()
     names = [_global_names(c, tied) for c in trainer.model]
@@ -217,12 +251,14 @@ def _run_layout(layout: tuple, refs: dict, ckpt_root: str) -> dict:
     diffs.update(_scalar("sft loss", sft["loss"], ref["sft"]["loss"]))
     if not distopt:
         diffs.update(_grads(trainer, names, ref["sft"]["grads"], "sft grad"))
-    for i, (got, want) in enumerate(zip(trainer.compute_logprobs(_grpo_batch()),
-                                         ref["grpo"]["logprobs"], strict=True)):
+    for i, (got, want) in enumerate(
+        zip(trainer.compute_logprobs(_grpo_batch()), ref["grpo"]["logprobs"], strict=True)
+    ):
         diffs[f"logprobs {i}"] = _max_diff(got, want)
     if name == "dp4":  # 3 sequences over 4 replicas: one replica runs only a filler microbatch
-        diffs.update(_grpo_checks(trainer, names, ref["small"], _grpo_batch(n_groups=1, seed=5),
-                                  "small", True))
+        diffs.update(
+            _grpo_checks(trainer, names, ref["small"], _grpo_batch(n_groups=1, seed=5), "small", True)
+        )
     if distopt:
         diffs.update(_adam_step_checks(trainer, names, ref))
     return {"layout": name, "diffs": diffs}
@@ -238,8 +274,9 @@ def _all_layouts(rank: int, world_size: int, ckpt_root: str) -> list[dict]:
         refs = _references(ckpt_root)
     results = []
     for layout in LAYOUTS:
-        cfg = ParallelConfig(tensor_parallel=layout[1], pipeline_parallel=layout[2],
-                             virtual_pipeline=layout[3])
+        cfg = ParallelConfig(
+            tensor_parallel=layout[1], pipeline_parallel=layout[2], virtual_pipeline=layout[3]
+        )
         with parallel_layout(cfg, seed=1234):
             results.append(_run_layout(layout, refs, ckpt_root))
     return results
@@ -264,10 +301,35 @@ def test_bench_train_step_runs_both_layouts_from_the_same_weights():
 
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, also where a GPU is present
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl", "bench", "train-step", "--hidden", "64", "--layers",
-         "2", "--heads", "4", "--kv-heads", "2", "--vocab", "1000", "--sequences", "8",
-         "--warmup", "1", "--steps", "1"],
-        capture_output=True, text=True, timeout=240, check=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl",
+            "bench",
+            "train-step",
+            "--hidden",
+            "64",
+            "--layers",
+            "2",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "1000",
+            "--sequences",
+            "8",
+            "--warmup",
+            "1",
+            "--steps",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+        env=env,
+    )
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "TP=2 / TP=1 step time" in proc.stdout
     assert figures["tokens_per_s"] > 0 and figures["tp2_over_tp1_step_time"] > 0

@@ -4,5 +4,12 @@
 from megatron_rl.generation.engine.engine import Engine, EngineConfig, Finished, sample_token
 from megatron_rl.generation.engine.model import Decoder, DecoderConfig, KVCache
 
-__all__ = ["Engine", "EngineConfig", "Finished", "sample_token", "Decoder", "DecoderConfig",
-           "KVCache"]
+__all__ = [
+    "Decoder",
+    "DecoderConfig",
+    "Engine",
+    "EngineConfig",
+    "Finished",
+    "KVCache",
+    "sample_token",
+]

@@ -33,14 +33,15 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 
 from megatron_rl.generation.engine.model import Decoder, KVCache
 
-__all__ = ["EngineConfig", "SlotEngine", "Engine", "Finished", "sample_token", "sample_tokens"]
+__all__ = ["Engine", "EngineConfig", "Finished", "SlotEngine", "sample_token", "sample_tokens"]
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -86,13 +87,25 @@ class _Request:
     versions: list[int] = field(default_factory=list)
 
     def finished(self, reason: FinishReason) -> Finished:
-        return Finished(request_id=self.request_id, prompt_ids=self.prompt_ids,
-                        token_ids=self.token_ids, logprobs=self.logprobs,
-                        versions=self.versions, finish_reason=reason)
+        return Finished(
+            request_id=self.request_id,
+            prompt_ids=self.prompt_ids,
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            finish_reason=reason,
+        )
 
 
-def check_request(input_ids: Sequence[int], *, max_new_tokens: int, temperature: float,
-                  top_p: float, vocab_size: int | None, max_len: int) -> list[int]:
+def check_request(
+    input_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    vocab_size: int | None,
+    max_len: int,
+) -> list[int]:
     """The prompt as ints; ``ValueError`` naming the field for a request no engine can run."""
     ids = [int(t) for t in input_ids]
     if not ids or min(ids) < 0 or (vocab_size is not None and max(ids) >= vocab_size):
@@ -100,8 +113,7 @@ def check_request(input_ids: Sequence[int], *, max_new_tokens: int, temperature:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if len(ids) + max_new_tokens > max_len:
-        raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds "
-                         f"max_len {max_len}")
+        raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds max_len {max_len}")
     if temperature < 0:
         raise ValueError(f"temperature: must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
@@ -109,20 +121,26 @@ def check_request(input_ids: Sequence[int], *, max_new_tokens: int, temperature:
     return ids
 
 
-def sample_token(logits: torch.Tensor, *, temperature: float, top_p: float,
-                 generator: torch.Generator) -> tuple[int, float]:
+def sample_token(
+    logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator
+) -> tuple[int, float]:
     """Draw one token from ``logits [V]``; return ``(token, log_softmax(logits / T)[token])``.
 
     One row of :func:`sample_tokens` (see there).
     """
-    (tok,), (lp,) = sample_tokens(logits[None], temperatures=[temperature], top_ps=[top_p],
-                                  generators=[generator])
+    (tok,), (lp,) = sample_tokens(
+        logits[None], temperatures=[temperature], top_ps=[top_p], generators=[generator]
+    )
     return tok, lp
 
 
-def sample_tokens(logits: torch.Tensor, *, temperatures: Sequence[float],
-                  top_ps: Sequence[float], generators: Sequence[torch.Generator]
-                  ) -> tuple[list[int], list[float]]:
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    generators: Sequence[torch.Generator],
+) -> tuple[list[int], list[float]]:
     """Draw one token per row of ``logits [B, V]``; return tokens and their
     ``log_softmax(logits / T)`` (full vocabulary).
 
@@ -133,9 +151,9 @@ def sample_tokens(logits: torch.Tensor, *, temperatures: Sequence[float],
     uniform draws are per row.
     """
     logits = logits.float()
-    B = logits.shape[0]
-    temp = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32,
-                        device=logits.device)
+    temp = torch.tensor(
+        [t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32, device=logits.device
+    )
     logp = torch.log_softmax(logits / temp[:, None], -1)
     tokens = torch.argmax(logits, -1)
     sampled = [i for i, t in enumerate(temperatures) if t > 0]
@@ -146,14 +164,15 @@ def sample_tokens(logits: torch.Tensor, *, temperatures: Sequence[float],
         if nucleus:
             sub = torch.tensor(nucleus, device=logits.device)
             sorted_p, order = torch.sort(probs[sub], dim=-1, descending=True)
-            tp = torch.tensor([top_ps[sampled[i]] for i in nucleus], dtype=probs.dtype,
-                              device=probs.device)
+            tp = torch.tensor([top_ps[sampled[i]] for i in nucleus], dtype=probs.dtype, device=probs.device)
             # Keep a token if the mass strictly before it is below top_p: the first is always kept.
             keep = (torch.cumsum(sorted_p, -1) - sorted_p) < tp[:, None]
             probs[sub] = torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p * keep)
         cdf = torch.cumsum(probs, -1)
-        u = torch.cat([torch.rand(1, generator=generators[r], device=logits.device)
-                       for r in sampled]) * cdf[:, -1]
+        u = (
+            torch.cat([torch.rand(1, generator=generators[r], device=logits.device) for r in sampled])
+            * cdf[:, -1]
+        )
         picks = torch.searchsorted(cdf, u[:, None], right=True)[:, 0]
         # Never a zero-probability token (u at the very top, or rounding in the cumsum).
         picks = torch.minimum(picks, (probs > 0).long().cumsum(-1).argmax(-1))
@@ -252,15 +271,23 @@ class SlotEngine(ABC):
         self._free.append(req.slot)
         req.slot = -1
 
-    def _clear_slot(self, slot: int) -> None:
+    def _clear_slot(self, slot: int) -> None:  # noqa: B027 - a hook; engines without a KV cache keep it
         """Forget what the slot holds (the KV cache); nothing to do without one."""
 
     # ------------------------------------------------------------------ stepping
 
     @abstractmethod
-    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
-                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                    stop_token_ids: Iterable[int] = ()) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+    ) -> None:
         """Queue a request (``ValueError`` for one that cannot run)."""
 
     @abstractmethod
@@ -284,19 +311,28 @@ class SlotEngine(ABC):
 class Engine(SlotEngine):
     """Continuous batching over a fixed number of KV-cache slots; see the module docstring."""
 
-    def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
-                 eos_token_ids: Iterable[int] | None = None):
+    def __init__(
+        self,
+        model: Decoder,
+        config: EngineConfig | None = None,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+    ):
         super().__init__(config)
         self.model = model.eval()
-        self.cache = KVCache(model.cfg, slots=self.config.max_slots, max_len=self.config.max_len,
-                             dtype=model.model.norm.weight.dtype,
-                             device=model.model.norm.weight.device)
-        self.eos_token_ids = frozenset(model.cfg.eos_token_ids if eos_token_ids is None
-                                       else eos_token_ids)
+        self.cache = KVCache(
+            model.cfg,
+            slots=self.config.max_slots,
+            max_len=self.config.max_len,
+            dtype=model.model.norm.weight.dtype,
+            device=model.model.norm.weight.device,
+        )
+        self.eos_token_ids = frozenset(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike, config: EngineConfig | None = None,
-                        **kwargs) -> "Engine":
+    def from_pretrained(
+        cls, folder: str | os.PathLike, config: EngineConfig | None = None, **kwargs
+    ) -> Engine:
         """An engine over the HF model folder ``folder`` (config.json + safetensors)."""
         return cls(Decoder.from_pretrained(folder), config, **kwargs)
 
@@ -305,27 +341,47 @@ class Engine(SlotEngine):
         """Tokens the KV cache holds: ``max_slots * max_len``."""
         return self.cache.capacity_tokens
 
-    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
-                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                    stop_token_ids: Iterable[int] = ()) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+    ) -> None:
         """Queue a prompt ``input_ids`` (token ids). ``temperature=0`` decodes greedily.
 
         Raises ``ValueError`` for a request that cannot run: duplicate id, empty prompt, prompt
         plus ``max_new_tokens`` beyond ``max_len``, ids outside the vocabulary, bad sampling values.
         """
         self._check_new(request_id)
-        ids = check_request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, vocab_size=self.model.cfg.vocab_size,
-                            max_len=self.config.max_len)
+        ids = check_request(
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            vocab_size=self.model.cfg.vocab_size,
+            max_len=self.config.max_len,
+        )
         gen = torch.Generator(device=self.cache.k.device)
         if seed is None:
             gen.seed()  # fresh non-deterministic seed, independent of the global RNG
         else:
             gen.manual_seed(int(seed))
-        self._waiting.append(_Request(
-            request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens,
-            temperature=float(temperature), top_p=float(top_p),
-            stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids, generator=gen))
+        self._waiting.append(
+            _Request(
+                request_id=request_id,
+                prompt_ids=ids,
+                max_new_tokens=max_new_tokens,
+                temperature=float(temperature),
+                top_p=float(top_p),
+                stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids,
+                generator=gen,
+            )
+        )
 
     def _clear_slot(self, slot: int) -> None:
         self.cache.reset(slot)
@@ -355,19 +411,20 @@ class Engine(SlotEngine):
         decoding = list(self._running.values())  # the just-admitted ones too
         if decoding:
             # The last sampled token of each request is not yet in the cache: feed it now.
-            ids = torch.tensor([[r.token_ids[-1]] for r in decoding], dtype=torch.long,
-                               device=device)
+            ids = torch.tensor([[r.token_ids[-1]] for r in decoding], dtype=torch.long, device=device)
             slots = torch.tensor([r.slot for r in decoding], dtype=torch.long)
             self._accept(decoding, self.model(ids, slots, self.cache)[:, -1], finished)
         return finished
 
-    def _accept(self, reqs: list[_Request], logits: torch.Tensor,
-                finished: list[Finished]) -> None:
+    def _accept(self, reqs: list[_Request], logits: torch.Tensor, finished: list[Finished]) -> None:
         """Sample each request's next token from its row of ``logits [B, V]``; finish the
         requests that are done."""
-        tokens, logprobs = sample_tokens(logits, temperatures=[r.temperature for r in reqs],
-                                         top_ps=[r.top_p for r in reqs],
-                                         generators=[r.generator for r in reqs])
+        tokens, logprobs = sample_tokens(
+            logits,
+            temperatures=[r.temperature for r in reqs],
+            top_ps=[r.top_p for r in reqs],
+            generators=[r.generator for r in reqs],
+        )
         for req, token, logprob in zip(reqs, tokens, logprobs):
             req.token_ids.append(token)
             req.logprobs.append(logprob)

@@ -36,13 +36,32 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class EngineProcess:
     """One ``megatron-rl serve-engine`` child process."""
 
-    def __init__(self, model: str | os.PathLike, *, max_slots: int = 16, max_len: int = 2048,
-                 threads: int = 1, host: str = "127.0.0.1", weight_version: int = 0,
-                 log_path: str | os.PathLike | None = None, extra_args: list[str] = ()):
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        max_slots: int = 16,
+        max_len: int = 2048,
+        threads: int = 1,
+        host: str = "127.0.0.1",
+        weight_version: int = 0,
+        log_path: str | os.PathLike | None = None,
+        extra_args: list[str] = (),
+    ):
         self.model = str(model)
-        self.args = ["--max-slots", str(max_slots), "--max-len", str(max_len),
-                     "--threads", str(threads), "--host", host,
-                     "--weight-version", str(weight_version), *extra_args]
+        self.args = [
+            "--max-slots",
+            str(max_slots),
+            "--max-len",
+            str(max_len),
+            "--threads",
+            str(threads),
+            "--host",
+            host,
+            "--weight-version",
+            str(weight_version),
+            *extra_args,
+        ]
         self.host = host
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
@@ -58,23 +77,40 @@ class EngineProcess:
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
 
-    def start(self, timeout_s: float = 120.0) -> "EngineProcess":
+    def start(self, timeout_s: float = 120.0) -> EngineProcess:
         tmp = tempfile.mkdtemp(prefix="megatron-rl-engine-")
         port_file = Path(tmp) / "port"
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         env = dict(os.environ, OMP_NUM_THREADS=self.args[self.args.index("--threads") + 1])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "megatron_rl", "serve-engine", "--model", self.model,
-             "--port", "0", "--port-file", str(port_file), *self.args],
-            stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else log,
-            start_new_session=True, preexec_fn=_die_with_parent, env=env)
+            [
+                sys.executable,
+                "-m",
+                "megatron_rl",
+                "serve-engine",
+                "--model",
+                self.model,
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                *self.args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else log,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            env=env,
+        )
         if log is not subprocess.DEVNULL:
             log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"serve-engine exited with {self.proc.returncode} while "
-                                   f"starting ({self.model}; log: {self.log_path or 'none'})")
+                raise RuntimeError(
+                    f"serve-engine exited with {self.proc.returncode} while "
+                    f"starting ({self.model}; log: {self.log_path or 'none'})"
+                )
             if port_file.exists():
                 self.port = int(port_file.read_text())
                 try:
@@ -107,7 +143,7 @@ class EngineProcess:
         except subprocess.TimeoutExpired:
             self.kill()
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self.start() if self.proc is None else self
 
     def __exit__(self, *exc) -> None:

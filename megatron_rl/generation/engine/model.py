@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_rl.convert.hf_files import HFWeights
+from megatron_rl.hf.files import HFWeights
 
-__all__ = ["DecoderConfig", "KVCache", "Decoder"]
+__all__ = ["Decoder", "DecoderConfig", "KVCache"]
 
 _SUPPORTED = ("llama", "mistral", "qwen2")
 
@@ -59,18 +60,26 @@ class DecoderConfig:
     def __post_init__(self):
         if self.model_type not in _SUPPORTED:
             raise ValueError(f"model_type: {self.model_type!r} is not one of {_SUPPORTED}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads: must divide num_heads ({self.num_heads}), "
-                             f"got {self.num_kv_heads}")
+            raise ValueError(
+                f"num_kv_heads: must divide num_heads ({self.num_heads}), got {self.num_kv_heads}"
+            )
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta: must be > 0, got {self.rope_theta}")
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> "DecoderConfig":
+    def from_hf(cls, cfg: Mapping[str, Any]) -> DecoderConfig:
         """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout)."""
         model_type = cfg.get("model_type", "")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -81,8 +90,7 @@ class DecoderConfig:
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"rope_type: only 'default' rotary embeddings are supported, "
-                             f"got {rope_type!r}")
+            raise ValueError(f"rope_type: only 'default' rotary embeddings are supported, got {rope_type!r}")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         num_heads = cfg["num_attention_heads"]
         # Qwen2 always has q/k/v biases and no o bias; Llama's attention_bias covers all four.
@@ -93,16 +101,24 @@ class DecoderConfig:
             window = None
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-        return cls(model_type=model_type, vocab_size=cfg["vocab_size"],
-                   hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                   num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
-                   num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-                   rope_theta=float(theta), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                   tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                   qkv_bias=qwen or attention_bias, o_bias=attention_bias and not qwen,
-                   mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=window,
-                   eos_token_ids=eos_ids)
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rope_theta=float(theta),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qwen or attention_bias,
+            o_bias=attention_bias and not qwen,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=window,
+            eos_token_ids=eos_ids,
+        )
 
 
 class KVCache:
@@ -112,8 +128,15 @@ class KVCache:
     the valid prefix of each slot. Freeing a slot only resets its length.
     """
 
-    def __init__(self, cfg: DecoderConfig, *, slots: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        *,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots and max_len: must be >= 1, got {slots} and {max_len}")
         shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -200,17 +223,18 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.model = _Backbone(cfg)
         # Tied: no lm_head parameter at all (HF does not save one), the head reads the embedding.
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         # HF's inv_freq: theta ** -(2i / d) for i < d/2, computed from an int64 arange in fp32.
         exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-        self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta ** exponent), persistent=False)
+        self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta**exponent), persistent=False)
         self.requires_grad_(False)
 
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def from_pretrained(cls, folder: str | os.PathLike) -> "Decoder":
+    def from_pretrained(cls, folder: str | os.PathLike) -> Decoder:
         """Load ``config.json`` and the safetensors weights (single file or sharded index)."""
         folder = Path(folder)
         cfg = DecoderConfig.from_hf(json.loads((folder / "config.json").read_text()))
@@ -229,8 +253,7 @@ class Decoder(nn.Module):
         """
         return {name: p for name, p in self.named_parameters()}
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True,
-                        assign: bool = False):
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Copy HF-named tensors into the parameters (cast to their dtype).
 
         Accepts exactly what transformers saves: every parameter must be present, and the only
@@ -248,8 +271,9 @@ class Decoder(nn.Module):
                 continue  # compared with the embedding once that is loaded, below
             extra.append(name)
         if missing or extra:
-            raise KeyError(f"state dict does not match the model: missing {missing[:8]}, "
-                           f"unexpected {extra[:8]}")
+            raise KeyError(
+                f"state dict does not match the model: missing {missing[:8]}, unexpected {extra[:8]}"
+            )
         with torch.no_grad():
             for name, p in params.items():
                 t = state[name]
@@ -259,8 +283,10 @@ class Decoder(nn.Module):
         if self.lm_head is None and "lm_head.weight" in state:
             embed = params["model.embed_tokens.weight"]
             if not torch.equal(state["lm_head.weight"].to(embed.dtype), embed):
-                raise ValueError("lm_head.weight: differs from model.embed_tokens.weight but "
-                                 "the config says tie_word_embeddings")
+                raise ValueError(
+                    "lm_head.weight: differs from model.embed_tokens.weight but "
+                    "the config says tie_word_embeddings"
+                )
         return None
 
     # ------------------------------------------------------------------ forward
@@ -271,9 +297,16 @@ class Decoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         return emb.cos(), emb.sin()
 
-    def _attend(self, layer: int, block: _Block, x: torch.Tensor, cache: KVCache,
-                slots: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self,
+        layer: int,
+        block: _Block,
+        x: torch.Tensor,
+        cache: KVCache,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         """Self-attention of ``x [B, T, hidden]`` that writes its K/V into ``cache`` first.
 
         ``positions [B, T]`` are absolute; ``mask [B, 1, T, L]`` is True where a query may see a
@@ -294,29 +327,33 @@ class Decoder(nn.Module):
         keys = cache.k[layer][slots, :L].to(q.dtype)  # [B, L, kv_heads, head_dim]
         values = cache.v[layer][slots, :L].to(q.dtype)
         # Grouped-query attention inside SDPA: no copy of the keys/values per query head.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=mask,
-                                             enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )
         return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
 
-    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor,
-                cache: KVCache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Append ``input_ids [B, T]`` to ``slots [B]`` of ``cache``; return logits ``[B, T, V]``.
 
         Row ``b``'s tokens take positions ``lengths[slots[b]] .. + T - 1``; the slot lengths grow by
         ``T``. Every row appends the same ``T`` (prefill one sequence at a time, or decode one
         token for many).
         """
-        B, T = input_ids.shape
+        _B, T = input_ids.shape
         slots = slots.to(cache.lengths.device)
         start = cache.lengths[slots]  # [B]
         end = int(start.max()) + T
         if end > cache.max_len:
-            raise ValueError(f"sequence would reach {end} tokens; the cache holds {cache.max_len} "
-                             "per slot")
+            raise ValueError(f"sequence would reach {end} tokens; the cache holds {cache.max_len} per slot")
         if self.cfg.sliding_window is not None and end > self.cfg.sliding_window:
-            raise ValueError(f"sequence would reach {end} tokens, beyond sliding_window "
-                             f"{self.cfg.sliding_window} (windowed attention is not implemented)")
+            raise ValueError(
+                f"sequence would reach {end} tokens, beyond sliding_window "
+                f"{self.cfg.sliding_window} (windowed attention is not implemented)"
+            )
         positions = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
         # Causal and per-slot: query at position p sees keys 0..p of its own slot, and nothing of
         # the stale tail beyond its slot's new length.
@@ -334,6 +371,7 @@ class Decoder(nn.Module):
     def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` of whole sequences ``input_ids [B, T]`` (one pass, scratch cache)."""
         B, T = input_ids.shape
-        cache = KVCache(self.cfg, slots=B, max_len=T, dtype=self.model.norm.weight.dtype,
-                        device=input_ids.device)
+        cache = KVCache(
+            self.cfg, slots=B, max_len=T, dtype=self.model.norm.weight.dtype, device=input_ids.device
+        )
         return self.forward(input_ids, torch.arange(B, device=input_ids.device), cache)

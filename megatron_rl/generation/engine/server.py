@@ -15,7 +15,7 @@ weight loads, abort) land *between* steps.
   keep their slots and KV cache. ``abort``: every request ends (``finish_reason`` abort) and the
   loop stops. ``retract`` is refused (it recomputes prefixes, which we never want).
   ``/continue_generation`` restarts the loop.
-- ``/init_weights_update_group``: joins the update group (``weight_sync/group.py``) as rank
+- ``/init_weights_update_group``: joins the update group (``generation/update_group.py``) as rank
   ``rank_offset`` (one worker per server). ``/begin_weight_update`` ... ``/end_weight_update``
   bracket the updates, as SGLang 0.5.23 requires. ``/update_weights_from_distributed``: receives
   one bucket (``flattened_bucket``) or one broadcast per tensor, then copies the tensors into the
@@ -35,7 +35,6 @@ weight loads, abort) land *between* steps.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -49,7 +48,11 @@ from typing import Any
 
 import torch
 
+from megatron_rl.fileio import atomic_write_text
 from megatron_rl.generation.engine.engine import Engine, EngineConfig, Finished
+from megatron_rl.generation.engine.timing import TimingEngine
+from megatron_rl.generation.protocol import bucket_layout, tensor_digest, unpack_bucket
+from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 
 __all__ = ["EngineServer", "main"]
 
@@ -76,8 +79,7 @@ class EngineServer:
     """An :class:`Engine` behind SGLang-shaped HTTP routes. ``serve_forever`` blocks;
     ``start()`` serves from a daemon thread (tests), ``shutdown()`` stops both threads."""
 
-    def __init__(self, engine: Engine, *, host: str = "127.0.0.1", port: int = 0,
-                 model_path: str = ""):
+    def __init__(self, engine: Engine, *, host: str = "127.0.0.1", port: int = 0, model_path: str = ""):
         self.engine = engine
         self.model_path = model_path
         self.cond = threading.Condition()
@@ -105,10 +107,9 @@ class EngineServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> "EngineServer":
+    def start(self) -> EngineServer:
         self._loop.start()
-        self._http_thread = threading.Thread(target=self.httpd.serve_forever, name="engine-http",
-                                             daemon=True)
+        self._http_thread = threading.Thread(target=self.httpd.serve_forever, name="engine-http", daemon=True)
         self._http_thread.start()
         return self
 
@@ -155,8 +156,7 @@ class EngineServer:
     def _engine_loop(self) -> None:
         while True:
             with self.cond:
-                while not self._stop and (self._intents or self.engine.paused
-                                          or not self.engine.has_work()):
+                while not self._stop and (self._intents or self.engine.paused or not self.engine.has_work()):
                     self.cond.wait()
                 if self._stop:
                     return
@@ -185,8 +185,9 @@ class EngineServer:
 
     def generate(self, body: dict) -> Any:
         if body.get("text") is not None or body.get("input_ids") is None:
-            raise _BadRequest("input_ids: required (the built-in engine has no tokenizer; "
-                              "send token ids, not text)")
+            raise _BadRequest(
+                "input_ids: required (the built-in engine has no tokenizer; send token ids, not text)"
+            )
         if body.get("stream"):
             raise _BadRequest("stream: not supported by the built-in engine")
         ids = body["input_ids"]
@@ -209,17 +210,23 @@ class EngineServer:
                     raise _BadRequest(f"rid: {rid!r} is already in flight")
                 unknown = set(sp) - _SAMPLING_KEYS
                 if unknown:
-                    raise _BadRequest(f"sampling_params: not supported by the built-in engine: "
-                                      f"{sorted(unknown)}")
+                    raise _BadRequest(
+                        f"sampling_params: not supported by the built-in engine: {sorted(unknown)}"
+                    )
                 if sp.get("stop"):
-                    raise _BadRequest("sampling_params.stop: stop strings need a tokenizer; "
-                                      "use stop_token_ids")
+                    raise _BadRequest(
+                        "sampling_params.stop: stop strings need a tokenizer; use stop_token_ids"
+                    )
                 try:
                     self.engine.add_request(
-                        rid, prompt, max_new_tokens=int(sp.get("max_new_tokens", 128)),
+                        rid,
+                        prompt,
+                        max_new_tokens=int(sp.get("max_new_tokens", 128)),
                         temperature=float(sp.get("temperature", 1.0)),
-                        top_p=float(sp.get("top_p", 1.0)), seed=sp.get("sampling_seed"),
-                        stop_token_ids=sp.get("stop_token_ids") or ())
+                        top_p=float(sp.get("top_p", 1.0)),
+                        seed=sp.get("sampling_seed"),
+                        stop_token_ids=sp.get("stop_token_ids") or (),
+                    )
                 except (ValueError, TypeError) as e:
                     raise _BadRequest(str(e)) from None
                 w = _Waiter()
@@ -252,19 +259,27 @@ class EngineServer:
             finish = {"type": "length", "length": n}
         else:
             finish = {"type": "abort", "message": getattr(f, "error", "aborted")}
-        return {"text": "", "output_ids": f.token_ids,
-                "meta_info": {"id": f.request_id, "prompt_tokens": len(f.prompt_ids),
-                              "completion_tokens": n, "finish_reason": finish,
-                              "output_token_logprobs": [[lp, t, None] for lp, t in
-                                                        zip(f.logprobs, f.token_ids)],
-                              "weight_version": spans[-1]["version"],
-                              "weight_versions": spans}}
+        return {
+            "text": "",
+            "output_ids": f.token_ids,
+            "meta_info": {
+                "id": f.request_id,
+                "prompt_tokens": len(f.prompt_ids),
+                "completion_tokens": n,
+                "finish_reason": finish,
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(f.logprobs, f.token_ids)],
+                "weight_version": spans[-1]["version"],
+                "weight_versions": spans,
+            },
+        }
 
     def pause(self, body: dict) -> dict:
         mode = body.get("mode", "abort")
         if mode == "retract":
-            raise _BadRequest("mode: retract is not supported by the built-in engine (it would "
-                              "recompute prefixes); use in_place")
+            raise _BadRequest(
+                "mode: retract is not supported by the built-in engine (it would "
+                "recompute prefixes); use in_place"
+            )
         if mode not in ("in_place", "abort"):
             raise _BadRequest(f"mode: must be in_place, abort or retract, got {mode!r}")
         with self._between_steps():  # taken between steps: the step in progress completes first
@@ -296,16 +311,19 @@ class EngineServer:
         return {"success": True, "message": f"aborted {n} request(s)"}
 
     def init_group(self, body: dict) -> dict:
-        from megatron_rl.weight_sync.group import init_update_group
 
         try:
             name = body.get("group_name", "weight_update_group")
             if name in self._groups:
                 raise _BadRequest(f"group_name: {name!r} already initialised")
             self._groups[name] = init_update_group(
-                backend=body.get("backend", "nccl"), master_address=body["master_address"],
-                master_port=int(body["master_port"]), rank=int(body["rank_offset"]),
-                world_size=int(body["world_size"]), group_name=name)
+                backend=body.get("backend", "nccl"),
+                master_address=body["master_address"],
+                master_port=int(body["master_port"]),
+                rank=int(body["rank_offset"]),
+                world_size=int(body["world_size"]),
+                group_name=name,
+            )
         except KeyError as e:
             raise _BadRequest(f"{e.args[0]}: required") from None
         except (RuntimeError, ValueError) as e:
@@ -313,7 +331,6 @@ class EngineServer:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def destroy_group(self, body: dict) -> dict:
-        from megatron_rl.weight_sync.group import destroy_update_group
 
         group = self._groups.pop(body.get("group_name", "weight_update_group"), None)
         if group is None:
@@ -327,18 +344,17 @@ class EngineServer:
 
     def end_update(self, body: dict) -> dict:
         if not self._session:
-            raise _BadRequest("no weight-update session is open; call begin_weight_update() "
-                              "first")
+            raise _BadRequest("no weight-update session is open; call begin_weight_update() first")
         self._session = False
         return {"success": True, "message": "weight-update session closed"}
 
     def update_weights(self, body: dict) -> dict:
-        from megatron_rl.generation.protocol import unpack_bucket
-        from megatron_rl.weight_sync.group import broadcast
 
         if not self._session:
-            raise _BadRequest("update_weights_from_distributed must run between "
-                              "begin_weight_update() and end_weight_update()")
+            raise _BadRequest(
+                "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
         try:
             names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
         except KeyError as e:
@@ -352,8 +368,6 @@ class EngineServer:
             log.error("update_weights_from_distributed: unknown names %s", bad[:4])
         device = self.engine.cache.k.device
         if body.get("load_format") == "flattened_bucket":
-            from megatron_rl.generation.protocol import bucket_layout
-
             _, total = bucket_layout(dtypes, shapes)
             flat = torch.empty(total, dtype=torch.uint8, device=device)
             broadcast(flat, group, src=0)
@@ -373,8 +387,7 @@ class EngineServer:
                 for n, t in tensors:
                     p = params[n]
                     if tuple(t.shape) != tuple(p.shape):
-                        raise _BadRequest(f"{n}: shape {list(t.shape)}, the model has "
-                                          f"{list(p.shape)}")
+                        raise _BadRequest(f"{n}: shape {list(t.shape)}, the model has {list(p.shape)}")
                     p.copy_(t)
             if body.get("weight_version") is not None:
                 self.engine.set_version(_int_version(body["weight_version"]))
@@ -382,7 +395,6 @@ class EngineServer:
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def receive_raw(self, body: dict) -> dict:
-        from megatron_rl.weight_sync.group import broadcast
 
         group = self._groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
@@ -393,8 +405,7 @@ class EngineServer:
             raise _BadRequest("numel: required, an integer number of bytes") from None
         if numel < 1:
             raise _BadRequest(f"numel: must be >= 1, got {numel}")
-        broadcast(torch.empty(numel, dtype=torch.uint8, device=self.engine.cache.k.device),
-                  group, src=0)
+        broadcast(torch.empty(numel, dtype=torch.uint8, device=self.engine.cache.k.device), group, src=0)
         return {"success": True, "message": f"received {numel} bytes"}
 
     def update_version(self, body: dict) -> dict:
@@ -407,36 +418,51 @@ class EngineServer:
     def server_info(self) -> dict:
         with self._between_steps():
             e = self.engine
-            return {"version": SERVER_VERSION, "model_path": self.model_path,
-                    "max_total_num_tokens": e.capacity_tokens,
-                    "max_running_requests": e.config.max_slots,
-                    "context_length": e.config.max_len,
-                    "weight_version": str(e.version),
-                    "internal_states": [{"num_running_reqs": e.running,
-                                         "num_waiting_reqs": e.waiting, "paused": e.paused,
-                                         "steps": self.stats["steps"],
-                                         "busy_s": self.stats["busy_s"],
-                                         "generated_tokens": self.stats["generated_tokens"],
-                                         "prefill_tokens": e.prefill_tokens,
-                                         "weight_updates": self.stats["weight_updates"]}]}
+            return {
+                "version": SERVER_VERSION,
+                "model_path": self.model_path,
+                "max_total_num_tokens": e.capacity_tokens,
+                "max_running_requests": e.config.max_slots,
+                "context_length": e.config.max_len,
+                "weight_version": str(e.version),
+                "internal_states": [
+                    {
+                        "num_running_reqs": e.running,
+                        "num_waiting_reqs": e.waiting,
+                        "paused": e.paused,
+                        "steps": self.stats["steps"],
+                        "busy_s": self.stats["busy_s"],
+                        "generated_tokens": self.stats["generated_tokens"],
+                        "prefill_tokens": e.prefill_tokens,
+                        "weight_updates": self.stats["weight_updates"],
+                    }
+                ],
+            }
 
     def weights_digest(self) -> dict:
         with self._between_steps():
-            return {n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8)
-                                      .numpy().tobytes()).hexdigest()
-                    for n, p in self.engine.model.named_weights().items()}
+            return {n: tensor_digest(p) for n, p in self.engine.model.named_weights().items()}
 
 
 def _int_version(v: Any) -> int:
     try:
         return int(v)
     except (TypeError, ValueError):
-        raise _BadRequest(f"weight_version: the built-in engine takes integer versions, got "
-                          f"{v!r}") from None
+        raise _BadRequest(f"weight_version: the built-in engine takes integer versions, got {v!r}") from None
 
 
-_SAMPLING_KEYS = {"temperature", "top_p", "max_new_tokens", "stop_token_ids", "sampling_seed",
-                  "skip_special_tokens", "no_stop_trim", "stop", "top_k", "n"}
+_SAMPLING_KEYS = {
+    "temperature",
+    "top_p",
+    "max_new_tokens",
+    "stop_token_ids",
+    "sampling_seed",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "stop",
+    "top_k",
+    "n",
+}
 
 
 def _make_handler(server: EngineServer):
@@ -480,12 +506,13 @@ def _make_handler(server: EngineServer):
             try:
                 self._send(HTTPStatus.OK, fn(*args))
             except _BadRequest as e:
-                self._send(e.status, {"success": False, "message": str(e),
-                                      "error": {"message": str(e)}})
-            except Exception as e:  # noqa: BLE001 - reported to the caller, server lives on
+                self._send(e.status, {"success": False, "message": str(e), "error": {"message": str(e)}})
+            except Exception as e:
                 log.exception("%s failed", self.path)
-                self._send(HTTPStatus.INTERNAL_SERVER_ERROR,
-                           {"success": False, "message": f"{type(e).__name__}: {e}"})
+                self._send(
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    {"success": False, "message": f"{type(e).__name__}: {e}"},
+                )
 
         def do_GET(self):
             fn = get.get(self.path.split("?")[0])
@@ -521,39 +548,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--weight-version", type=int, default=0, help="version of the loaded weights")
     p.add_argument("--port-file", help="write the bound port here (atomic) once serving")
-    p.add_argument("--timing-model", metavar="FILE.json",
-                   help="no model compute: steps sleep for this cost model and write its token "
-                        "script (generation/engine/timing.py); --model gives EOS and vocab only")
+    p.add_argument(
+        "--timing-model",
+        metavar="FILE.json",
+        help="no model compute: steps sleep for this cost model and write its token "
+        "script (generation/engine/timing.py); --model gives EOS and vocab only",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
-        print(f"serve-engine: {args.model}: no config.json (an HF model folder is expected)",
-              file=sys.stderr)
+        print(f"serve-engine: {args.model}: no config.json (an HF model folder is expected)", file=sys.stderr)
         return 2
     if args.timing_model:
-        from megatron_rl.generation.engine.timing import TimingEngine
-
         with open(os.path.join(args.model, "config.json")) as f:
             hf = json.load(f)
         eos = hf.get("eos_token_id")
         engine = TimingEngine.from_json(
-            args.timing_model, EngineConfig(max_slots=args.max_slots, max_len=args.max_len),
+            args.timing_model,
+            EngineConfig(max_slots=args.max_slots, max_len=args.max_len),
             eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],
-            vocab_size=hf.get("vocab_size"))
+            vocab_size=hf.get("vocab_size"),
+        )
     else:
-        engine = Engine.from_pretrained(args.model, EngineConfig(max_slots=args.max_slots,
-                                                                 max_len=args.max_len))
+        engine = Engine.from_pretrained(
+            args.model, EngineConfig(max_slots=args.max_slots, max_len=args.max_len)
+        )
     engine.set_version(args.weight_version)
     server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model)
     if args.port_file:
-        tmp = f"{args.port_file}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(str(server.port))
-        os.replace(tmp, args.port_file)
-    log.info("serving %s on %s (KV capacity %d tokens)", args.model, server.url,
-             engine.capacity_tokens)
+        atomic_write_text(args.port_file, str(server.port))
+    log.info("serving %s on %s (KV capacity %d tokens)", args.model, server.url, engine.capacity_tokens)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

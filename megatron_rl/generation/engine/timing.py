@@ -37,13 +37,18 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 import torch
 
-from megatron_rl.generation.engine.engine import (EngineConfig, Finished, FinishReason,
-                                                 SlotEngine, check_request)
+from megatron_rl.generation.engine.engine import (
+    EngineConfig,
+    Finished,
+    FinishReason,
+    SlotEngine,
+    check_request,
+)
 
 __all__ = ["TimingConfig", "TimingEngine"]
 
@@ -67,20 +72,18 @@ class TimingConfig:
         self.script = [[int(t) for t in s] for s in self.script]
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "TimingConfig":
+    def from_json(cls, path: str | os.PathLike) -> TimingConfig:
         with open(path) as f:
             obj = json.load(f)
         if not isinstance(obj, dict):
             raise ValueError(f"{path}: a JSON object is expected")
-        unknown = set(obj) - {"decode_s", "decode_s_per_seq", "prefill_s_per_token", "logprob",
-                              "script"}
+        unknown = set(obj) - {"decode_s", "decode_s_per_seq", "prefill_s_per_token", "logprob", "script"}
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
         return cls(**obj)
 
     def step_seconds(self, running: int, prefill_tokens: int) -> float:
-        return (self.decode_s + self.decode_s_per_seq * running
-                + self.prefill_s_per_token * prefill_tokens)
+        return self.decode_s + self.decode_s_per_seq * running + self.prefill_s_per_token * prefill_tokens
 
 
 class _NoCache:
@@ -109,18 +112,29 @@ class _Scripted:
     versions: list[int] = field(default_factory=list)
 
     def finished(self, reason: FinishReason) -> Finished:
-        return Finished(request_id=self.request_id, prompt_ids=self.prompt_ids,
-                        token_ids=self.token_ids, logprobs=[self.logprob] * len(self.token_ids),
-                        versions=self.versions, finish_reason=reason)
+        return Finished(
+            request_id=self.request_id,
+            prompt_ids=self.prompt_ids,
+            token_ids=self.token_ids,
+            logprobs=[self.logprob] * len(self.token_ids),
+            versions=self.versions,
+            finish_reason=reason,
+        )
 
 
 class TimingEngine(SlotEngine):
     """The :class:`~megatron_rl.generation.engine.Engine` interface the server uses, timed by a
     cost model and written from a script; see the module docstring."""
 
-    def __init__(self, timing: TimingConfig, config: EngineConfig | None = None, *,
-                 eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
-                 sleep=time.sleep):
+    def __init__(
+        self,
+        timing: TimingConfig,
+        config: EngineConfig | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        vocab_size: int | None = None,
+        sleep=time.sleep,
+    ):
         super().__init__(config)
         self.timing = timing
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -131,24 +145,43 @@ class TimingEngine(SlotEngine):
         self._arrivals = 0
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike, config: EngineConfig | None = None,
-                  **kwargs) -> "TimingEngine":
+    def from_json(cls, path: str | os.PathLike, config: EngineConfig | None = None, **kwargs) -> TimingEngine:
         return cls(TimingConfig.from_json(path), config, **kwargs)
 
-    def add_request(self, request_id: str, input_ids: Sequence[int], *, max_new_tokens: int,
-                    temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None,
-                    stop_token_ids: Iterable[int] = ()) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        input_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+    ) -> None:
         """Queue a request; refused (``ValueError``) where the real engine refuses it."""
         self._check_new(request_id)
-        ids = check_request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, vocab_size=self.vocab_size, max_len=self.config.max_len)
+        ids = check_request(
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            vocab_size=self.vocab_size,
+            max_len=self.config.max_len,
+        )
         pick = int(seed) if seed is not None else self._arrivals
         self._arrivals += 1
         script = self.timing.script
-        self._waiting.append(_Scripted(
-            request_id=request_id, prompt_ids=ids, script=script[pick % len(script)],
-            max_new_tokens=int(max_new_tokens), logprob=self.timing.logprob,
-            stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids))
+        self._waiting.append(
+            _Scripted(
+                request_id=request_id,
+                prompt_ids=ids,
+                script=script[pick % len(script)],
+                max_new_tokens=int(max_new_tokens),
+                logprob=self.timing.logprob,
+                stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids,
+            )
+        )
 
     # ------------------------------------------------------------------ stepping
 

@@ -11,7 +11,7 @@ printed at the end.
                                     --servers URL --tokenizer DIR
     megatron-rl curate sft-traces   --run runs/medium --output sft.jsonl --min-step 200 \\
                                     --general chat.jsonl --tokenizer ckpt-hf/
-    python -m megatron_rl.data.cli ...   (the same)
+    python -m megatron_rl.cli.curate ...   (the same)
 
 ``difficulty`` also writes ``OUT.difficulty.jsonl`` (the verdict on every problem),
 ``OUT.flagged.jsonl`` (problems whose majority answer contradicts the reference) and
@@ -24,27 +24,31 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_rl.data.problems import DataError, read_problems, write_json, write_jsonl
+from megatron_rl.data.problems import DataError, read_problems, write_problems
 from megatron_rl.data.report import CurationReport
+from megatron_rl.fileio import atomic_write_json, write_jsonl
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 
 def _sidecar(output: str, suffix: str) -> Path:
     out = Path(output)
-    return out.with_name(out.name[:-len(out.suffix)] + suffix if out.suffix else out.name + suffix)
+    return out.with_name(out.name[: -len(out.suffix)] + suffix if out.suffix else out.name + suffix)
 
 
 def _finish(report: CurationReport, args, records) -> int:
-    n = write_jsonl(args.output, records)
-    write_json(_sidecar(args.output, ".report.json"), report.to_json())
+    n = write_problems(args.output, records)
+    atomic_write_json(_sidecar(args.output, ".report.json"), report.to_json())
     report.print()
     print(f"wrote {n} records to {args.output}", file=sys.stderr)
     return 0
 
 
 def _math_format(args) -> int:
-    from megatron_rl.data.math_format import MathFormatConfig, format_filter
+    from megatron_rl.data.math_format import (  # lazy: each verb imports only what it runs, so --help stays quick
+        MathFormatConfig,
+        format_filter,
+    )
 
     cfg = MathFormatConfig(convert_multiple_choice=not args.no_convert, workers=args.workers)
     kept, report = format_filter(read_problems(args.input), cfg, progress=not args.quiet)
@@ -52,30 +56,56 @@ def _math_format(args) -> int:
 
 
 def _difficulty(args) -> int:
-    from megatron_rl.data.difficulty import DifficultyConfig, attempts_from_scored, difficulty_filter
-    from megatron_rl.evaluation.plots import pass_rate_histogram
-    from megatron_rl.rewards.pool import VerifierPool
+    from megatron_rl.data.difficulty import (  # lazy: each verb imports only what it runs, so --help stays quick
+        DifficultyConfig,
+        attempts_from_scored,
+        difficulty_filter,
+    )
+    from megatron_rl.evaluation.plots import (
+        pass_rate_histogram,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
+    from megatron_rl.rewards.pool import (
+        VerifierPool,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
 
-    cfg = DifficultyConfig(low=args.low, high=args.high, majority=args.majority,
-                           drop_flagged=not args.keep_flagged, workers=args.workers)
+    cfg = DifficultyConfig(
+        low=args.low,
+        high=args.high,
+        majority=args.majority,
+        drop_flagged=not args.keep_flagged,
+        workers=args.workers,
+    )
     problems = read_problems(args.input, limit=args.limit)
     with VerifierPool(cfg.workers) as pool:
         if args.scored:
             attempts = attempts_from_scored(args.scored)
         else:
             attempts = _sample(args, problems, pool)
-        kept, details, report = difficulty_filter(problems, attempts, cfg, pool=pool,
-                                                  progress=not args.quiet)
+        kept, details, report = difficulty_filter(problems, attempts, cfg, pool=pool, progress=not args.quiet)
     write_jsonl(_sidecar(args.output, ".difficulty.jsonl"), (d.to_json() for d in details))
     by_id = {p.id: p for p in problems}
-    write_jsonl(_sidecar(args.output, ".flagged.jsonl"),
-                ({**by_id[d.problem_id].to_json(), "pass_rate": d.pass_rate,
-                  "majority_answer": d.majority_answer, "majority_count": d.majority_count,
-                  "samples": d.samples} for d in details if d.flagged))
+    write_jsonl(
+        _sidecar(args.output, ".flagged.jsonl"),
+        (
+            {
+                **by_id[d.problem_id].to_json(),
+                "pass_rate": d.pass_rate,
+                "majority_answer": d.majority_answer,
+                "majority_count": d.majority_count,
+                "samples": d.samples,
+            }
+            for d in details
+            if d.flagged
+        ),
+    )
     counts = {d.samples for d in details}
-    pass_rate_histogram([d.pass_rate for d in details if d.samples],
-                        _sidecar(args.output, ".pass_rate.png"), low=cfg.low, high=cfg.high,
-                        samples=counts.pop() if len(counts) == 1 else None)
+    pass_rate_histogram(
+        [d.pass_rate for d in details if d.samples],
+        _sidecar(args.output, ".pass_rate.png"),
+        low=cfg.low,
+        high=cfg.high,
+        samples=counts.pop() if len(counts) == 1 else None,
+    )
     return _finish(report, args, kept)
 
 
@@ -84,49 +114,87 @@ def _servers(args) -> list[str] | None:
 
 
 def _sample(args, problems, pool):
-    from megatron_rl.data.sampling import (SamplingConfig, close_generator, load_tokenizer,
-                                           open_generator, render_prompt, sample_and_score)
-    from megatron_rl.evaluation.cli import reward_config
+    from megatron_rl.cli.evaluate import (
+        reward_config,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
+    from megatron_rl.data.sampling import (  # lazy: each verb imports only what it runs, so --help stays quick
+        SamplingConfig,
+        close_generator,
+        load_tokenizer,
+        open_generator,
+        render_prompt,
+        sample_and_score,
+    )
 
     reward_cfg = reward_config(args.recipe, args.overrides, args.workers)
     if args.tokenizer is None and args.model is None:
         raise ValueError("--servers needs --tokenizer (the served model's tokenizer folder)")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     longest = max((len(render_prompt(tokenizer, p.problem, p.task)) for p in problems), default=1)
-    cfg = SamplingConfig(k=args.k, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    generator = open_generator(model=args.model, servers=_servers(args),
-                               max_len=longest + args.max_new_tokens, max_slots=args.max_slots)
+    cfg = SamplingConfig(
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+    generator = open_generator(
+        model=args.model,
+        servers=_servers(args),
+        max_len=longest + args.max_new_tokens,
+        max_slots=args.max_slots,
+    )
     try:
-        return sample_and_score(problems, generator, tokenizer, cfg, reward_cfg, pool=pool,
-                                progress=not args.quiet)
+        return sample_and_score(
+            problems, generator, tokenizer, cfg, reward_cfg, pool=pool, progress=not args.quiet
+        )
     finally:
         close_generator(generator)
 
 
 def _code_tests(args) -> int:
-    from megatron_rl.data.code_tests import CodeCurationConfig, curate_code_problems
-    from megatron_rl.rewards.code import CodeConfig
+    from megatron_rl.data.code_tests import (  # lazy: each verb imports only what it runs, so --help stays quick
+        CodeCurationConfig,
+        curate_code_problems,
+    )
+    from megatron_rl.rewards.code import (
+        CodeConfig,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
 
-    cfg = CodeCurationConfig(min_tests=args.min_tests, min_agree_to_repair=args.min_agree,
-                             max_solutions=args.max_solutions, workers=args.workers,
-                             languages=args.languages.split(","),
-                             code=CodeConfig(test_timeout_s=args.test_timeout))
+    cfg = CodeCurationConfig(
+        min_tests=args.min_tests,
+        min_agree_to_repair=args.min_agree,
+        max_solutions=args.max_solutions,
+        workers=args.workers,
+        languages=args.languages.split(","),
+        code=CodeConfig(test_timeout_s=args.test_timeout),
+    )
     kept, report = curate_code_problems(read_problems(args.input), cfg, progress=not args.quiet)
     return _finish(report, args, kept)
 
 
 def _translate_mark(args) -> int:
-    from megatron_rl.data.translate import mark_for_translation
+    from megatron_rl.data.translate import (
+        mark_for_translation,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
 
-    out, report = mark_for_translation(read_problems(args.input), fraction=args.fraction,
-                                       languages=args.languages.split(","), seed=args.seed)
+    out, report = mark_for_translation(
+        read_problems(args.input), fraction=args.fraction, languages=args.languages.split(","), seed=args.seed
+    )
     return _finish(report, args, out)
 
 
 def _translate(args) -> int:
-    from megatron_rl.data.sampling import close_generator, load_tokenizer, open_generator
-    from megatron_rl.data.translate import GeneratorTranslator, load_translator, translate_marked
+    from megatron_rl.data.sampling import (  # lazy: each verb imports only what it runs, so --help stays quick
+        close_generator,
+        load_tokenizer,
+        open_generator,
+    )
+    from megatron_rl.data.translate import (  # lazy: each verb imports only what it runs, so --help stays quick
+        GeneratorTranslator,
+        load_translator,
+        translate_marked,
+    )
 
     problems = read_problems(args.input)
     generator = None
@@ -136,8 +204,9 @@ def _translate(args) -> int:
         if args.tokenizer is None and args.model is None:
             raise ValueError("--servers needs --tokenizer (the served model's tokenizer folder)")
         tokenizer = load_tokenizer(args.tokenizer or args.model)
-        generator = open_generator(model=args.model, servers=_servers(args),
-                                   max_len=args.max_len, max_slots=args.max_slots)
+        generator = open_generator(
+            model=args.model, servers=_servers(args), max_len=args.max_len, max_slots=args.max_slots
+        )
         translator = GeneratorTranslator(generator, tokenizer, max_new_tokens=args.max_new_tokens)
     try:
         out, report = translate_marked(problems, translator, progress=not args.quiet)
@@ -147,18 +216,32 @@ def _translate(args) -> int:
 
 
 def _sft_traces(args) -> int:
-    from megatron_rl.data.rundir import read_samples
-    from megatron_rl.data.sft import SFTTraceConfig, collect_traces, load_general, mix_general
+    from megatron_rl.data.rundir import (
+        read_samples,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
+    from megatron_rl.data.sft import (  # lazy: each verb imports only what it runs, so --help stays quick
+        SFTTraceConfig,
+        collect_traces,
+        load_general,
+        mix_general,
+    )
 
-    cfg = SFTTraceConfig(min_step=args.min_step, max_per_problem=args.max_per_problem,
-                         upsample_below=args.upsample_below, max_upsample=args.max_upsample,
-                         general_share=args.general_share if args.general else 0.0, seed=args.seed)
+    cfg = SFTTraceConfig(
+        min_step=args.min_step,
+        max_per_problem=args.max_per_problem,
+        upsample_below=args.upsample_below,
+        max_upsample=args.max_upsample,
+        general_share=args.general_share if args.general else 0.0,
+        seed=args.seed,
+    )
     traces, report = collect_traces(read_samples(args.run), cfg, progress=not args.quiet)
     general = []
     if args.general:
         if not args.tokenizer:
             raise ValueError("--general needs --tokenizer (to render the chats with its template)")
-        from megatron_rl.data.sampling import load_tokenizer
+        from megatron_rl.data.sampling import (
+            load_tokenizer,  # lazy: each verb imports only what it runs, so --help stays quick
+        )
 
         general = load_general(args.general, load_tokenizer(args.tokenizer))
     return _finish(report, args, mix_general(traces, general, cfg, report))
@@ -184,8 +267,9 @@ def _common(p: argparse.ArgumentParser, *, needs_input: bool = True) -> None:
 
 
 def _add_math_format(sub) -> None:
-    m = sub.add_parser("math-format", help="drop proofs, multi-part problems, unverifiable answers; "
-                                           "convert multiple choice")
+    m = sub.add_parser(
+        "math-format", help="drop proofs, multi-part problems, unverifiable answers; convert multiple choice"
+    )
     _common(m)
     m.add_argument("--no-convert", action="store_true", help="drop multiple-choice problems instead")
     m.add_argument("--workers", type=int, default=2, help="verifier processes")
@@ -198,13 +282,20 @@ def _add_difficulty(sub) -> None:
     src = d.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="Hugging Face model folder, run in this process")
     src.add_argument("--servers", help="comma-separated generation server URLs")
-    src.add_argument("--scored", help="pre-scored completions (JSONL with problem_id/group_id, "
-                                      "completion, correct or reason) instead of sampling")
+    src.add_argument(
+        "--scored",
+        help="pre-scored completions (JSONL with problem_id/group_id, "
+        "completion, correct or reason) instead of sampling",
+    )
     _add_sampling(d)
     d.add_argument("--low", type=float, default=0.0, help="keep pass rate > LOW (default 0)")
     d.add_argument("--high", type=float, default=1.0, help="keep pass rate < HIGH (default 1)")
-    d.add_argument("--majority", type=float, default=0.5,
-                   help="flag when more than this share agrees on a wrong answer (default 0.5)")
+    d.add_argument(
+        "--majority",
+        type=float,
+        default=0.5,
+        help="flag when more than this share agrees on a wrong answer (default 0.5)",
+    )
     d.add_argument("--keep-flagged", action="store_true", help="do not drop flagged problems")
     d.add_argument("--limit", type=int, help="only the first N problems")
     d.add_argument("--workers", type=int, default=2, help="verifier processes")
@@ -215,11 +306,18 @@ def _add_code_tests(sub) -> None:
     c = sub.add_parser("code-tests", help="keep tests the solutions agree on; repair wrong outputs")
     _common(c)
     c.add_argument("--min-tests", type=int, default=3, help="fewer tests: drop the problem (default 3)")
-    c.add_argument("--min-agree", type=int, default=2,
-                   help="solutions that must agree to replace an expected output (default 2)")
+    c.add_argument(
+        "--min-agree",
+        type=int,
+        default=2,
+        help="solutions that must agree to replace an expected output (default 2)",
+    )
     c.add_argument("--max-solutions", type=int, default=8, help="solutions run per problem")
-    c.add_argument("--languages", default="python,cpp", help="statement copies for problems with "
-                                                              "no language (default python,cpp)")
+    c.add_argument(
+        "--languages",
+        default="python,cpp",
+        help="statement copies for problems with no language (default python,cpp)",
+    )
     c.add_argument("--test-timeout", type=float, default=4.0, help="seconds per test (default 4)")
     c.add_argument("--workers", type=int, default=2, help="sandbox processes")
     c.set_defaults(func=_guarded(_code_tests))
@@ -251,12 +349,20 @@ def _add_sft_traces(sub) -> None:
     s.add_argument("--run", required=True, help="run directory (holding samples.jsonl) or the file")
     s.add_argument("--min-step", type=int, default=0, help="skip samples of earlier steps")
     s.add_argument("--max-per-problem", type=int, default=4, help="distinct traces per problem")
-    s.add_argument("--upsample-below", type=float, default=0.5,
-                   help="repeat traces of problems with a lower pass rate (default 0.5)")
+    s.add_argument(
+        "--upsample-below",
+        type=float,
+        default=0.5,
+        help="repeat traces of problems with a lower pass rate (default 0.5)",
+    )
     s.add_argument("--max-upsample", type=int, default=4, help="most copies of a trace (default 4)")
     s.add_argument("--general", help="general instruction data (JSONL of messages, or prompt/response)")
-    s.add_argument("--general-share", type=float, default=0.1,
-                   help="share of general examples in the output (default 0.1)")
+    s.add_argument(
+        "--general-share",
+        type=float,
+        default=0.1,
+        help="share of general examples in the output (default 0.1)",
+    )
     s.add_argument("--tokenizer", help="tokenizer folder (renders --general)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_guarded(_sft_traces))
@@ -265,8 +371,7 @@ def _add_sft_traces(sub) -> None:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``curate`` parser (or its subcommands added to ``parser``); ``args.func(args)`` runs
     the chosen tool and returns the exit status."""
-    p = parser or argparse.ArgumentParser(prog="megatron-rl curate",
-                                          description=__doc__.split("\n\n")[0])
+    p = parser or argparse.ArgumentParser(prog="megatron-rl curate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="tool", required=True, metavar="TOOL")
     for add in (_add_math_format, _add_difficulty, _add_code_tests, _add_translation, _add_sft_traces):
         add(sub)
@@ -275,6 +380,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def _guarded(tool):
     """The tool, with bad input reported as one line on stderr and exit status 2."""
+
     def run(args: argparse.Namespace) -> int:
         try:
             return tool(args)
@@ -282,6 +388,7 @@ def _guarded(tool):
         except (DataError, ValueError, OSError) as e:
             print(f"megatron-rl curate {args.tool}: {e}", file=sys.stderr)
             return 2
+
     return run
 
 

@@ -10,46 +10,54 @@ Also runnable as ``python -m megatron_rl``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import runpy
 import sys
 from pathlib import Path
 
 import yaml
 
-# Verbs whose implementation has not landed yet, with the issue that brings each.
-_PENDING: dict[str, tuple[str, int]] = {}
-
 # Verbs implemented by a module's ``main(argv) -> int``, which parses its own arguments.
 _PASSTHROUGH = {
-    "quickstart": ("megatron_rl.quickstart.pipeline", "the CPU quick start: SFT warm-up of a tiny "
-                   "model, then GRPO, pass@1 before/after and plots"),
+    "quickstart": (
+        "megatron_rl.quickstart.pipeline",
+        "the CPU quick start: SFT warm-up of a tiny model, then GRPO, pass@1 before/after and plots",
+    ),
     "train": ("megatron_rl.orchestration.run", "run the GRPO loop (async or sync) from a YAML recipe"),
-    "curate": ("megatron_rl.data.cli", "curate problem sets: math format, difficulty, code tests, "
-               "SFT traces, translation marks"),
-    "eval": ("megatron_rl.evaluation.cli", "pass@k / maj@k evaluation with a JSON + Markdown "
-             "report and plots"),
-    "serve-engine": ("megatron_rl.generation.engine.server",
-                     "serve an HF model with the built-in engine (SGLang API subset)"),
+    "curate": (
+        "megatron_rl.cli.curate",
+        "curate problem sets: math format, difficulty, code tests, SFT traces, translation marks",
+    ),
+    "eval": ("megatron_rl.cli.evaluate", "pass@k / maj@k evaluation with a JSON + Markdown report and plots"),
+    "serve-engine": (
+        "megatron_rl.generation.engine.server",
+        "serve an HF model with the built-in engine (SGLang API subset)",
+    ),
 }
 
-TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
+TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
 
 
 def _benchmarks() -> dict[str, Path]:
     # tools/bench_train_step.py is `megatron-rl bench train-step`.
-    return {p.stem[len("bench_"):].replace("_", "-"): p for p in sorted(TOOLS_DIR.glob("bench_*.py"))}
+    return {p.stem[len("bench_") :].replace("_", "-"): p for p in sorted(TOOLS_DIR.glob("bench_*.py"))}
 
 
 def _bench(args: argparse.Namespace) -> int:
     benches = _benchmarks()
     if not TOOLS_DIR.is_dir():
-        print(f"megatron-rl bench: no tools/ folder next to the package ({TOOLS_DIR}); benchmarks run "
-              "from a source checkout (pip install -e .)", file=sys.stderr)
+        print(
+            f"megatron-rl bench: no tools/ folder next to the package ({TOOLS_DIR}); benchmarks run "
+            "from a source checkout (pip install -e .)",
+            file=sys.stderr,
+        )
         return 2
     args.name = args.name.replace("_", "-")
     if args.name not in benches:
-        print(f"megatron-rl bench: unknown benchmark {args.name!r}; available: {', '.join(benches)}",
-              file=sys.stderr)
+        print(
+            f"megatron-rl bench: unknown benchmark {args.name!r}; available: {', '.join(benches)}",
+            file=sys.stderr,
+        )
         return 2
     sys.argv = [str(benches[args.name]), *args.args]
     try:
@@ -63,7 +71,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from megatron_rl.config import ConfigError, config_to_dict, load_config
+    from megatron_rl.config import (  # lazy: each verb imports only what it runs, so --help stays quick
+        ConfigError,
+        config_to_dict,
+    )
+    from megatron_rl.orchestration.recipe import (
+        load_config,  # lazy: the recipe imports torch; the parser must not
+    )
 
     try:
         cfg = load_config(args.recipe, args.overrides)
@@ -74,18 +88,11 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pending(verb: str, issue: int):
-    def run(_args: argparse.Namespace) -> int:
-        print(f"megatron-rl {verb}: not in this version yet (planned in issue #{issue}).", file=sys.stderr)
-        return 2
-    return run
-
-
 def _passthrough(module: str):
     def run(args: argparse.Namespace) -> int:
-        import importlib
 
         return int(importlib.import_module(module).main(args.args) or 0)
+
     return run
 
 
@@ -100,22 +107,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("recipe", nargs="?", help="YAML recipe (defaults only when omitted)")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.3")
     c.set_defaults(func=_config)
-    from megatron_rl.rewards.cli import build_parser as reward_parser
+    from megatron_rl.cli.reward import (
+        build_parser as reward_parser,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
+    from megatron_rl.convert.cli import (
+        build_parser as convert_parser,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
 
-    from megatron_rl.convert.cli import build_parser as convert_parser
-
-    convert_parser(sub.add_parser("convert", help="convert checkpoints between Hugging Face and "
-                                                  "Megatron-Core (hf-to-mcore, mcore-to-hf)"))
-    reward_parser(sub.add_parser("reward", help="score a JSONL of completions (format, math, code, "
-                                                "length, language)"))
+    convert_parser(
+        sub.add_parser(
+            "convert",
+            help="convert checkpoints between Hugging Face and Megatron-Core (hf-to-mcore, mcore-to-hf)",
+        )
+    )
+    reward_parser(
+        sub.add_parser("reward", help="score a JSONL of completions (format, math, code, length, language)")
+    )
     for verb, (module, text) in _PASSTHROUGH.items():
         p = sub.add_parser(verb, help=text, add_help=False)
         p.add_argument("args", nargs=argparse.REMAINDER)
         p.set_defaults(func=_passthrough(module))
-    for verb, (text, issue) in _PENDING.items():
-        p = sub.add_parser(verb, help=f"{text} (not yet: issue #{issue})")
-        p.add_argument("args", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_pending(verb, issue))
     return parser
 
 

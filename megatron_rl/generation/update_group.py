@@ -17,14 +17,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_update_group", "destroy_update_group", "broadcast"]
+__all__ = ["broadcast", "destroy_update_group", "init_update_group"]
 
 
-def init_update_group(*, backend: str, master_address: str, master_port: int, rank: int,
-                      world_size: int, group_name: str, timeout_s: float = 120.0) -> Any:
+def init_update_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = 120.0,
+) -> Any:
     """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
-                                                    _new_process_group_helper, _world)
+    from torch.distributed.distributed_c10d import (  # lazy: private torch API, used only to build the group
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+    )
 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
@@ -34,12 +46,25 @@ def init_update_group(*, backend: str, master_address: str, master_port: int, ra
     # What SGLang's tcp:// rendezvous builds, made directly: under torchrun the rendezvous would
     # reuse the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE) and rank 0 would wait for
     # a master that never comes. Here rank 0 always hosts the group's own store.
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        master_address,
+        int(master_port),
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store,
-                                      group_name=group_name, backend_options=None,
-                                      timeout=timeout)
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+    )
     # Group ranks are the ranks given here (no default world to translate from).
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

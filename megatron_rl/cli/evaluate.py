@@ -5,7 +5,7 @@ length statistics, as JSON + Markdown + PNG.
     megatron-rl eval --model ckpt-hf/ --data aime.jsonl --k 16 --out eval/aime
     megatron-rl eval --servers http://gen0:30000,http://gen1:30000 --tokenizer ckpt-hf/ \\
         --data gpqa.csv --format gpqa --k 8 --max-new-tokens 32768 --out eval/gpqa reward.workers=8
-    python -m megatron_rl.evaluation.cli ...   (the same)
+    python -m megatron_rl.cli.evaluate ...   (the same)
 
 ``--data`` takes this project's problem files or benchmark formats (``--format``: aime, gpqa,
 lcb; auto-detected by default; see :mod:`megatron_rl.data.benchmarks`). Prompts are the training
@@ -22,13 +22,19 @@ import time
 
 from megatron_rl.data.benchmarks import FORMATS, load_benchmark
 from megatron_rl.data.problems import DataError
-from megatron_rl.data.sampling import (SamplingConfig, close_generator, load_tokenizer,
-                                       open_generator, render_prompt, sample_and_score)
+from megatron_rl.data.sampling import (
+    SamplingConfig,
+    close_generator,
+    load_tokenizer,
+    open_generator,
+    render_prompt,
+    sample_and_score,
+)
 from megatron_rl.evaluation.metrics import default_ks
 from megatron_rl.evaluation.report import evaluate, write_report
 from megatron_rl.rewards.pool import VerifierPool
 
-__all__ = ["main", "build_parser", "add_generator_args", "reward_config"]
+__all__ = ["add_generator_args", "build_parser", "main", "reward_config"]
 
 
 def add_generator_args(p: argparse.ArgumentParser) -> None:
@@ -37,13 +43,19 @@ def add_generator_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--model", help="Hugging Face model folder, run in this process")
     src.add_argument("--servers", help="comma-separated URLs of generation servers (the fleet)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the --model folder)")
-    p.add_argument("--max-slots", type=int, default=16,
-                   help="--model only: sequences decoded together (default 16)")
+    p.add_argument(
+        "--max-slots", type=int, default=16, help="--model only: sequences decoded together (default 16)"
+    )
 
 
 def reward_config(recipe: str | None, overrides: list[str], workers: int | None):
     """The reward settings: a recipe's ``reward`` section and ``reward.KEY=VALUE`` overrides."""
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.config import (
+        ConfigError,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
+    from megatron_rl.orchestration.recipe import (
+        load_config,  # lazy: the recipe imports torch; the parser must not
+    )
 
     bad = [o for o in overrides if not o.startswith("reward.")]
     if bad:
@@ -79,11 +91,16 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def run(args: argparse.Namespace) -> int:
     reward_cfg = reward_config(args.recipe, args.overrides, args.workers)
-    sampling = SamplingConfig(k=args.k, max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    sampling = SamplingConfig(
+        k=args.k,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     problems, load_report = load_benchmark(args.data, args.format, seed=args.seed)
     if args.limit is not None:
-        problems = problems[:args.limit]
+        problems = problems[: args.limit]
     if not problems:
         raise DataError(f"{args.data}: no problems to evaluate")
     if load_report.dropped:
@@ -92,30 +109,44 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--servers needs --tokenizer (the served model's tokenizer folder)")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     longest = max(len(render_prompt(tokenizer, p.problem, p.task)) for p in problems)
-    generator = open_generator(model=args.model,
-                               servers=args.servers.split(",") if args.servers else None,
-                               max_len=longest + args.max_new_tokens, max_slots=args.max_slots)
+    generator = open_generator(
+        model=args.model,
+        servers=args.servers.split(",") if args.servers else None,
+        max_len=longest + args.max_new_tokens,
+        max_slots=args.max_slots,
+    )
     start = time.monotonic()
     ks = default_ks(args.k)
     try:
         with VerifierPool(reward_cfg.workers) as pool:
-            attempts = sample_and_score(problems, generator, tokenizer, sampling, reward_cfg,
-                                        pool=pool, progress=not args.quiet)
-            results = evaluate(problems, attempts, ks, pool=pool, math_cfg=reward_cfg.math,
-                               progress=not args.quiet)
+            attempts = sample_and_score(
+                problems, generator, tokenizer, sampling, reward_cfg, pool=pool, progress=not args.quiet
+            )
+            results = evaluate(
+                problems, attempts, ks, pool=pool, math_cfg=reward_cfg.math, progress=not args.quiet
+            )
     finally:
         close_generator(generator)
-    settings = {"model": args.model or args.servers, "data": args.data, "k": args.k,
-                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "top_p": args.top_p, "seed": args.seed, "problems": len(problems),
-                "seconds": round(time.monotonic() - start, 1)}
+    settings = {
+        "model": args.model or args.servers,
+        "data": args.data,
+        "k": args.k,
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "problems": len(problems),
+        "seconds": round(time.monotonic() - start, 1),
+    }
     summary = write_report(args.out, problems, attempts, results, ks, settings)
     overall = summary["overall"]
     maj = "–" if overall["maj"] is None else f"{100 * overall['maj']:.1f}"
-    print(f"eval: {len(problems)} problems x {args.k} samples: pass@1 "
-          f"{100 * overall['pass_at']['1']:.1f}, pass@{args.k} {100 * overall['pass_at'][str(args.k)]:.1f}, "
-          f"maj@{args.k} {maj}, mean length {overall['length']['all']['mean']:.0f} tokens; "
-          f"report in {args.out}/report.md")
+    print(
+        f"eval: {len(problems)} problems x {args.k} samples: pass@1 "
+        f"{100 * overall['pass_at']['1']:.1f}, pass@{args.k} {100 * overall['pass_at'][str(args.k)]:.1f}, "
+        f"maj@{args.k} {maj}, mean length {overall['length']['all']['mean']:.0f} tokens; "
+        f"report in {args.out}/report.md"
+    )
     return 0
 
 

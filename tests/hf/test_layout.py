@@ -8,20 +8,38 @@ import pytest
 import torch
 import transformers
 
-from megatron_rl.weight_sync.chunks import chunk_global_names, chunk_to_hf, load_hf_into_chunk
-from megatron_rl.weight_sync.hf_map import (HFConverter, TPSplit, WeightsMismatchError,
-                                            canonical_name, gather_from_tp, layer_offset,
-                                            local_spec_name, shard_for_tp, to_global_name,
-                                            to_local_name, tp_split)
+from megatron_rl.hf.layout import (
+    HFConverter,
+    TPSplit,
+    WeightsMismatchError,
+    canonical_name,
+    gather_from_tp,
+    layer_offset,
+    local_spec_name,
+    shard_for_tp,
+    to_global_name,
+    to_local_name,
+    tp_split,
+)
+from megatron_rl.training.chunks import chunk_global_names, chunk_to_hf, load_hf_into_chunk
 
 VOCAB = 1000  # pads to 1024 rows: padding exercised, and ids land on both halves at TP=2
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=128)
+TINY = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 FAMILIES = {
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),
     "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
-    "mistral": (transformers.MistralConfig,  # head_dim 32 != hidden / heads = 16
-                dict(head_dim=32, sliding_window=None, tie_word_embeddings=False)),
+    "mistral": (
+        transformers.MistralConfig,  # head_dim 32 != hidden / heads = 16
+        dict(head_dim=32, sliding_window=None, tie_word_embeddings=False),
+    ),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
 }
 
@@ -42,34 +60,56 @@ def hf_model(family: str, seed: int = 0, **overrides):
 
 def test_qkv_and_fc1_layout_by_hand():
     # 4 query heads in 2 groups, head_dim 1, hidden 1: per group [q, q, k, v].
-    config = transformers.Qwen2Config(hidden_size=1, num_attention_heads=4, num_key_value_heads=2,
-                                      head_dim=1, intermediate_size=2, num_hidden_layers=1,
-                                      vocab_size=3)
+    config = transformers.Qwen2Config(
+        hidden_size=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=1,
+        intermediate_size=2,
+        num_hidden_layers=1,
+        vocab_size=3,
+    )
     conv = HFConverter.for_config(config)
-    col = lambda *v: torch.tensor(v, dtype=torch.float32).reshape(-1, 1)  # noqa: E731
-    hf = {"model.layers.0.self_attn.q_proj.weight": col(0, 1, 2, 3),
-          "model.layers.0.self_attn.k_proj.weight": col(10, 11),
-          "model.layers.0.self_attn.v_proj.weight": col(20, 21),
-          "model.layers.0.self_attn.q_proj.bias": torch.tensor([0., 1, 2, 3]),
-          "model.layers.0.self_attn.k_proj.bias": torch.tensor([10., 11]),
-          "model.layers.0.self_attn.v_proj.bias": torch.tensor([20., 21]),
-          "model.layers.0.mlp.gate_proj.weight": col(5, 6),
-          "model.layers.0.mlp.up_proj.weight": col(7, 8)}
-    qkv = conv.hf_to_mcore(hf, ["decoder.layers.0.self_attention.linear_qkv.weight",
-                                "decoder.layers.0.self_attention.linear_qkv.bias",
-                                "decoder.layers.0.mlp.linear_fc1.weight"])
+    col = lambda *v: torch.tensor(v, dtype=torch.float32).reshape(-1, 1)
+    hf = {
+        "model.layers.0.self_attn.q_proj.weight": col(0, 1, 2, 3),
+        "model.layers.0.self_attn.k_proj.weight": col(10, 11),
+        "model.layers.0.self_attn.v_proj.weight": col(20, 21),
+        "model.layers.0.self_attn.q_proj.bias": torch.tensor([0.0, 1, 2, 3]),
+        "model.layers.0.self_attn.k_proj.bias": torch.tensor([10.0, 11]),
+        "model.layers.0.self_attn.v_proj.bias": torch.tensor([20.0, 21]),
+        "model.layers.0.mlp.gate_proj.weight": col(5, 6),
+        "model.layers.0.mlp.up_proj.weight": col(7, 8),
+    }
+    qkv = conv.hf_to_mcore(
+        hf,
+        [
+            "decoder.layers.0.self_attention.linear_qkv.weight",
+            "decoder.layers.0.self_attention.linear_qkv.bias",
+            "decoder.layers.0.mlp.linear_fc1.weight",
+        ],
+    )
     assert qkv["decoder.layers.0.self_attention.linear_qkv.weight"].flatten().tolist() == [
-        0, 1, 10, 20, 2, 3, 11, 21]
-    assert qkv["decoder.layers.0.self_attention.linear_qkv.bias"].tolist() == [
-        0, 1, 10, 20, 2, 3, 11, 21]
+        0,
+        1,
+        10,
+        20,
+        2,
+        3,
+        11,
+        21,
+    ]
+    assert qkv["decoder.layers.0.self_attention.linear_qkv.bias"].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
     assert qkv["decoder.layers.0.mlp.linear_fc1.weight"].flatten().tolist() == [5, 6, 7, 8]
     # Rank r of TP=2 holds query group r ([q, q, k, v]) and [gate_r; up_r].
     fc1 = qkv["decoder.layers.0.mlp.linear_fc1.weight"]
-    assert shard_for_tp("decoder.layers.0.mlp.linear_fc1.weight", fc1, 1, 2).flatten().tolist() \
-        == [6, 8]
-    assert shard_for_tp("decoder.layers.0.self_attention.linear_qkv.weight",
-                        qkv["decoder.layers.0.self_attention.linear_qkv.weight"], 1,
-                        2).flatten().tolist() == [2, 3, 11, 21]
+    assert shard_for_tp("decoder.layers.0.mlp.linear_fc1.weight", fc1, 1, 2).flatten().tolist() == [6, 8]
+    assert shard_for_tp(
+        "decoder.layers.0.self_attention.linear_qkv.weight",
+        qkv["decoder.layers.0.self_attention.linear_qkv.weight"],
+        1,
+        2,
+    ).flatten().tolist() == [2, 3, 11, 21]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -90,12 +130,16 @@ def test_round_trip_and_shapes(family):
     conv.check_mcore_weights({n: t.shape for n, t in mcore.items()})
 
 
-@pytest.mark.parametrize("split, name", [
-    (TPSplit.COLUMN, "decoder.layers.3.self_attention.linear_qkv.weight"),
-    (TPSplit.COLUMN, "embedding.word_embeddings.weight"),
-    (TPSplit.ROW, "decoder.layers.0.mlp.linear_fc2.weight"),
-    (TPSplit.SWIGLU, "decoder.layers.0.mlp.linear_fc1.weight"),
-    (TPSplit.REPLICATED, "decoder.layers.0.input_layernorm.weight")])
+@pytest.mark.parametrize(
+    "split, name",
+    [
+        (TPSplit.COLUMN, "decoder.layers.3.self_attention.linear_qkv.weight"),
+        (TPSplit.COLUMN, "embedding.word_embeddings.weight"),
+        (TPSplit.ROW, "decoder.layers.0.mlp.linear_fc2.weight"),
+        (TPSplit.SWIGLU, "decoder.layers.0.mlp.linear_fc1.weight"),
+        (TPSplit.REPLICATED, "decoder.layers.0.input_layernorm.weight"),
+    ],
+)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_shard_gather_round_trip(split, name, tp):
     assert tp_split(name) is split
@@ -124,8 +168,10 @@ def test_names_and_pipeline_offsets():
     assert canonical_name(local) == "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
     assert local_spec_name(canonical_name(local)) == local
     assert to_global_name(local, 6) == "decoder.layers.7.input_layernorm.weight"
-    assert to_local_name("decoder.layers.7.mlp.linear_fc2.weight", 6, 2) == \
-        "decoder.layers.1.mlp.linear_fc2.weight"
+    assert (
+        to_local_name("decoder.layers.7.mlp.linear_fc2.weight", 6, 2)
+        == "decoder.layers.1.mlp.linear_fc2.weight"
+    )
     assert to_local_name("decoder.layers.8.mlp.linear_fc2.weight", 6, 2) is None
     assert to_local_name("output_layer.weight", 6, 2) == "output_layer.weight"
     # Against Megatron's own offsets (even splits, with and without interleaving).
@@ -133,14 +179,19 @@ def test_names_and_pipeline_offsets():
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     for layers, pp, vpp in [(8, 2, None), (8, 2, 2), (12, 3, 2), (8, 4, None), (16, 2, 4)]:
-        cfg = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1,
-                                pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=vpp,
-                                pipeline_dtype=torch.float32)
+        cfg = TransformerConfig(
+            num_layers=layers,
+            hidden_size=8,
+            num_attention_heads=1,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp,
+            pipeline_dtype=torch.float32,
+        )
         for r in range(pp):
-            for v in (range(vpp) if vpp else [None]):
-                assert layer_offset(layers, pp_rank=r, pp_size=pp, vp_stage=v, vp_size=vpp) \
-                    == get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=r), (layers, pp, r, v)
+            for v in range(vpp) if vpp else [None]:
+                assert layer_offset(
+                    layers, pp_rank=r, pp_size=pp, vp_stage=v, vp_size=vpp
+                ) == get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=r), (layers, pp, r, v)
 
 
 def test_tp_layout_agrees_with_megatron_parameters(single_rank):
@@ -159,8 +210,7 @@ def test_tp_layout_agrees_with_megatron_parameters(single_rank):
             assert p.partition_dim == (1 if split is TPSplit.ROW else 0), name
     assert seen == set(TPSplit)
     names = chunk_global_names(model)
-    assert sorted(names.values()) == sorted(HFConverter.for_config(
-        hf_model("qwen2").config).mcore_names())
+    assert sorted(names.values()) == sorted(HFConverter.for_config(hf_model("qwen2").config).mcore_names())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -172,8 +222,7 @@ def test_forward_matches_transformers_at_tp1(single_rank, family):
     conv = HFConverter.for_config(reference.config)
     model = build_gpt_model(reference.config, ParallelConfig())
     hf = reference.state_dict()
-    assert load_hf_into_chunk(model, conv, hf, tp_rank=0, tp_size=1) == \
-        len(list(model.parameters()))
+    assert load_hf_into_chunk(model, conv, hf, tp_rank=0, tp_size=1) == len(list(model.parameters()))
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(ids, torch.arange(12).expand(2, 12), None)[..., :VOCAB]

@@ -49,42 +49,72 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from megatron_rl.training.model import load_hf_config, padded_vocab_size
+from megatron_rl.hf.arch import load_hf_config, padded_vocab_size
 
-__all__ = ["HFConverter", "LlamaConverter", "MistralConverter", "Qwen2Converter", "CONVERTERS",
-           "ModelDims", "WeightsMismatchError", "TPSplit", "tp_split", "shard_for_tp",
-           "gather_from_tp", "canonical_name", "local_spec_name", "layer_offset",
-           "to_global_name", "to_local_name", "IGNORED_HF_SUFFIXES"]
+__all__ = [
+    "CONVERTERS",
+    "IGNORED_HF_SUFFIXES",
+    "HFConverter",
+    "LlamaConverter",
+    "MistralConverter",
+    "ModelDims",
+    "Qwen2Converter",
+    "TPSplit",
+    "WeightsMismatchError",
+    "canonical_name",
+    "gather_from_tp",
+    "layer_offset",
+    "local_spec_name",
+    "shard_for_tp",
+    "to_global_name",
+    "to_local_name",
+    "tp_split",
+]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 # Local-spec module names of the two pre-norms -> the TE / checkpoint spelling.
-_LOCAL_TO_FUSED = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                   "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LOCAL_TO_FUSED = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 _FUSED_TO_LOCAL = {v: k for k, v in _LOCAL_TO_FUSED.items()}
 
 # Per-layer Megatron suffix -> the HF suffixes (under ``model.layers.i.``) it is made of.
 _LAYER_MAP: dict[str, tuple[str, ...]] = {
     "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
-    "self_attention.linear_qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                         "self_attn.v_proj.weight"),
-    "self_attention.linear_qkv.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias",
-                                       "self_attn.v_proj.bias"),
+    "self_attention.linear_qkv.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
+    "self_attention.linear_qkv.bias": (
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+    ),
     "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
     "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
 }
-_EMBEDDING, _FINAL_NORM, _OUTPUT = ("embedding.word_embeddings.weight",
-                                    "decoder.final_layernorm.weight", "output_layer.weight")
-_GLOBAL_MAP = {_EMBEDDING: "model.embed_tokens.weight", _FINAL_NORM: "model.norm.weight",
-               _OUTPUT: "lm_head.weight"}
+_EMBEDDING, _FINAL_NORM, _OUTPUT = (
+    "embedding.word_embeddings.weight",
+    "decoder.final_layernorm.weight",
+    "output_layer.weight",
+)
+_GLOBAL_MAP = {
+    _EMBEDDING: "model.embed_tokens.weight",
+    _FINAL_NORM: "model.norm.weight",
+    _OUTPUT: "lm_head.weight",
+}
 
 # HF tensors that are not weights and carry nothing to convert (non-persistent RoPE buffers that
 # some older checkpoints saved anyway).
@@ -118,8 +148,9 @@ def local_spec_name(name: str) -> str:
     return name
 
 
-def layer_offset(num_layers: int, *, pp_rank: int, pp_size: int, vp_stage: int | None = None,
-                 vp_size: int | None = None) -> int:
+def layer_offset(
+    num_layers: int, *, pp_rank: int, pp_size: int, vp_stage: int | None = None, vp_size: int | None = None
+) -> int:
     """Global index of the first layer held by pipeline rank ``pp_rank`` (virtual stage
     ``vp_stage`` of ``vp_size`` under interleaving), for Megatron's even split.
 
@@ -220,7 +251,7 @@ def shard_for_tp(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> t
         half = _pieces(full.shape[0], 2, name, "dim 0 ([gate; up])")
         n = _pieces(half, tp_size, name, "each of gate / up")
         gate, up = full[:half], full[half:]
-        return torch.cat([gate[tp_rank * n:(tp_rank + 1) * n], up[tp_rank * n:(tp_rank + 1) * n]])
+        return torch.cat([gate[tp_rank * n : (tp_rank + 1) * n], up[tp_rank * n : (tp_rank + 1) * n]])
     dim = 0 if split is TPSplit.COLUMN else 1
     n = _pieces(full.shape[dim], tp_size, name, f"dim {dim}")
     return full.narrow(dim, tp_rank * n, n)
@@ -262,24 +293,32 @@ class ModelDims:
     tied: bool  # tie_word_embeddings
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any, *, tensor_parallel: int = 1,
-                       padded_vocab: int | None = None) -> ModelDims:
+    def from_hf_config(
+        cls, hf_config: Any, *, tensor_parallel: int = 1, padded_vocab: int | None = None
+    ) -> ModelDims:
         """``padded_vocab`` defaults to :func:`padded_vocab_size` at ``tensor_parallel``."""
         hf = load_hf_config(hf_config)
         heads = hf.num_attention_heads
         explicit = getattr(hf, "head_dim", None)
         vocab = hf.vocab_size
-        padded = padded_vocab if padded_vocab is not None else padded_vocab_size(
-            vocab, tensor_parallel)
+        padded = padded_vocab if padded_vocab is not None else padded_vocab_size(vocab, tensor_parallel)
         if padded < vocab:
-            raise WeightsMismatchError("vocab_size", f"vocab_size={vocab} is larger than the "
-                                                     f"padded vocabulary of {padded} rows")
-        return cls(model_type=hf.model_type, hidden=hf.hidden_size, ffn=hf.intermediate_size,
-                   heads=heads, kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-                   head_dim=explicit or hf.hidden_size // heads,
-                   head_dim_explicit=bool(explicit), vocab=vocab, padded_vocab=padded,
-                   layers=hf.num_hidden_layers,
-                   tied=bool(getattr(hf, "tie_word_embeddings", False)))
+            raise WeightsMismatchError(
+                "vocab_size", f"vocab_size={vocab} is larger than the padded vocabulary of {padded} rows"
+            )
+        return cls(
+            model_type=hf.model_type,
+            hidden=hf.hidden_size,
+            ffn=hf.intermediate_size,
+            heads=heads,
+            kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=explicit or hf.hidden_size // heads,
+            head_dim_explicit=bool(explicit),
+            vocab=vocab,
+            padded_vocab=padded,
+            layers=hf.num_hidden_layers,
+            tied=bool(getattr(hf, "tie_word_embeddings", False)),
+        )
 
 
 @dataclass(frozen=True)
@@ -304,27 +343,30 @@ class HFConverter:
 
     def __init__(self, dims: ModelDims):
         if dims.model_type != self.model_type:
-            raise ValueError(f"model_type: {type(self).__name__} converts {self.model_type!r}, "
-                             f"got {dims.model_type!r}")
+            raise ValueError(
+                f"model_type: {type(self).__name__} converts {self.model_type!r}, got {dims.model_type!r}"
+            )
         if dims.heads % dims.kv_heads:
-            raise WeightsMismatchError("num_key_value_heads", f"{dims.kv_heads} does not divide "
-                                       f"num_attention_heads={dims.heads}")
+            raise WeightsMismatchError(
+                "num_key_value_heads", f"{dims.kv_heads} does not divide num_attention_heads={dims.heads}"
+            )
         self.dims = dims
 
     @staticmethod
-    def for_config(hf_config: Any, *, tensor_parallel: int = 1,
-                   padded_vocab: int | None = None) -> HFConverter:
+    def for_config(
+        hf_config: Any, *, tensor_parallel: int = 1, padded_vocab: int | None = None
+    ) -> HFConverter:
         """The converter for an HF config (object or folder); see :class:`ModelDims` for the
         padded vocabulary. Raises ValueError naming the field for what it cannot map."""
         hf = load_hf_config(hf_config)
         if hf.model_type not in CONVERTERS:
-            raise ValueError(f"model_type: {hf.model_type!r} is not supported (supported: "
-                             f"{', '.join(CONVERTERS)})")
+            raise ValueError(
+                f"model_type: {hf.model_type!r} is not supported (supported: {', '.join(CONVERTERS)})"
+            )
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(hf, flag, False):
                 raise ValueError(f"{flag}: {hf.model_type} with {flag}=true is not supported")
-        dims = ModelDims.from_hf_config(hf, tensor_parallel=tensor_parallel,
-                                        padded_vocab=padded_vocab)
+        dims = ModelDims.from_hf_config(hf, tensor_parallel=tensor_parallel, padded_vocab=padded_vocab)
         return CONVERTERS[hf.model_type](dims)
 
     # ----------------------------------------------------------------- names
@@ -354,8 +396,9 @@ class HFConverter:
             return (_GLOBAL_MAP[name],)
         m = _LAYER.match(name)
         if not m or m.group(2) not in self._layer_suffixes() or int(m.group(1)) >= self.dims.layers:
-            raise KeyError(f"{mcore_name!r} is not a weight of this {self.model_type} model "
-                           f"({self.dims.layers} layers)")
+            raise KeyError(
+                f"{mcore_name!r} is not a weight of this {self.model_type} model ({self.dims.layers} layers)"
+            )
         return tuple(f"model.layers.{m.group(1)}.{s}" for s in _LAYER_MAP[m.group(2)])
 
     def hf_names(self) -> list[str]:
@@ -380,7 +423,7 @@ class HFConverter:
         sources = self.hf_sources(canon)
         self._check_shape(canon, tuple(tensor.shape), self._mcore_dims(canon))
         if canon in (_EMBEDDING, _OUTPUT):
-            return [(sources[0], tensor[:self.dims.vocab])]
+            return [(sources[0], tensor[: self.dims.vocab])]
         if canon.endswith("linear_qkv.weight") or canon.endswith("linear_qkv.bias"):
             groups = tensor.reshape(self.dims.kv_heads, -1, *tensor.shape[1:])
             parts = groups.split(self._qkv_rows(), dim=1)
@@ -398,12 +441,13 @@ class HFConverter:
         for s, p in zip(sources, parts):
             self._check_shape(s, tuple(p.shape), self._hf_dims(s))
         if len({p.dtype for p in parts}) > 1:
-            raise ValueError(f"{name}: its HF tensors {sources} have different dtypes "
-                             f"{[str(p.dtype) for p in parts]}")
+            raise ValueError(
+                f"{name}: its HF tensors {sources} have different dtypes {[str(p.dtype) for p in parts]}"
+            )
         canon = canonical_name(name)
         if canon in (_EMBEDDING, _OUTPUT):
             out = parts[0].new_zeros((self.dims.padded_vocab, *parts[0].shape[1:]))
-            out[:self.dims.vocab] = parts[0]
+            out[: self.dims.vocab] = parts[0]
             return out
         if canon.endswith("linear_qkv.weight") or canon.endswith("linear_qkv.bias"):
             g = self.dims.kv_heads
@@ -414,12 +458,14 @@ class HFConverter:
             return torch.cat(parts, dim=0)
         return parts[0]
 
-    def hf_to_mcore(self, hf_state: Mapping[str, torch.Tensor],
-                    names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    def hf_to_mcore(
+        self, hf_state: Mapping[str, torch.Tensor], names: Iterable[str] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Megatron tensors (canonical names, default: all of :meth:`mcore_names`) from an HF
         state dict. Raises KeyError naming a missing HF tensor."""
-        return {n: self.hf_to_mcore_tensor(n, hf_state)
-                for n in (self.mcore_names() if names is None else names)}
+        return {
+            n: self.hf_to_mcore_tensor(n, hf_state) for n in (self.mcore_names() if names is None else names)
+        }
 
     # ----------------------------------------------------------------- shapes and checks
 
@@ -428,45 +474,63 @@ class HFConverter:
         derived = "" if d.head_dim_explicit else " (head_dim = hidden_size / num_attention_heads)"
         heads_fields = "num_attention_heads / head_dim"
         kv_fields = "num_key_value_heads / head_dim" + (
-            "" if d.head_dim_explicit else " / num_attention_heads")
+            "" if d.head_dim_explicit else " / num_attention_heads"
+        )
         return {
             "h": _Dim(d.hidden, "hidden_size", f"hidden_size={d.hidden}"),
             "f": _Dim(d.ffn, "intermediate_size", f"intermediate_size={d.ffn}"),
-            "2f": _Dim(2 * d.ffn, "intermediate_size",
-                       f"2 x intermediate_size={d.ffn} = {2 * d.ffn}"),
+            "2f": _Dim(2 * d.ffn, "intermediate_size", f"2 x intermediate_size={d.ffn} = {2 * d.ffn}"),
             "V": _Dim(d.vocab, "vocab_size", f"vocab_size={d.vocab}"),
-            "Vp": _Dim(d.padded_vocab, "vocab_size",
-                       f"vocab_size={d.vocab} padded to {d.padded_vocab}"),
-            "q": _Dim(d.heads * d.head_dim, heads_fields,
-                      f"num_attention_heads={d.heads} x head_dim={d.head_dim}{derived} = "
-                      f"{d.heads * d.head_dim}"),
-            "kv": _Dim(d.kv_heads * d.head_dim, kv_fields,
-                       f"num_key_value_heads={d.kv_heads} x head_dim={d.head_dim}{derived} = "
-                       f"{d.kv_heads * d.head_dim}"),
-            "qkv": _Dim((d.heads + 2 * d.kv_heads) * d.head_dim,
-                        "num_attention_heads / num_key_value_heads / head_dim",
-                        f"(num_attention_heads={d.heads} + 2 x num_key_value_heads="
-                        f"{d.kv_heads}) x head_dim={d.head_dim}{derived} = "
-                        f"{(d.heads + 2 * d.kv_heads) * d.head_dim}"),
+            "Vp": _Dim(d.padded_vocab, "vocab_size", f"vocab_size={d.vocab} padded to {d.padded_vocab}"),
+            "q": _Dim(
+                d.heads * d.head_dim,
+                heads_fields,
+                f"num_attention_heads={d.heads} x head_dim={d.head_dim}{derived} = {d.heads * d.head_dim}",
+            ),
+            "kv": _Dim(
+                d.kv_heads * d.head_dim,
+                kv_fields,
+                f"num_key_value_heads={d.kv_heads} x head_dim={d.head_dim}{derived} = "
+                f"{d.kv_heads * d.head_dim}",
+            ),
+            "qkv": _Dim(
+                (d.heads + 2 * d.kv_heads) * d.head_dim,
+                "num_attention_heads / num_key_value_heads / head_dim",
+                f"(num_attention_heads={d.heads} + 2 x num_key_value_heads="
+                f"{d.kv_heads}) x head_dim={d.head_dim}{derived} = "
+                f"{(d.heads + 2 * d.kv_heads) * d.head_dim}",
+            ),
         }
 
     _HF_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "model.embed_tokens.weight": ("V", "h"), "lm_head.weight": ("V", "h"),
-        "model.norm.weight": ("h",), "input_layernorm.weight": ("h",),
-        "post_attention_layernorm.weight": ("h",), "mlp.gate_proj.weight": ("f", "h"),
-        "mlp.up_proj.weight": ("f", "h"), "mlp.down_proj.weight": ("h", "f"),
-        "self_attn.q_proj.weight": ("q", "h"), "self_attn.k_proj.weight": ("kv", "h"),
-        "self_attn.v_proj.weight": ("kv", "h"), "self_attn.o_proj.weight": ("h", "q"),
-        "self_attn.q_proj.bias": ("q",), "self_attn.k_proj.bias": ("kv",),
-        "self_attn.v_proj.bias": ("kv",)}
+        "model.embed_tokens.weight": ("V", "h"),
+        "lm_head.weight": ("V", "h"),
+        "model.norm.weight": ("h",),
+        "input_layernorm.weight": ("h",),
+        "post_attention_layernorm.weight": ("h",),
+        "mlp.gate_proj.weight": ("f", "h"),
+        "mlp.up_proj.weight": ("f", "h"),
+        "mlp.down_proj.weight": ("h", "f"),
+        "self_attn.q_proj.weight": ("q", "h"),
+        "self_attn.k_proj.weight": ("kv", "h"),
+        "self_attn.v_proj.weight": ("kv", "h"),
+        "self_attn.o_proj.weight": ("h", "q"),
+        "self_attn.q_proj.bias": ("q",),
+        "self_attn.k_proj.bias": ("kv",),
+        "self_attn.v_proj.bias": ("kv",),
+    }
     _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
-        _EMBEDDING: ("Vp", "h"), _OUTPUT: ("Vp", "h"), _FINAL_NORM: ("h",),
+        _EMBEDDING: ("Vp", "h"),
+        _OUTPUT: ("Vp", "h"),
+        _FINAL_NORM: ("h",),
         "self_attention.linear_qkv.layer_norm_weight": ("h",),
         "mlp.linear_fc1.layer_norm_weight": ("h",),
         "self_attention.linear_qkv.weight": ("qkv", "h"),
         "self_attention.linear_qkv.bias": ("qkv",),
-        "self_attention.linear_proj.weight": ("h", "q"), "mlp.linear_fc1.weight": ("2f", "h"),
-        "mlp.linear_fc2.weight": ("h", "f")}
+        "self_attention.linear_proj.weight": ("h", "q"),
+        "mlp.linear_fc1.weight": ("2f", "h"),
+        "mlp.linear_fc2.weight": ("h", "f"),
+    }
 
     def _hf_dims(self, hf_name: str) -> tuple[_Dim, ...]:
         m = _HF_LAYER.match(hf_name)
@@ -491,13 +555,16 @@ class HFConverter:
     @staticmethod
     def _check_shape(name: str, actual: tuple[int, ...], dims: tuple[_Dim, ...]) -> None:
         if len(actual) != len(dims):
-            raise WeightsMismatchError(dims[0].fields, f"{name} has shape {list(actual)}, "
-                                       f"expected {len(dims)} dimensions")
+            raise WeightsMismatchError(
+                dims[0].fields, f"{name} has shape {list(actual)}, expected {len(dims)} dimensions"
+            )
         for i, (size, dim) in enumerate(zip(actual, dims)):
             if size != dim.size:
                 raise WeightsMismatchError(
-                    dim.fields, f"the config gives {dim.how} for dimension {i} of {name}, but "
-                                f"the weights have shape {list(actual)}")
+                    dim.fields,
+                    f"the config gives {dim.how} for dimension {i} of {name}, but "
+                    f"the weights have shape {list(actual)}",
+                )
 
     def check_hf_weights(self, shapes: Mapping[str, Sequence[int]]) -> None:
         """Raise :class:`WeightsMismatchError` naming the config field when the HF weights
@@ -513,8 +580,10 @@ class HFConverter:
         if self.dims.tied:
             names.discard("lm_head.weight")
         elif "lm_head.weight" not in names:
-            raise WeightsMismatchError("tie_word_embeddings", "the config says false, but the "
-                                       "weights have no lm_head.weight (are they tied?)")
+            raise WeightsMismatchError(
+                "tie_word_embeddings",
+                "the config says false, but the weights have no lm_head.weight (are they tied?)",
+            )
         self._check_bias(any(n.endswith("q_proj.bias") for n in names), "q_proj.bias")
         self._check_names(names, set(self.hf_names()), "HF")
         for name in sorted(names, key=_priority):
@@ -529,8 +598,10 @@ class HFConverter:
         self._check_layers(layers, "decoder.layers")
         if (_OUTPUT in names) == self.dims.tied:
             raise WeightsMismatchError(
-                "tie_word_embeddings", f"the config says {str(self.dims.tied).lower()}, but the "
-                f"checkpoint {'has' if _OUTPUT in names else 'has no'} a separate {_OUTPUT}")
+                "tie_word_embeddings",
+                f"the config says {str(self.dims.tied).lower()}, but the "
+                f"checkpoint {'has' if _OUTPUT in names else 'has no'} a separate {_OUTPUT}",
+            )
         self._check_bias(any(n.endswith("linear_qkv.bias") for n in names), "linear_qkv.bias")
         self._check_names(names, set(self.mcore_names()), "Megatron")
         for name in sorted(names, key=_priority):
@@ -539,24 +610,28 @@ class HFConverter:
     def _check_layers(self, layers: set[int], prefix: str) -> None:
         if layers != set(range(self.dims.layers)):
             found = f"{len(layers)} ({prefix}.{min(layers)}..{max(layers)})" if layers else "none"
-            raise WeightsMismatchError("num_hidden_layers", f"the config has "
-                                       f"{self.dims.layers} layers, the weights have {found}")
+            raise WeightsMismatchError(
+                "num_hidden_layers", f"the config has {self.dims.layers} layers, the weights have {found}"
+            )
 
     def _check_bias(self, present: bool, what: str) -> None:
         if present != self.qkv_bias:
             has = "has q/k/v biases" if self.qkv_bias else "has no q/k/v biases"
             found = "none" if self.qkv_bias else what
-            raise WeightsMismatchError("model_type", f"{self.model_type!r} {has}, but the "
-                                                     f"weights have {found}")
+            raise WeightsMismatchError(
+                "model_type", f"{self.model_type!r} {has}, but the weights have {found}"
+            )
 
     @staticmethod
     def _check_names(names: set[str], expected: set[str], side: str) -> None:
         missing, unexpected = sorted(expected - names), sorted(names - expected)
         if missing or unexpected:
             raise WeightsMismatchError(
-                "model_type", f"the {side} weights are not those of this architecture: missing "
+                "model_type",
+                f"the {side} weights are not those of this architecture: missing "
                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, unexpected "
-                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}",
+            )
 
 
 def _priority(name: str) -> tuple[int, str]:
@@ -586,4 +661,5 @@ class Qwen2Converter(HFConverter):
 
 
 CONVERTERS: dict[str, type[HFConverter]] = {
-    c.model_type: c for c in (LlamaConverter, MistralConverter, Qwen2Converter)}
+    c.model_type: c for c in (LlamaConverter, MistralConverter, Qwen2Converter)
+}

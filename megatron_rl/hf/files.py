@@ -14,38 +14,73 @@ shard, the files that travel with the weights, and atomic output folders.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
 import re
-import secrets
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator, Mapping
 
 import torch
 
-__all__ = ["HFWeights", "ShardWriter", "SIDE_FILE_PATTERNS", "copy_side_files", "parse_size",
-           "parse_dtype", "dtype_name", "atomic_output_dir", "INDEX_FILE", "SINGLE_FILE", "write_hf_folder"]
+from megatron_rl.fileio import atomic_output_dir
+
+__all__ = [
+    "INDEX_FILE",
+    "SIDE_FILE_PATTERNS",
+    "SINGLE_FILE",
+    "HFWeights",
+    "ShardWriter",
+    "copy_side_files",
+    "dtype_name",
+    "parse_dtype",
+    "parse_size",
+    "write_hf_folder",
+]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 # Files carried across a conversion untouched (config.json is handled separately: it is checked
 # against the weights and its dtype entry follows the output).
-SIDE_FILE_PATTERNS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                      "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                      "chat_template.json", "vocab.json", "vocab.txt", "merges.txt", "*.model",
-                      "*.tiktoken")
+SIDE_FILE_PATTERNS = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+)
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-           "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-                       "F64": torch.float64, "I64": torch.int64, "I32": torch.int32,
-                       "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                       "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-                       "F8_E5M2": torch.float8_e5m2}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def parse_dtype(text: str) -> torch.dtype | None:
@@ -73,7 +108,7 @@ def parse_size(text: str | int) -> int:
     unit = (m.group(2) or "B").upper()
     base = 1024 if "I" in unit else 1000
     power = "BKMGT".index(unit[0])
-    size = int(float(m.group(1)) * base ** power)
+    size = int(float(m.group(1)) * base**power)
     if size <= 0:
         raise ValueError(f"max_shard_size: must be positive, got {text!r}")
     return size
@@ -87,7 +122,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
     """
 
     def __init__(self, folder: str | os.PathLike):
-        from safetensors import safe_open
+        from safetensors import safe_open  # lazy: only reading/writing weights needs it
 
         self.folder = Path(folder)
         index = self.folder / INDEX_FILE
@@ -102,8 +137,7 @@ class HFWeights(Mapping[str, torch.Tensor]):
         for f, handle in self._handles.items():
             for name in handle.keys():
                 if name in self._file_of:
-                    raise ValueError(f"{self.folder}: tensor {name} is in both "
-                                     f"{self._file_of[name]} and {f}")
+                    raise ValueError(f"{self.folder}: tensor {name} is in both {self._file_of[name]} and {f}")
                 self._file_of[name] = f
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -167,7 +201,7 @@ class ShardWriter:
         self.total_numel += tensor.numel()
 
     def _flush(self) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # lazy: only reading/writing weights needs it
 
         tmp_name = f"shard-{len(self._shards):05d}.safetensors.part"
         save_file(self._pending, str(self.folder / tmp_name), metadata={"format": "pt"})
@@ -188,9 +222,10 @@ class ShardWriter:
             os.replace(self.folder / tmp_name, self.folder / final)
             files.append(final)
             weight_map.update({name: final for name in names})
-        index = {"metadata": {"total_size": self.total_bytes,
-                              "total_parameters": self.total_numel},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": self.total_bytes, "total_parameters": self.total_numel},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return files + [INDEX_FILE]
 
@@ -207,58 +242,15 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     return copied
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    # Contents reach the disk before the rename publishes them: without this, a crash could
-    # leave a complete-looking folder of empty or truncated files (a rename of a new name is not
-    # ordered after the data writes on common filesystems).
-    for folder, _, files in os.walk(root):
-        for name in files:
-            _fsync(Path(folder) / name)
-        _fsync(Path(folder))
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary folder next to ``out``; on success rename it to ``out``.
-
-    Every file is fsync'ed before the rename, so a folder that exists after a crash is complete.
-    On an exception the temporary folder is removed and ``out`` is untouched. ``out`` must not
-    exist unless ``overwrite``: then the old folder is moved aside (``out`` is briefly absent)
-    and removed once the new one is in place. Raises FileExistsError (naming ``out``) otherwise.
-    """
-    out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; remove it or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_tree(tmp)
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
-            os.replace(out, old)
-        os.replace(tmp, out)
-        _fsync(out.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def write_hf_folder(out: str | os.PathLike, config: Mapping, tensors, *,
-                    side_files_from: str | os.PathLike, max_shard: str | int = "2GB",
-                    dtype: torch.dtype | None = None) -> Path:
+def write_hf_folder(
+    out: str | os.PathLike,
+    config: Mapping,
+    tensors,
+    *,
+    side_files_from: str | os.PathLike,
+    max_shard: str | int = "2GB",
+    dtype: torch.dtype | None = None,
+) -> Path:
     """An HF model folder, published atomically (replacing ``out``): ``tensors`` (``(hf_name,
     tensor)`` pairs, streamed into safetensors shards of ``max_shard``, cast to ``dtype`` when
     given), ``config`` as config.json, and the tokenizer/generation side files of the folder

@@ -1,0 +1,174 @@
+"""``megatron-rl reward``: score a JSONL file of completions with the full reward.
+
+    megatron-rl reward --input IN.jsonl --output OUT.jsonl [--workers 2] [--skip-bad]
+                       [--recipe RECIPE.yaml] [--tokenizer HF_DIR] [reward.l_max=16384 ...]
+
+Each input line is a JSON object with ``problem`` and ``completion`` and either ``answer`` (math)
+or ``tests`` + ``language`` (code; ``tests`` is a list of ``{"input": stdin, "output": stdout}``
+or HumanEval-style ``{"type": "function", "test": "...def check(candidate)...", "entry_point":
+"name"}``; ``language`` is ``python`` or ``cpp``). Optional: ``task`` (``math``/``code``, else
+inferred), ``group_id`` (completions of a group draw the same code tests) and ``num_tokens`` (for
+the length penalty; without it none is applied unless ``--tokenizer`` is given). Every output line
+is the input object plus ``reward``, ``parts``, ``reason`` and ``detail``, in input order. The
+output file is written atomically. A malformed line is an error naming its file, line and field
+(exit status 1, nothing written), or with ``--skip-bad`` is reported on stderr the same way and
+left out: the output holds exactly the good records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from megatron_rl.config import ConfigError
+from megatron_rl.data.problems import DataError, check_scorable, problem_from_json, reward_input
+from megatron_rl.fileio import JsonlError, atomic_path, iter_jsonl
+from megatron_rl.orchestration.recipe import load_config
+from megatron_rl.rewards.code import ensure_pch
+from megatron_rl.rewards.compose import RewardConfig, RewardInput, hard_timeout_s, score
+from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+
+__all__ = ["main", "parse_line"]
+
+
+def parse_line(obj: Any, where: str) -> RewardInput:
+    """Validate one decoded line (``where`` is ``file:line``); raises :class:`DataError` naming
+    the place and the field."""
+    problem = problem_from_json(obj, where)
+    if not isinstance(obj.get("completion"), str):
+        raise DataError(f"{where}: completion: missing or not a string")
+    if problem.task == "code" and obj.get("language") not in ("python", "cpp"):
+        raise DataError(f"{where}: language: must be 'python' or 'cpp', got {obj.get('language')!r}")
+    check_scorable(problem, where)
+    n = obj.get("num_tokens")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise DataError(f"{where}: num_tokens: must be a non-negative integer, got {n!r}")
+    group = obj.get("group_id")
+    return reward_input(
+        problem, obj["completion"], num_tokens=n, group_id=None if group is None else str(group)
+    )
+
+
+def _read(path: Path, skip_bad: bool, tokenizer, bad: list[str]):
+    """Yield ``(record, RewardInput)`` for every good line; a bad line stops the run, or with
+    ``skip_bad`` is reported in ``bad`` (``file:line: why``) and left out."""
+    try:
+        lines = iter_jsonl(path, skip_bad=skip_bad)
+        for lineno, obj in lines:
+            try:
+                if isinstance(obj, JsonlError):
+                    raise DataError(str(obj))
+                inp = parse_line(obj, f"{path}:{lineno}")
+            except DataError as e:
+                if not skip_bad:
+                    raise
+                bad.append(str(e))
+                continue
+            if inp.num_tokens is None and tokenizer is not None:
+                inp.num_tokens = len(tokenizer(inp.completion, add_special_tokens=False)["input_ids"])
+            yield obj, inp
+    except (DataError, JsonlError, FileNotFoundError) as e:
+        raise SystemExit(
+            f"megatron-rl reward: {e}"
+            + ("" if skip_bad or isinstance(e, FileNotFoundError) else " (--skip-bad leaves bad lines out)")
+        ) from None
+
+
+def _load_config(args) -> RewardConfig:
+    try:
+        cfg = load_config(args.recipe, args.overrides).reward
+    except ConfigError as e:
+        raise SystemExit(f"megatron-rl reward: {e}") from None
+    if args.workers:
+        cfg.workers = args.workers
+    return cfg
+
+
+def run(args) -> Counter:
+    cfg = _load_config(args)
+    tokenizer = None
+    if args.tokenizer:
+        from transformers import (
+            AutoTokenizer,  # lazy: transformers takes seconds to import; only this path needs it
+        )
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
+    out_path = Path(args.output)
+    reasons: Counter = Counter()
+    bad: list[str] = []
+    total = 0.0
+    window: deque = deque()
+    pch_ready = False
+    bar = tqdm(desc="scoring", unit="sample", file=sys.stderr, disable=args.quiet)
+
+    def flush(until_size: int, out) -> None:
+        nonlocal total
+        while len(window) > until_size:
+            obj, pending = window.popleft()
+            try:
+                res = pending.result().to_json()
+            except PoolTaskError as e:
+                res = {"reward": 0.0, "parts": {}, "reason": e.reason, "detail": e.detail}
+            reasons[res["reason"]] += 1
+            total += res["reward"]
+            out.write(json.dumps({**obj, **res}, ensure_ascii=False) + "\n")
+            bar.update(1)
+
+    try:
+        with (
+            VerifierPool(cfg.workers) as pool,
+            atomic_path(out_path) as tmp,
+            tmp.open("w", encoding="utf-8") as out,
+        ):
+            for obj, inp in _read(Path(args.input), args.skip_bad, tokenizer, bad):
+                if inp.language == "cpp" and not pch_ready:
+                    ensure_pch(cfg.code)  # once, outside the per-sample hard limits
+                    pch_ready = True
+                window.append((obj, pool.submit(score, inp, cfg, timeout_s=hard_timeout_s(inp, cfg))))
+                flush(8 * cfg.workers, out)  # keep a bounded number of samples in flight
+            flush(0, out)
+    except OSError as e:
+        raise SystemExit(f"megatron-rl reward: cannot write {out_path}: {e.strerror}") from None
+    finally:
+        bar.close()
+    for line in bad:
+        print(f"megatron-rl reward: skipped {line}", file=sys.stderr)
+    n = sum(reasons.values())
+    print(
+        f"scored {n} samples -> {out_path}; mean reward {total / max(n, 1):.4f}; reasons: "
+        + ", ".join(f"{k} {v}" for k, v in reasons.most_common())
+        + (f"; {len(bad)} bad lines skipped" if bad else ""),
+        file=sys.stderr,
+    )
+    return reasons
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(prog="megatron-rl reward", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", required=True, help="JSONL of samples")
+    p.add_argument("--output", required=True, help="JSONL to write (atomically)")
+    p.add_argument("--workers", type=int, default=0, help="verifier processes (default: reward.workers)")
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="report malformed lines (file:line: why) and leave them out instead of failing",
+    )
+    p.add_argument("--recipe", help="YAML recipe; its 'reward' section is used")
+    p.add_argument(
+        "--tokenizer", help="local Hugging Face tokenizer folder, to count tokens for the length penalty"
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. reward.l_max=16384")
+    p.set_defaults(func=lambda a: (run(a), 0)[1])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

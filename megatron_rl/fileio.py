@@ -1,0 +1,241 @@
+"""Files that are whole or absent, and JSONL read and written line by line: the one home for both.
+
+- Atomic writes (:func:`atomic_path`, :func:`atomic_write_bytes` / ``_text`` / ``_json``,
+  :func:`atomic_output_dir`): a sibling temporary file or folder, fsync'ed, then ``os.replace``-d
+  over the target (atomic on POSIX within one filesystem) and the parent folder fsync'ed, so a
+  reader -- or a run resumed after a crash -- sees the old version or the new one, never a part.
+- JSONL (:func:`iter_jsonl`, :func:`read_jsonl`, :func:`write_jsonl`, :func:`append_jsonl`,
+  :func:`truncate_jsonl`): every bad line is reported as ``file:line: what is wrong``
+  (:class:`JsonlError`), a line that is not UTF-8 included; appends are flushed and fsync'ed.
+
+Layer 0: imports nothing of megatron_rl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "JsonlError",
+    "append_jsonl",
+    "atomic_output_dir",
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "fsync_dir",
+    "fsync_tree",
+    "iter_jsonl",
+    "read_jsonl",
+    "truncate_jsonl",
+    "write_jsonl",
+]
+
+PathLike = str | os.PathLike[str]
+
+
+def fsync_dir(folder: PathLike) -> None:
+    """fsync a folder, so that a rename inside it survives a crash (best effort)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network filesystems refuse fsync on directories
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to ``path`` for a writer that wants a file name (``savefig``,
+    ``tmp.open("w")``); on success it is fsync'ed and replaces ``path``, on error it is removed and
+    ``path`` is untouched. The parent folder is created if missing."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # The suffix stays last so that writers choosing a format by extension (savefig) still can.
+    tmp = final.with_name(f".{final.stem}.tmp-{secrets.token_hex(4)}{final.suffix}")
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path``: readers see the old file or the new one, never a part."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: PathLike, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` in UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: PathLike, obj: Any, *, indent: int = 1) -> None:
+    """:func:`atomic_write_bytes` of ``obj`` as JSON with sorted keys (TypeError if not
+    serialisable)."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def fsync_tree(folder: Path) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync_file(Path(root) / name)
+        fsync_dir(root)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to ``out``; on success rename it to ``out``.
+
+    Every file is fsync'ed before the rename, so a folder that exists after a crash is complete.
+    On an exception the temporary folder is removed and ``out`` is untouched. ``out`` must not
+    exist unless ``overwrite``: then the old folder is moved aside (``out`` is briefly absent)
+    and removed once the new one is in place. Raises FileExistsError (naming ``out``) otherwise.
+    """
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; remove it or pass --overwrite")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        fsync_dir(out.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- JSONL -------------------------------------------------------------------------------------
+
+
+class JsonlError(ValueError):
+    """A bad line of a JSONL file; the message starts with ``file:line:``."""
+
+    def __init__(self, path: PathLike, line: int, message: str):
+        self.path, self.line, self.reason = str(path), line, message
+        super().__init__(f"{path}:{line}: {message}")
+
+
+def _decode(path: PathLike, lineno: int, raw: bytes) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise JsonlError(path, lineno, f"not UTF-8 (byte {e.start + 1} of the line)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise JsonlError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+
+
+def iter_jsonl(
+    path: PathLike, *, objects: bool = True, skip_bad: bool = False, cut_tail: str = "raise"
+) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_number, value)`` for every non-blank line of ``path`` (1-based numbers).
+
+    A line that is not UTF-8, not JSON, or (``objects``) not a JSON object raises
+    :class:`JsonlError`; with ``skip_bad`` the error is yielded as the value instead, so the
+    caller can report it and go on. ``cut_tail="warn"`` ignores (with a warning) a last line that
+    lacks its newline and does not parse: the mark of a writer killed mid-line.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no such file")
+    with file.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                value = _decode(file, lineno, raw)
+                if objects and not isinstance(value, dict):
+                    raise JsonlError(file, lineno, f"expected a JSON object, got {type(value).__name__}")
+            except JsonlError as e:
+                if cut_tail == "warn" and not raw.endswith(b"\n"):
+                    warnings.warn(
+                        f"{file}:{lineno}: ignoring a cut-off last line (the writer was "
+                        "interrupted mid-line)",
+                        stacklevel=2,
+                    )
+                    return
+                if not skip_bad:
+                    raise
+                value = e
+            yield lineno, value
+
+
+def read_jsonl(path: PathLike, *, cut_tail: str = "raise") -> list[dict[str, Any]]:
+    """Every record of ``path`` (see :func:`iter_jsonl`); raises on the first bad line."""
+    return [obj for _, obj in iter_jsonl(path, cut_tail=cut_tail)]
+
+
+def _lines(records: Iterable[Any]) -> Iterator[str]:
+    for r in records:
+        yield json.dumps(r, ensure_ascii=False) + "\n"
+
+
+def write_jsonl(path: PathLike, records: Iterable[Any]) -> int:
+    """Write one JSON value per line, atomically; returns the number of lines."""
+    n = 0
+    with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as f:
+        for line in _lines(records):
+            f.write(line)
+            n += 1
+    return n
+
+
+def append_jsonl(path: PathLike, records: Iterable[Any]) -> int:
+    """Append records, one JSON value per line, then flush and fsync; returns the lines written."""
+    lines = list(_lines(records))
+    if not lines:
+        return 0
+    with open(path, "a", encoding="utf-8") as f:
+        f.writelines(lines)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(lines)
+
+
+def truncate_jsonl(path: PathLike, keep: Callable[[dict[str, Any]], bool]) -> int:
+    """Keep the records for which ``keep`` is true (atomic rewrite); lines that do not parse (a
+    line cut by a crash) are dropped too. Returns the number of lines dropped."""
+    file = Path(path)
+    if not file.exists():
+        return 0
+    kept: list[bytes] = []
+    dropped = 0
+    for _lineno, value in iter_jsonl(file, skip_bad=True):
+        if isinstance(value, JsonlError) or not keep(value):
+            dropped += 1
+        else:
+            kept.append(json.dumps(value, ensure_ascii=False).encode("utf-8") + b"\n")
+    atomic_write_bytes(file, b"".join(kept))
+    return dropped

@@ -1,0 +1,74 @@
+"""What an HF config says about an architecture, for every part that needs it: the families we
+support, the HF config itself (``config.json`` read locally, never from a hub), RoPE settings in
+either transformers layout, and the vocabulary padding that keeps checkpoint shapes TP-independent.
+
+Layer 1: imports nothing of megatron_rl above layer 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "VOCAB_DIVISIBLE_BY",
+    "load_hf_config",
+    "padded_vocab_size",
+    "rope_parameters",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# Megatron pads the vocabulary so each TP shard is a multiple of 128 (GEMM-friendly) ids.
+VOCAB_DIVISIBLE_BY = 128
+
+
+def load_hf_config(hf_config: Any):
+    """``hf_config`` itself if it is a ``transformers.PretrainedConfig``; else read the
+    ``config.json`` of the folder it names (no network access)."""
+    import transformers  # lazy: transformers takes seconds to import; only this path needs it
+
+    if isinstance(hf_config, transformers.PretrainedConfig):
+        return hf_config
+    if isinstance(hf_config, (str, os.PathLike)):
+        folder = Path(hf_config)
+        if not (folder / "config.json").is_file():
+            raise ValueError(f"hf_config: {folder} is not a folder with a config.json")
+        return transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    raise TypeError(
+        f"hf_config: expected a transformers.PretrainedConfig or a folder path, "
+        f"got {type(hf_config).__name__}"
+    )
+
+
+def padded_vocab_size(
+    vocab_size: int, tensor_parallel: int, *, divisible_by: int = VOCAB_DIVISIBLE_BY, resume_tp: int = 8
+) -> int:
+    """Smallest multiple of ``divisible_by * lcm(tensor_parallel, resume_tp)`` >= ``vocab_size``.
+
+    Megatron pads to ``divisible_by * tp``, which makes the padded size -- and so the embedding and
+    output shapes in a checkpoint -- depend on TP: a run could not resume at another TP. Padding
+    for every TP that divides ``resume_tp`` (1, 2, 4, 8 by default) keeps one shape for all of them.
+    The extra rows are never produced by the tokenizer; their logits must be masked to -inf by
+    whoever samples or computes log-probs.
+    """
+    if vocab_size < 1 or tensor_parallel < 1:
+        raise ValueError(f"vocab_size and tensor_parallel must be >= 1, got {vocab_size}, {tensor_parallel}")
+    multiple = divisible_by * math.lcm(tensor_parallel, resume_tp)
+    return -(-vocab_size // multiple) * multiple
+
+
+def rope_parameters(hf) -> dict:
+    """RoPE settings in either layout: transformers >= 5 (``rope_parameters`` holding
+    ``rope_theta``) or older config.json files (top-level ``rope_theta``, ``rope_scaling``)."""
+    params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"rope_parameters: per-layer-type RoPE settings {sorted(params)} are not supported")
+    params = dict(params)
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    params["rope_theta"] = float(theta if theta is not None else 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default")) or "default"
+    return params

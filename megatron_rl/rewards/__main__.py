@@ -1,5 +1,0 @@
-import sys
-
-from megatron_rl.rewards.cli import main
-
-sys.exit(main())
