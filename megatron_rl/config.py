@@ -17,10 +17,19 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import yaml
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+# Values read from YAML (and from ``key=value`` overrides) are ``Any``: their shape is what the
+# loader checks against each field's type hint, so it is not known before that check.
+YamlValue = Any
+C = TypeVar("C", bound="DataclassInstance")  # the config dataclass being built
 
 __all__ = [
     "ConfigError",
@@ -69,12 +78,12 @@ def check_range(
         raise ConfigFieldError(name, f"must be in {lo}, {hi}, got {value!r}")
 
 
-def check_choice(name: str, value: object, choices: tuple) -> None:
+def check_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
     if value not in choices:
         raise ConfigFieldError(name, f"must be one of {list(choices)}, got {value!r}")
 
 
-def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
+def _yaml_with_lines(text: str, source: str) -> tuple[YamlValue, dict[str, int]]:
     """Parse YAML; also return the 1-based line of every dotted key path."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -82,7 +91,7 @@ def _yaml_with_lines(text: str, source: str) -> tuple[Any, dict[str, int]]:
         raise ConfigError(f"{source}: invalid YAML: {e}") from None
     lines: dict[str, int] = {}
 
-    def walk(n, prefix: str):
+    def walk(n: yaml.Node, prefix: str) -> None:
         if isinstance(n, yaml.MappingNode):
             for k, v in n.value:
                 key = f"{prefix}{k.value}"
@@ -108,7 +117,7 @@ def _where(source: str, lines: dict[str, int], path: str) -> str:
     return source
 
 
-def _coerce(value: Any, hint: Any, name: str) -> Any:
+def _coerce(value: YamlValue, hint: object, name: str) -> YamlValue:
     """Check/convert a YAML scalar against a field's type hint (int, float, bool, str, Literal,
     Optional, list/dict); raises ConfigFieldError naming the field."""
     origin = typing.get_origin(hint)
@@ -158,13 +167,13 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
 
 
 def config_from_dict(
-    cls: type,
-    data: dict[str, Any] | None,
+    cls: type[C],
+    data: dict[str, YamlValue] | None,
     *,
     source: str = "<config>",
     lines: dict[str, int] | None = None,
     prefix: str = "",
-) -> Any:
+) -> C:
     """Build dataclass ``cls`` from a nested dict, checking every key and value."""
     lines = lines or {}
     data = data or {}
@@ -175,7 +184,7 @@ def config_from_dict(
         )
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
+    kwargs: dict[str, object] = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
         if key not in known:
@@ -184,11 +193,11 @@ def config_from_dict(
                 f"(known in {cls.__name__}: {', '.join(sorted(known))})"
             )
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             kwargs[key] = config_from_dict(hint, value, source=source, lines=lines, prefix=path + ".")
             continue
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
-        if item is not None and dataclasses.is_dataclass(item):
+        if isinstance(item, type) and dataclasses.is_dataclass(item):
             if not isinstance(value, list):
                 raise ConfigError(f"{_where(source, lines, path)}: {path}: expected a list, got {value!r}")
             kwargs[key] = [
@@ -207,9 +216,9 @@ def config_from_dict(
         raise ConfigError(f"{_where(source, lines, path)}: {path}: {e.message}") from None
 
 
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+def parse_overrides(overrides: list[str]) -> dict[str, YamlValue]:
     """``["a.b=3", "c=x"]`` -> ``{"a": {"b": 3}, "c": "x"}``; values are parsed as YAML scalars."""
-    out: dict[str, Any] = {}
+    out: dict[str, YamlValue] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -224,17 +233,25 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, YamlValue], extra: dict[str, YamlValue]) -> dict[str, YamlValue]:
     merged = dict(base)
     for k, v in extra.items():
         merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
     return merged
 
 
-def load_dataclass(cls: type, path: str | Path | None = None, overrides: list[str] | None = None) -> Any:
+def load_dataclass(
+    cls: type[C],
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    check: Callable[[C], None] | None = None,
+) -> C:
     """Read a YAML file into dataclass ``cls`` (only defaults when ``path`` is None) and apply
-    dotted overrides; raises :class:`ConfigError` naming the file, line and field."""
-    data: dict[str, Any] = {}
+    dotted overrides; raises :class:`ConfigError` naming the file, line and field. ``check(cfg)``
+    may raise :class:`ConfigFieldError` with a dotted field (e.g. ``data.train``) for checks made
+    on the whole config after it is built; it is reported with that field's line too."""
+    data: dict[str, YamlValue] = {}
     lines: dict[str, int] = {}
     source = "<defaults>"
     if path is not None:
@@ -257,16 +274,22 @@ def load_dataclass(cls: type, path: str | Path | None = None, overrides: list[st
             if any(k == o or k.startswith(o + ".") for o in _flat_keys(over)):
                 del lines[k]
         source = f"{source} (with overrides {' '.join(overrides)})"
-    return config_from_dict(cls, data, source=source, lines=lines)
+    cfg = config_from_dict(cls, data, source=source, lines=lines)
+    if check is not None:
+        try:
+            check(cfg)
+        except ConfigFieldError as e:
+            raise ConfigError(f"{_where(source, lines, e.field)}: {e.field}: {e.message}") from None
+    return cfg
 
 
-def _flat_keys(d: dict[str, Any], prefix: str = "") -> list[str]:
-    keys = []
+def _flat_keys(d: dict[str, YamlValue], prefix: str = "") -> list[str]:
+    keys: list[str] = []
     for k, v in d.items():
         keys.extend(_flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"])
     return keys
 
 
-def config_to_dict(cfg: Any) -> dict[str, Any]:
+def config_to_dict(cfg: DataclassInstance) -> dict[str, YamlValue]:
     """Plain nested dict of a config (for snapshots and ``megatron-rl config``)."""
     return dataclasses.asdict(cfg)

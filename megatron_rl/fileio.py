@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "JsonValue",
     "JsonlError",
     "append_jsonl",
     "atomic_output_dir",
@@ -40,6 +41,11 @@ __all__ = [
 ]
 
 PathLike = str | os.PathLike[str]
+
+#: A value parsed from JSON. ``Any``, as ``json.loads`` returns it: a JSON document has no static
+#: shape, so each reader checks the fields it needs where it reads the record. Writers take
+#: ``object`` instead (``json.dumps`` raises TypeError for what it cannot serialise).
+JsonValue = Any
 
 
 def fsync_dir(folder: PathLike) -> None:
@@ -91,7 +97,7 @@ def atomic_write_text(path: PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def atomic_write_json(path: PathLike, obj: Any, *, indent: int = 1) -> None:
+def atomic_write_json(path: PathLike, obj: object, *, indent: int = 1) -> None:
     """:func:`atomic_write_bytes` of ``obj`` as JSON with sorted keys (TypeError if not
     serialisable)."""
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=True, ensure_ascii=False) + "\n")
@@ -146,7 +152,7 @@ class JsonlError(ValueError):
         super().__init__(f"{path}:{line}: {message}")
 
 
-def _decode(path: PathLike, lineno: int, raw: bytes) -> Any:
+def _decode(path: PathLike, lineno: int, raw: bytes) -> JsonValue:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -159,7 +165,7 @@ def _decode(path: PathLike, lineno: int, raw: bytes) -> Any:
 
 def iter_jsonl(
     path: PathLike, *, objects: bool = True, skip_bad: bool = False, cut_tail: str = "raise"
-) -> Iterator[tuple[int, Any]]:
+) -> Iterator[tuple[int, JsonValue]]:
     """Yield ``(line_number, value)`` for every non-blank line of ``path`` (1-based numbers).
 
     A line that is not UTF-8, not JSON, or (``objects``) not a JSON object raises
@@ -192,17 +198,17 @@ def iter_jsonl(
             yield lineno, value
 
 
-def read_jsonl(path: PathLike, *, cut_tail: str = "raise") -> list[dict[str, Any]]:
+def read_jsonl(path: PathLike, *, cut_tail: str = "raise") -> list[dict[str, JsonValue]]:
     """Every record of ``path`` (see :func:`iter_jsonl`); raises on the first bad line."""
     return [obj for _, obj in iter_jsonl(path, cut_tail=cut_tail)]
 
 
-def _lines(records: Iterable[Any]) -> Iterator[str]:
+def _lines(records: Iterable[object]) -> Iterator[str]:
     for r in records:
         yield json.dumps(r, ensure_ascii=False) + "\n"
 
 
-def write_jsonl(path: PathLike, records: Iterable[Any]) -> int:
+def write_jsonl(path: PathLike, records: Iterable[object]) -> int:
     """Write one JSON value per line, atomically; returns the number of lines."""
     n = 0
     with atomic_path(path) as tmp, tmp.open("w", encoding="utf-8") as f:
@@ -212,7 +218,7 @@ def write_jsonl(path: PathLike, records: Iterable[Any]) -> int:
     return n
 
 
-def append_jsonl(path: PathLike, records: Iterable[Any]) -> int:
+def append_jsonl(path: PathLike, records: Iterable[object]) -> int:
     """Append records, one JSON value per line, then flush and fsync; returns the lines written."""
     lines = list(_lines(records))
     if not lines:
@@ -224,7 +230,7 @@ def append_jsonl(path: PathLike, records: Iterable[Any]) -> int:
     return len(lines)
 
 
-def truncate_jsonl(path: PathLike, keep: Callable[[dict[str, Any]], bool]) -> int:
+def truncate_jsonl(path: PathLike, keep: Callable[[dict[str, JsonValue]], bool]) -> int:
     """Keep the records for which ``keep`` is true (atomic rewrite); lines that do not parse (a
     line cut by a crash) are dropped too. Returns the number of lines dropped."""
     file = Path(path)

@@ -55,7 +55,7 @@ class FilterReport:
         )
 
     def as_metrics(self, prefix: str = "filter/") -> dict[str, float]:
-        out = {
+        out: dict[str, float] = {
             f"{prefix}groups_total": self.groups_total,
             f"{prefix}groups_kept": self.groups_kept,
             f"{prefix}groups_dropped": self.groups_dropped,
@@ -73,7 +73,7 @@ class Prompt:
     text: str = ""  # the problem statement (the language check reads it)
     task: Literal["math", "code"] = "math"
     answer: str | None = None  # math reference answer
-    tests: list[dict[str, Any]] | None = None  # code tests
+    tests: list[dict[str, Any]] | None = None  # code tests, as JSON (Any: their fields vary by source)
     language: str | None = None  # expected language, when known
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -90,7 +90,7 @@ class Completion:
     finish_reason: FinishReason = "stop"
     text: str = ""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         n = len(self.token_ids)
         if len(self.logprobs) != n or len(self.versions) != n:
             raise ValueError(
@@ -137,7 +137,7 @@ class TrainSequence:
     group_id: int
     reward: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         c = self.completion_length
         if self.prompt_length < 1 or c < 1:
             raise ValueError(

@@ -30,12 +30,44 @@ def test_help_lists_every_verb():
         assert verb in out
 
 
+def test_building_the_parser_imports_no_torch():
+    """`megatron-rl --help` answers at once: the verbs import torch, the parser does not."""
+    code = (
+        "import sys; from megatron_rl.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
 def test_train_names_a_bad_recipe_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("loop:\n  group_size: 4\n  n_batch: 6\n")
     proc = run("train", str(bad), check=False)
     assert proc.returncode == 2
     assert f"{bad}:3: loop.n_batch: must be a multiple of group_size (4)" in proc.stderr
+
+
+def test_train_checks_the_whole_recipe_before_it_starts_anything(tmp_path):
+    """A typo in the last curriculum stage, or a data path that does not exist, stops `train` at
+    once with the file and line: no run directory, no server, no trainer."""
+    run_dir = tmp_path / "run"
+    stage = tmp_path / "stage.yaml"
+    stage.write_text(
+        f"run:\n  dir: {run_dir}\nloop:\n  max_steps: 100\ncurriculum:\n  - at_step: 10\n"
+        "    l_max: 16384\n  - at_step: 50\n    l_cache: 20000\n"
+    )
+    proc = run("train", str(stage), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"{stage}:9: curriculum.1.l_cache: must be in [0, l_max=16384]" in proc.stderr, proc.stderr
+    paths = tmp_path / "paths.yaml"
+    paths.write_text(
+        f"model:\n  hf: {tmp_path}\ndata:\n  train: {tmp_path}/nope.jsonl\nrun:\n  dir: {run_dir}\n"
+    )
+    proc = run("train", str(paths), check=False)
+    assert proc.returncode == 2 and f"{paths}:4: data.train: no such file or folder" in proc.stderr
+    assert run("config", str(paths)).returncode == 0  # resolving it elsewhere is fine ...
+    assert run("config", "--check-paths", str(paths), check=False).returncode == 2  # ... unless asked
+    assert not run_dir.exists()
 
 
 def test_train_needs_a_model(tmp_path):

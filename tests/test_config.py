@@ -59,3 +59,68 @@ def test_broken_yaml_and_missing_file(tmp_path):
 def test_component_config_checks_directly():
     with pytest.raises(ValueError, match="temperature"):
         GRPOConfig(temperature=0.0)
+
+
+STAGES = """loop:
+  group_size: 8
+  n_batch: 128
+  n_minibatch: 64
+  n_async: 256
+  max_steps: 1000
+curriculum:
+  - name: longer
+    at_step: 100
+    l_max: 32768
+    l_cache: 8192
+  - name: smaller batches
+    at_step: 200
+    n_batch: 64
+    n_minibatch: 64
+  - name: typo
+    at_step: 300
+{bad}
+"""
+
+
+@pytest.mark.parametrize(
+    "bad,line,field,why",
+    [
+        ("    n_minibatch: 48", 18, "curriculum.2.n_minibatch", "must divide n_batch (64)"),
+        ("    eps_high: 0.1", 18, "curriculum.2.eps_high", "eps_low"),
+        ("    l_cache: 40000", 18, "curriculum.2.l_cache", "l_max=32768"),  # stage 0's l_max carries on
+        ("    min_difficulty: 0.9\n    max_difficulty: 0.1", 18, "curriculum.2.min_difficulty", "no problem"),
+        ("    n_bach: 32", 18, "curriculum.2.n_bach", "unknown field"),
+    ],
+)
+def test_every_curriculum_stage_is_checked_at_load(tmp_path, bad, line, field, why):
+    """A mistake in the third stage fails when the recipe is read, naming its line, not hours in;
+    each stage is checked over what the stages before it left."""
+    p = write(tmp_path, STAGES.format(bad=bad))
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert f"recipe.yaml:{line}:" in msg and field in msg and why in msg, msg
+
+
+def test_stage_order_and_reach_are_checked(tmp_path):
+    p = write(tmp_path, STAGES.format(bad="    n_async: 512").replace("at_step: 300", "at_step: 150"))
+    with pytest.raises(ConfigError, match=r"recipe.yaml:\d+: curriculum.2.at_step: stages apply in order"):
+        load_config(p)
+    p = write(tmp_path, STAGES.format(bad="    n_async: 512").replace("at_step: 300", "at_step: 5000"))
+    with pytest.raises(ConfigError, match="never reached"):
+        load_config(p)
+    assert load_config(write(tmp_path, STAGES.format(bad="    n_async: 512"))).curriculum[2].n_async == 512
+
+
+def test_paths_are_checked_when_asked_and_name_their_line(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    p = write(
+        tmp_path, f"model:\n  hf: {tmp_path}\ndata:\n  train: {data}\n  eval: {tmp_path}/missing.jsonl\n"
+    )
+    load_config(p)  # resolving a recipe for another machine is fine
+    with pytest.raises(
+        ConfigError, match=r"recipe.yaml:5: data.eval: no such file or folder: .*missing.jsonl"
+    ):
+        load_config(p, paths=True)
+    assert load_config(p, [f"data.eval={data}"], paths=True).data.eval == str(data)

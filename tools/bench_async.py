@@ -290,19 +290,13 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, real
         trainer = ModeledTrainer(args.train_ms_per_token / 1e3)
         broadcaster = VersionBroadcaster(fleet, args.sync_ms / 1e3)
         broadcaster.sync(0)
-    rollouts = Rollouts(
+    rollouts = Rollouts.from_config(
+        cfg,
         fleet=fleet,
         pool=pool,
-        sampler=PromptSampler(w.problems, seed=args.seed),
+        sampler=PromptSampler(w.problems, seed=cfg.loop.seed),
         tokenizer=w.tokenizer,
-        reward=cfg.reward,
-        group_size=args.group_size,
-        temperature=cfg.algorithm.temperature,
-        top_p=cfg.loop.top_p,
-        max_new_tokens=args.l_max,
-        seed=args.seed,
         system_prompt=QUICKSTART_SYSTEM_PROMPT,
-        filter_tolerance=cfg.algorithm.filter_tolerance,
         version=lambda: int(trainer.step),
     )
     orch = Orchestrator(cfg, trainer=trainer, broadcaster=broadcaster, rollouts=rollouts)
@@ -332,10 +326,7 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, real
 
 
 def _drain(rollouts, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    with rollouts.cond:
-        while rollouts.in_flight > 0 and time.monotonic() < deadline:
-            rollouts.cond.wait(0.05)
+    rollouts.wait_until(lambda: rollouts.in_flight == 0, timeout=timeout_s)
 
 
 def _summary(

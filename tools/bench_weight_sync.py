@@ -24,7 +24,6 @@ update).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import socket
 import statistics
@@ -90,16 +89,11 @@ def raw_broadcast(
     return time.perf_counter() - start
 
 
-def _servers_hold(urls: list[str], trainer, converter) -> bool:
+def _servers_hold(urls: list[str], trainer) -> bool:
     """Whether every server's weights are the trainer's HF tensors, bit for bit."""
-    from megatron_rl.training.chunks import iter_model_hf
+    from megatron_rl.generation.protocol import tensor_digest
 
-    want = {
-        n: hashlib.sha256(
-            t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        ).hexdigest()
-        for n, t in iter_model_hf(trainer.chunks, converter)
-    }
+    want = {n: tensor_digest(t) for n, t in trainer.hf_tensors()}
     return all(json.load(urllib.request.urlopen(f"{u}/megatron_rl/weights_digest")) == want for u in urls)
 
 
@@ -135,7 +129,7 @@ def run(args: argparse.Namespace, folder: str) -> dict:
             for i in range(args.repeats):
                 syncs.append(bc.sync(version=2 + i))
                 raws.append(raw_broadcast(urls, bc.group, cfg.group_name, flat, pool))
-        same = _servers_hold(urls, trainer, bc.converter)
+        same = _servers_hold(urls, trainer)
         bc.close()
         fleet.close()
     finally:

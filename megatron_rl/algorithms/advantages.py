@@ -28,7 +28,9 @@ def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return inverse, int(uniq.numel())
 
 
-def _group_stats(values: torch.Tensor, index: torch.Tensor, n_groups: int):
+def _group_stats(
+    values: torch.Tensor, index: torch.Tensor, n_groups: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-group mean and population std of ``values`` ``[N]``; returns ``[n_groups]`` each."""
     counts = torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(
         0, index, torch.ones_like(values)

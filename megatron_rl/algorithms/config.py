@@ -23,7 +23,7 @@ class GRPOConfig:
     temperature: float = 1.0  # sampling temperature the behaviour log-probs were recorded at
     logprob_chunk_size: int = 0  # tokens per log-prob chunk; 0 = automatic (~64 MiB fp32 buffer)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("adv_eps", self.adv_eps, low=0.0, low_open=True)
         check_range("eps_low", self.eps_low, low=0.0, high=1.0, high_open=True)
         check_range("eps_high", self.eps_high, low=0.0)

@@ -24,6 +24,8 @@ Entropy is returned detached: it is a metric here (Magistral has no entropy bonu
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 
@@ -38,14 +40,16 @@ def default_chunk_size(vocab_local: int) -> int:
     return max(1, _CHUNK_ELEMENTS // max(1, vocab_local))
 
 
-def _vocab_range(vocab_local: int, tp_group) -> tuple[int, int, int]:
+def _vocab_range(vocab_local: int, tp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
     if tp_group is None:
         return 0, vocab_local, 1
     rank, size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
     return rank * vocab_local, (rank + 1) * vocab_local, size
 
 
-def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, start: int, end: int):
+def _chunk_stats(
+    z: torch.Tensor, targets: torch.Tensor, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Local ``m, s, w, z_target`` for a chunk ``z`` ``[c, V_local]`` (fp32) and ``targets`` ``[c]``.
 
     Only one further ``[c, V_local]`` buffer is allocated (``e``); everything else is in place.
@@ -65,9 +69,31 @@ def _chunk_stats(z: torch.Tensor, targets: torch.Tensor, start: int, end: int):
     return m, s, w, zt
 
 
+class _Ctx(Protocol):
+    """Autograd's context as ``_TokenLogProbs`` uses it: torch's ``FunctionCtx`` declares neither
+    ``saved_tensors`` nor the attributes ``forward`` leaves for ``backward``."""
+
+    temperature: float
+    chunk_size: int
+    start: int
+    end: int
+    saved_tensors: tuple[torch.Tensor, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None: ...
+
+
 class _TokenLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk_size, tp_group):
+    def forward(
+        ctx: _Ctx,
+        logits: torch.Tensor,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        tp_group: dist.ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n, vocab_local = logits.shape
         start, end, tp_size = _vocab_range(vocab_local, tp_group)
         stats = torch.empty(4, n, dtype=torch.float32, device=logits.device)  # m, s, w, z_t
@@ -99,7 +125,9 @@ class _TokenLogProbs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, _grad_entropy):
+    def backward(
+        ctx: _Ctx, grad_logp: torch.Tensor, _grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None, None]:
         logits, targets, lse = ctx.saved_tensors
         grad = torch.empty_like(logits)
         t, start, end = ctx.temperature, ctx.start, ctx.end
@@ -127,7 +155,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    tp_group=None,
+    tp_group: dist.ProcessGroup | None = None,
     check_targets: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy of ``targets`` under ``softmax(logits / temperature)``.

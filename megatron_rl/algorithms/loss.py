@@ -73,7 +73,7 @@ def grpo_loss(
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-    if kl_coef:
+    if kl_coef and ref_logp is not None:  # ref_logp is set whenever kl_coef is (checked above)
         # k3 estimator of KL(pi_theta || pi_ref) on samples of pi_theta: e^x - x - 1, x = ref - new.
         x = (ref_logp - logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         per_token = per_token + kl_coef * (torch.exp(x) - x - 1.0)

@@ -102,7 +102,9 @@ def plan_microbatches(
     if strategy != "greedy":
         raise ValueError(f"strategy must be 'greedy' or 'uniform', got {strategy!r}")
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    bins, used, longest = [], [], []  # used: tokens (packed); longest: first = longest (padded)
+    bins = []
+    used: list[int] = []  # tokens per bin (packed)
+    longest: list[int] = []  # per bin its first sequence, the longest (padded)
     for i in order:
         n = lengths[i]
         for b in range(len(bins)):
@@ -182,9 +184,8 @@ class Microbatch:
         _r, s = self.tokens.shape
         causal = torch.ones(s, s, dtype=torch.bool).tril()
         if self.layout == "packed":
-            seg = torch.repeat_interleave(
-                torch.arange(len(self.cu_seqlens) - 1), (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long()
-            )
+            cu = self.packed_cu_seqlens()
+            seg = torch.repeat_interleave(torch.arange(len(cu) - 1), (cu[1:] - cu[:-1]).long())
             allowed = causal & (seg[:, None] == seg[None, :])
             return (~allowed).view(1, 1, s, s)
         valid = torch.arange(s)[None, :] < torch.tensor(self.seq_lengths)[:, None]  # [R, S]
@@ -196,7 +197,7 @@ class Microbatch:
     def split_per_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-position ``[R, S]`` values (e.g. recomputed log-probs) -> one ``[C_i]`` tensor of
         completion-token values per sequence, in ``seq_index`` order."""
-        out = []
+        out: list[torch.Tensor] = []
         for k, (start, n) in enumerate(self._segments()):
             row = 0 if self.layout == "packed" else k
             w = self.loss_mask[row, start : start + n]
@@ -205,8 +206,15 @@ class Microbatch:
 
     def _segments(self) -> list[tuple[int, int]]:
         if self.layout == "packed":
-            return [(int(self.cu_seqlens[k]), n) for k, n in enumerate(self.seq_lengths)]
+            cu = self.packed_cu_seqlens()
+            return [(int(cu[k]), n) for k, n in enumerate(self.seq_lengths)]
         return [(0, n) for n in self.seq_lengths]
+
+    def packed_cu_seqlens(self) -> torch.Tensor:
+        """``cu_seqlens`` of a packed microbatch (``collate`` always sets it for that layout)."""
+        if self.cu_seqlens is None:
+            raise ValueError("a packed Microbatch needs cu_seqlens (the segment starts)")
+        return self.cu_seqlens
 
 
 def _place(seq: TrainSequence, fields: dict[str, torch.Tensor], row: int, start: int) -> None:

@@ -80,7 +80,7 @@ def _config(args: argparse.Namespace) -> int:
     )
 
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_config(args.recipe, args.overrides, paths=args.check_paths)
     except ConfigError as e:
         print(f"megatron-rl config: {e}", file=sys.stderr)
         return 2
@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="resolve and validate a recipe, print it as YAML")
     c.add_argument("recipe", nargs="?", help="YAML recipe (defaults only when omitted)")
     c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.eps_high=0.3")
+    c.add_argument(
+        "--check-paths",
+        action="store_true",
+        help="also check that every path the recipe names exists (train always does)",
+    )
     c.set_defaults(func=_config)
     from megatron_rl.cli.reward import (
         build_parser as reward_parser,  # lazy: each verb imports only what it runs, so --help stays quick

@@ -114,7 +114,7 @@ def _servers(args) -> list[str] | None:
 
 
 def _sample(args, problems, pool):
-    from megatron_rl.cli.evaluate import (
+    from megatron_rl.cli.reward import (
         reward_config,  # lazy: each verb imports only what it runs, so --help stays quick
     )
     from megatron_rl.data.sampling import (  # lazy: each verb imports only what it runs, so --help stays quick

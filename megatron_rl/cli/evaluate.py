@@ -20,6 +20,7 @@ import argparse
 import sys
 import time
 
+from megatron_rl.cli.reward import reward_config
 from megatron_rl.data.benchmarks import FORMATS, load_benchmark
 from megatron_rl.data.problems import DataError
 from megatron_rl.data.sampling import (
@@ -34,7 +35,7 @@ from megatron_rl.evaluation.metrics import default_ks
 from megatron_rl.evaluation.report import evaluate, write_report
 from megatron_rl.rewards.pool import VerifierPool
 
-__all__ = ["add_generator_args", "build_parser", "main", "reward_config"]
+__all__ = ["add_generator_args", "build_parser", "main"]
 
 
 def add_generator_args(p: argparse.ArgumentParser) -> None:
@@ -46,27 +47,6 @@ def add_generator_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-slots", type=int, default=16, help="--model only: sequences decoded together (default 16)"
     )
-
-
-def reward_config(recipe: str | None, overrides: list[str], workers: int | None):
-    """The reward settings: a recipe's ``reward`` section and ``reward.KEY=VALUE`` overrides."""
-    from megatron_rl.config import (
-        ConfigError,  # lazy: each verb imports only what it runs, so --help stays quick
-    )
-    from megatron_rl.orchestration.recipe import (
-        load_config,  # lazy: the recipe imports torch; the parser must not
-    )
-
-    bad = [o for o in overrides if not o.startswith("reward.")]
-    if bad:
-        raise ValueError(f"only reward.KEY=VALUE overrides apply here, got {' '.join(bad)}")
-    try:
-        cfg = load_config(recipe, overrides).reward
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
-    if workers:
-        cfg.workers = workers
-    return cfg
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

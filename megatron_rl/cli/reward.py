@@ -22,22 +22,24 @@ import json
 import sys
 from collections import Counter, deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from megatron_rl.config import ConfigError
 from megatron_rl.data.problems import DataError, check_scorable, problem_from_json, reward_input
 from megatron_rl.fileio import JsonlError, atomic_path, iter_jsonl
-from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.rewards.code import ensure_pch
 from megatron_rl.rewards.compose import RewardConfig, RewardInput, hard_timeout_s, score
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 
-__all__ = ["main", "parse_line"]
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
+
+__all__ = ["main", "parse_line", "reward_config"]
 
 
-def parse_line(obj: Any, where: str) -> RewardInput:
+def parse_line(obj: JsonValue, where: str) -> RewardInput:
     """Validate one decoded line (``where`` is ``file:line``); raises :class:`DataError` naming
     the place and the field."""
     problem = problem_from_json(obj, where)
@@ -80,18 +82,30 @@ def _read(path: Path, skip_bad: bool, tokenizer, bad: list[str]):
         ) from None
 
 
-def _load_config(args) -> RewardConfig:
+def reward_config(recipe: str | None, overrides: list[str], workers: int | None) -> RewardConfig:
+    """The reward settings of ``reward``, ``eval`` and ``curate``: a recipe's ``reward`` section
+    with ``reward.KEY=VALUE`` overrides (ValueError naming the file, line and field)."""
+    from megatron_rl.orchestration.recipe import (
+        load_config,  # lazy: the recipe imports torch; the parser must not
+    )
+
+    bad = [o for o in overrides if not o.startswith("reward.")]
+    if bad:
+        raise ValueError(f"only reward.KEY=VALUE overrides apply here, got {' '.join(bad)}")
     try:
-        cfg = load_config(args.recipe, args.overrides).reward
+        cfg = load_config(recipe, overrides).reward
     except ConfigError as e:
-        raise SystemExit(f"megatron-rl reward: {e}") from None
-    if args.workers:
-        cfg.workers = args.workers
+        raise ValueError(str(e)) from None
+    if workers:
+        cfg.workers = workers
     return cfg
 
 
 def run(args) -> Counter:
-    cfg = _load_config(args)
+    try:
+        cfg = reward_config(args.recipe, args.overrides, args.workers)
+    except ValueError as e:
+        raise SystemExit(f"megatron-rl reward: {e}") from None
     tokenizer = None
     if args.tokenizer:
         from transformers import (

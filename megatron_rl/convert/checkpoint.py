@@ -48,7 +48,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,13 @@ from megatron_rl.training.chunks import load_hf_into_chunk
 from megatron_rl.training.cpu_compat import apply_cpu_compat
 from megatron_rl.training.model import build_gpt_model, save_model_checkpoint, transformer_config_from_hf
 from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
+
+if TYPE_CHECKING:
+    # megatron-core ships no type information: to mypy this name is Any.
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PretrainedConfig
+
+    from megatron_rl.fileio import JsonValue
 
 __all__ = [
     "FORMAT",
@@ -82,14 +89,14 @@ FORMAT, FORMAT_VERSION = "megatron-rl/mcore-model", 1
 # --------------------------------------------------------------------------- configs
 
 
-def _read_config_dict(folder: str | os.PathLike) -> dict:
+def _read_config_dict(folder: str | os.PathLike[str]) -> dict[str, JsonValue]:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json")
     return json.loads(path.read_text())
 
 
-def config_from_dict(config: dict):
+def config_from_dict(config: dict[str, JsonValue]) -> PretrainedConfig:
     """A ``transformers`` config object from a config.json dict."""
     from transformers.models.auto.configuration_auto import (
         CONFIG_MAPPING,  # lazy: transformers takes seconds to import; only this path needs it
@@ -100,7 +107,7 @@ def config_from_dict(config: dict):
     return CONFIG_MAPPING[config["model_type"]].from_dict(config)
 
 
-def _architecture(config: dict) -> dict[str, Any]:
+def _architecture(config: dict[str, JsonValue]) -> dict[str, JsonValue]:
     """The config values that shape the weights or the computation, effective values filled in
     (head_dim, kv heads, RoPE parameters in either layout). Not compared: fields that change
     neither (token ids, max_position_embeddings, use_cache, dtype, ...)."""
@@ -109,7 +116,7 @@ def _architecture(config: dict) -> dict[str, Any]:
     window = getattr(hf, "sliding_window", None)
     if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
         window = None
-    arch = {
+    arch: dict[str, JsonValue] = {
         "model_type": hf.model_type,
         "hidden_size": hf.hidden_size,
         "intermediate_size": hf.intermediate_size,
@@ -131,7 +138,7 @@ def _architecture(config: dict) -> dict[str, Any]:
     return arch
 
 
-def check_same_architecture(stored: dict, given: dict) -> None:
+def check_same_architecture(stored: dict[str, JsonValue], given: dict[str, JsonValue]) -> None:
     """Raise WeightsMismatchError naming the first field where config.json dict ``given``
     describes another model than ``stored`` (the one the weights were converted with)."""
     a, b = _architecture(stored), _architecture(given)
@@ -152,7 +159,7 @@ class HFPlan:
     """What :func:`hf_to_mcore` will do, checked before anything is built or written."""
 
     hf_dir: Path
-    config: dict  # config.json as read
+    config: dict[str, JsonValue]  # config.json as read
     converter: HFConverter
     params_dtype: torch.dtype  # dtype of the Megatron model's weights
     hf_dtype: str  # the HF dtype this checkpoint stands for (for `--dtype keep` on export)
@@ -274,8 +281,10 @@ def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
         plan = plan_hf_to_mcore(hf_dir, tensor_parallel=tp, dtype=dtype)
         rank0 = dist.get_rank() == 0
         with atomic_output_dir(out_dir, overwrite=overwrite) if rank0 else contextlib.nullcontext() as tmp:
-            box = [str(tmp) if rank0 else None]
+            box: list[str | None] = [str(tmp) if rank0 else None]
             dist.broadcast_object_list(box, src=0)
+            if box[0] is None:  # rank 0 always sends its folder
+                raise RuntimeError("convert: rank 0 sent no output folder")
             tmp = Path(box[0])
             chunk = _filled_chunk(plan, tp, pp)
             save_model_checkpoint(chunk, tmp / MODEL_DIR)
@@ -286,7 +295,7 @@ def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
         dist.barrier()  # no rank returns before the output is in place
 
 
-def _filled_chunk(plan: HFPlan, tp: int, pp: int):
+def _filled_chunk(plan: HFPlan, tp: int, pp: int) -> GPTModel:
     """This rank's GPTModel at TP x PP, weights from the HF files (no random initialisation)."""
     from megatron.core import (
         parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
@@ -377,7 +386,7 @@ class McoreCheckpoint:
         )
 
         path = Path(path)
-        self.meta: dict | None = None
+        self.meta: dict[str, JsonValue] | None = None
         if (path / META_FILE).is_file():
             self.meta = json.loads((path / META_FILE).read_text())
             if self.meta.get("format") != FORMAT or self.meta.get("version") != FORMAT_VERSION:
@@ -461,19 +470,21 @@ class McoreCheckpoint:
         return rows
 
 
-def _export_config(ckpt: McoreCheckpoint, hf_config: str | os.PathLike | None) -> dict:
+def _export_config(ckpt: McoreCheckpoint, hf_config: str | os.PathLike[str] | None) -> dict[str, JsonValue]:
     """The config.json to export with: the given one (checked against the stored one when both
     exist) or the stored one. Raises WeightsMismatchError naming a differing field."""
     given = _read_config_dict(hf_config) if hf_config is not None else None
     stored = ckpt.meta["hf_config"] if ckpt.meta else None
     if given is not None and stored is not None:
         check_same_architecture(stored, given)
-    if given is None and stored is None:
+    if given is not None:
+        return given
+    if stored is None:
         raise ValueError(
             f"hf_config: {ckpt.dist_dir} is a bare dist checkpoint; give the HF "
             "config folder it was made from (--hf-config)"
         )
-    return given if given is not None else stored
+    return stored
 
 
 def _hf_dtype(
@@ -540,7 +551,7 @@ def mcore_to_hf(
 def _write_hf(
     ckpt: McoreCheckpoint,
     converter: HFConverter,
-    config: dict,
+    config: dict[str, JsonValue],
     out_dir: str | os.PathLike,
     *,
     out_dtype: torch.dtype | None,
@@ -607,7 +618,7 @@ def _spawn(world: int, fn, args: tuple) -> None:
         pending = {p.sentinel: p for p in procs}
         while pending:
             for sentinel in multiprocessing.connection.wait(list(pending)):
-                p = pending.pop(sentinel)
+                p = pending.pop(cast(int, sentinel))  # wait() returns what it was given: int sentinels
                 p.join()
                 if p.exitcode != 0:
                     reports = []

@@ -19,14 +19,13 @@ import argparse
 import sys
 import time
 
-from megatron_rl.convert.checkpoint import hf_to_mcore, mcore_to_hf
-
 __all__ = ["build_parser", "main"]
 
 _DTYPES = ("keep", "bf16", "fp16", "fp32")
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> int:
+    from megatron_rl.convert.checkpoint import hf_to_mcore  # lazy: torch; the parser must not
 
     start = time.perf_counter()
     out = hf_to_mcore(
@@ -46,6 +45,7 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
+    from megatron_rl.convert.checkpoint import mcore_to_hf  # lazy: torch; the parser must not
 
     start = time.perf_counter()
     out = mcore_to_hf(

@@ -27,10 +27,13 @@ import pickle
 import zlib
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.data.problems import DataError, Problem, problem_from_json, read_records
 from megatron_rl.data.report import CurationReport
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
 
 __all__ = [
     "FORMATS",
@@ -54,19 +57,19 @@ def sample_file(name: str) -> Path:
     return path
 
 
-def _first(obj: dict, names: tuple[str, ...]):
+def _first(obj: dict[str, JsonValue], names: tuple[str, ...]) -> JsonValue:
     for n in names:
         if obj.get(n) not in (None, ""):
             return obj[n]
     return None
 
 
-def _id(obj: dict, where: str) -> str:
+def _id(obj: dict[str, JsonValue], where: str) -> str:
     pid = _first(obj, ("id", "ID", "problem_id", "question_id", "Record ID"))
     return str(pid) if pid is not None else where.rsplit("/", 1)[-1]
 
 
-def _meta(obj: dict, used: tuple[str, ...]) -> dict[str, Any]:
+def _meta(obj: dict[str, JsonValue], used: tuple[str, ...]) -> dict[str, JsonValue]:
     return {k: v for k, v in obj.items() if k not in used}
 
 
@@ -100,7 +103,7 @@ def load_aime(path) -> tuple[list[Problem], CurationReport]:
     return out, report
 
 
-def _gpqa_options(obj: dict, where: str, seed: int) -> tuple[list[str], int]:
+def _gpqa_options(obj: dict[str, JsonValue], where: str, seed: int) -> tuple[list[str], int]:
     """(options, index of the right one)."""
     if "choices" in obj:
         options = obj["choices"]
@@ -115,8 +118,8 @@ def _gpqa_options(obj: dict, where: str, seed: int) -> tuple[list[str], int]:
             return options, options.index(ans)
         raise DataError(f"{where}: answer: expected a letter, an index or one of the choices, got {ans!r}")
     right = obj.get("Correct Answer")
-    wrong = [obj.get(f"Incorrect Answer {i}") for i in (1, 2, 3)]
-    if not isinstance(right, str) or not all(isinstance(w, str) for w in wrong):
+    wrong = [w for i in (1, 2, 3) if isinstance(w := obj.get(f"Incorrect Answer {i}"), str)]
+    if not isinstance(right, str) or len(wrong) != 3:
         raise DataError(f"{where}: choices: missing (or GPQA's 'Correct Answer' and 'Incorrect Answer 1..3')")
     options = [right.strip(), *(w.strip() for w in wrong)]
     # A fixed shuffle per problem: GPQA lists the right answer first.
@@ -173,7 +176,7 @@ class _DataOnlyUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}: only plain data is allowed")
 
 
-def _decode_tests(raw: Any, where: str, field_name: str) -> list[dict]:
+def _decode_tests(raw: JsonValue, where: str, field_name: str) -> list[dict[str, JsonValue]]:
     if raw in (None, ""):
         return []
     if isinstance(raw, str):

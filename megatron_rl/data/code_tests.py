@@ -32,7 +32,6 @@ Function-call tests (HumanEval style) are not curated here: a problem with one i
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -43,7 +42,15 @@ from tqdm import tqdm
 from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.data.problems import DataError, Problem
 from megatron_rl.data.report import CurationReport
-from megatron_rl.rewards.code import CodeConfig, compile_cpp, ensure_pch, normalise_language, outputs_match
+from megatron_rl.rewards.code import (
+    CodeConfig,
+    compile_cpp,
+    ensure_pch,
+    interpreter,
+    normalise_language,
+    outputs_match,
+    remove_tree,
+)
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 from megatron_rl.rewards.sandbox import run_sandboxed
 
@@ -101,25 +108,6 @@ class SolutionRun:
     stdout: str = ""
 
 
-def _interpreter(cfg: CodeConfig) -> tuple[str, list[str]]:
-    if not cfg.python:
-        return sys.executable, []
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(cfg.python)))
-    return cfg.python, ([] if prefix in ("/", "/usr") else [prefix])
-
-
-def _rmtree(path: str) -> None:
-    def fix(func, p, _exc):  # a program may leave directories it made unreadable
-        os.chmod(os.path.dirname(p), 0o700)
-        if os.path.isdir(p) and not os.path.islink(p):
-            os.chmod(p, 0o700)
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            func(p)
-
-    shutil.rmtree(path, onerror=fix)
-
-
 def run_solution(
     code: str, language: str, inputs: Sequence[str], cfg: CodeConfig
 ) -> tuple[str, list[SolutionRun]]:
@@ -135,7 +123,7 @@ def run_solution(
         os.mkdir(build, 0o755)
         ro: list[str] = [build]
         if language == "python":
-            python, extra = _interpreter(cfg)
+            python, extra = interpreter(cfg)
             with open(os.path.join(build, "main.py"), "w") as f:
                 f.write(code)
             argv, ro = [python, "-I", os.path.join(build, "main.py")], ro + extra
@@ -161,7 +149,7 @@ def run_solution(
                     extra_ro_paths=ro,
                 )
             finally:
-                _rmtree(work)
+                remove_tree(work)
             runs.append(
                 SolutionRun("ok", res.stdout.decode(errors="replace"))
                 if res.status == "ok"
@@ -169,7 +157,7 @@ def run_solution(
             )
         return "", runs
     finally:
-        _rmtree(root)
+        remove_tree(root)
 
 
 def curate_tests(
@@ -312,8 +300,8 @@ def _curate_one(p: Problem, futures, cfg: CodeCurationConfig, report: CurationRe
         report.drop("no_working_solution")
         return None
     tests, events = curate_tests(p.tests or [], runs, cfg.min_agree_to_repair)
-    for e in events:
-        report.note(e)
+    for event in events:
+        report.note(event)
     if len(tests) < cfg.min_tests:
         report.drop("too_few_tests_after_curation")
         return None

@@ -43,7 +43,7 @@ import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tqdm import tqdm
 
@@ -53,6 +53,9 @@ from megatron_rl.data.report import CurationReport
 from megatron_rl.data.sampling import Attempt, extract_answer
 from megatron_rl.rewards.math import MathConfig, verify_math
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
 
 __all__ = [
     "Difficulty",
@@ -104,7 +107,7 @@ class Difficulty:
     flagged: bool  # majority_count > majority * samples
     decision: str  # "kept", or why it was dropped
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         return asdict(self)
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
@@ -112,14 +113,14 @@ def find_options(problem: Problem) -> tuple[str, dict[str, str]] | None:
     for pattern, fewest in _OPTION_FORMS:
         marks = list(pattern.finditer(text))
         # The options are the longest run A, B, C, ... in order.
-        run = []
+        run: list[re.Match[str]] = []
         for m in marks:
             if m.group(1) == chr(ord("A") + len(run)):
                 run.append(m)
         if len(run) < fewest:
             continue
-        options = {}
-        for m, nxt in zip(run, run[1:] + [None]):
+        options: dict[str, str] = {}
+        for m, nxt in zip(run, [*run[1:], None]):
             options[m.group(1)] = _strip_wrappers(text[m.end() : nxt.start() if nxt else len(text)])
         stem = text[: run[0].start()].rstrip()
         stem = stem[:-1].rstrip() if stem.endswith("$") and stem.count("$") % 2 else stem
@@ -198,7 +199,7 @@ def format_filter(
     pool = pool or VerifierPool(cfg.workers)
     timeout = 2 * cfg.math.parse_timeout_s + cfg.math.verify_timeout_s + 10.0
     try:
-        staged: list[tuple[Problem, str, object]] = []
+        staged: list[tuple[Problem | None, str, Future[Verdict] | None]] = []
         for p in problems:
             if p.task != "math":
                 staged.append((p, "code_passed_through", None))
@@ -206,7 +207,7 @@ def format_filter(
             q, why = text_reason(p, cfg)
             future = pool.submit(check_reference, q.answer, cfg.math, timeout_s=timeout) if q else None
             staged.append((q, why, future))
-        kept = []
+        kept: list[Problem] = []
         for q, why, future in tqdm(
             staged, desc="math-format", unit="problem", file=sys.stderr, disable=not progress
         ):

@@ -24,13 +24,16 @@ import csv
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from megatron_rl.fileio import JsonlError, iter_jsonl, write_jsonl
 from megatron_rl.rewards.compose import RewardInput
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
 
 __all__ = [
     "DataError",
@@ -56,8 +59,9 @@ class Problem:
 
     id: str
     problem: str
-    task: str = "math"  # "math" or "code"
+    task: Literal["math", "code"] = "math"
     answer: str | None = None  # math reference (LaTeX or plain)
+    # Any: JSON records whose fields vary by source; read_problems checks the ones it uses.
     tests: list[dict[str, Any]] | None = None  # code: [{"input": str, "output": str}, ...]
     language: str | None = None  # code: "python" / "cpp" when the statement asks for one
     solutions: list[dict[str, str]] | None = None  # code: [{"language": ..., "code": ...}]
@@ -65,8 +69,8 @@ class Problem:
     lang: str | None = None  # natural language of the statement (ISO code), when known
     meta: dict[str, Any] = field(default_factory=dict)  # every other field, written back as is
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "problem": self.problem, "task": self.task}
+    def to_json(self) -> dict[str, JsonValue]:
+        out: dict[str, JsonValue] = {"id": self.id, "problem": self.problem, "task": self.task}
         for name in _KNOWN[3:]:
             value = getattr(self, name)
             if value is not None:
@@ -78,7 +82,15 @@ def _fail(where: str, field_name: str, message: str) -> DataError:
     return DataError(f"{where}: {field_name}: {message}")
 
 
-def _check_tests(tests: Any, where: str) -> None:
+def _task(value: JsonValue, where: str) -> Literal["math", "code"]:
+    if value == "math":
+        return "math"
+    if value == "code":
+        return "code"
+    raise _fail(where, "task", f"must be 'math' or 'code', got {value!r}")
+
+
+def _check_tests(tests: JsonValue, where: str) -> None:
     if not isinstance(tests, list):
         raise _fail(where, "tests", f"expected a list of objects, got {type(tests).__name__}")
     for k, t in enumerate(tests):
@@ -94,7 +106,7 @@ def _check_tests(tests: Any, where: str) -> None:
             raise _fail(where, f"tests[{k}].output", "expected a string (or absent: to be generated)")
 
 
-def _check_solutions(solutions: Any, where: str) -> None:
+def _check_solutions(solutions: JsonValue, where: str) -> None:
     if not isinstance(solutions, list):
         raise _fail(where, "solutions", f"expected a list, got {type(solutions).__name__}")
     for k, s in enumerate(solutions):
@@ -106,16 +118,14 @@ def _check_solutions(solutions: Any, where: str) -> None:
             raise _fail(where, f"solutions[{k}]", 'expected {"language": str, "code": str}')
 
 
-def problem_from_json(obj: Any, where: str) -> Problem:
+def problem_from_json(obj: JsonValue, where: str) -> Problem:
     """Validate one decoded record; ``where`` (``file:line``) prefixes every error."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     text = obj.get("problem")
     if not isinstance(text, str) or not text.strip():
         raise _fail(where, "problem", "missing or not a non-empty string")
-    task = obj.get("task") or ("code" if obj.get("tests") is not None else "math")
-    if task not in ("math", "code"):
-        raise _fail(where, "task", f"must be 'math' or 'code', got {task!r}")
+    task = _task(obj.get("task") or ("code" if obj.get("tests") is not None else "math"), where)
     answer = obj.get("answer")
     if isinstance(answer, bool) or (answer is not None and not isinstance(answer, (str, int, float))):
         raise _fail(where, "answer", f"expected a string or a number, got {answer!r}")
@@ -127,9 +137,9 @@ def problem_from_json(obj: Any, where: str) -> Problem:
         if obj.get(name) is not None and not isinstance(obj[name], str):
             raise _fail(where, name, f"expected a string, got {obj[name]!r}")
     choices = obj.get("choices")
-    options = choices.values() if isinstance(choices, dict) else choices
     if choices is not None and not (
-        isinstance(choices, (list, dict)) and all(isinstance(c, str) for c in options)
+        isinstance(choices, (list, dict))
+        and all(isinstance(c, str) for c in (choices.values() if isinstance(choices, dict) else choices))
     ):
         raise _fail(where, "choices", "expected a list of strings or an object of strings")
     pid = obj.get("id")
@@ -151,7 +161,7 @@ def problem_from_json(obj: Any, where: str) -> Problem:
     )
 
 
-def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+def _jsonl(path: Path) -> Iterator[tuple[str, JsonValue]]:
     with path.open("rb") as f:
         first = f.read(1)
     if first == b"[":  # a JSON array of records
@@ -171,7 +181,7 @@ def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
         raise DataError(str(e)) from None
 
 
-def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
+def _parquet(path: Path) -> Iterator[tuple[str, JsonValue]]:
     try:
         import pyarrow.parquet as pq  # lazy: optional dependency (Parquet inputs)
     except ImportError:
@@ -183,7 +193,7 @@ def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
             row += 1
 
 
-def _hf(spec: str) -> Iterator[tuple[str, Any]]:
+def _hf(spec: str) -> Iterator[tuple[str, JsonValue]]:
     try:
         import datasets  # lazy: optional dependency (hf: inputs)
     except ImportError:
@@ -195,9 +205,10 @@ def _hf(spec: str) -> Iterator[tuple[str, Any]]:
         yield f"{spec}:row {i}", dict(obj)
 
 
-def read_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+def read_records(path: str | os.PathLike[str]) -> Iterator[tuple[str, JsonValue]]:
     """Yield ``(where, record)`` from a JSONL / JSON-array / CSV / Parquet file or ``hf:NAME``;
-    ``where`` is ``file:line`` (``file:row N`` for tables)."""
+    ``where`` is ``file:line`` (``file:row N`` for tables). Records are JSON values (a table's
+    rows: objects) that :func:`problem_from_json` checks."""
     spec = str(path)
     if spec.startswith("hf:"):
         yield from _hf(spec)
@@ -215,7 +226,7 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
         yield from _jsonl(p)
 
 
-def read_problems(path: str | os.PathLike, *, limit: int | None = None) -> list[Problem]:
+def read_problems(path: str | os.PathLike[str], *, limit: int | None = None) -> list[Problem]:
     """All problems of ``path`` (see the module docstring); raises :class:`DataError` on the first
     malformed record or a repeated id."""
     out: list[Problem] = []
@@ -270,6 +281,6 @@ def reward_input(
     )
 
 
-def write_problems(path: str | os.PathLike, problems: Iterable[dict | Problem]) -> int:
+def write_problems(path: str | os.PathLike[str], problems: Iterable[Mapping[str, object] | Problem]) -> int:
     """Write problems (or plain records) one per line, atomically; returns the number of lines."""
     return write_jsonl(path, (p.to_json() if isinstance(p, Problem) else p for p in problems))

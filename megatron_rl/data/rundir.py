@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal
 
 from megatron_rl.data.problems import DataError
 from megatron_rl.fileio import JsonlError, iter_jsonl
 from megatron_rl.rewards.result import REASONS
 
 if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
     from megatron_rl.types import Prompt, ScoredCompletion
 
 __all__ = ["SAMPLES_FILE", "Sample", "SampleWriter", "read_samples", "samples_path"]
@@ -44,7 +45,7 @@ class Sample:
     step: int  # trainer step whose batch took it (or the step at which it was scored)
     prompt_id: str
     problem: str  # the problem statement
-    task: str  # "math" or "code"
+    task: Literal["math", "code"]
     prompt_ids: list[int]  # chat-templated prompt tokens
     completion_ids: list[int]
     completion: str  # decoded completion
@@ -54,7 +55,7 @@ class Sample:
     correct: bool | None = None  # None: the answer was not checked
     versions: list[int] = field(default_factory=list)  # policy version per completion token
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         return asdict(self)
 
     @classmethod
@@ -77,22 +78,22 @@ class Sample:
         )
 
     @classmethod
-    def from_json(cls, obj: Any, where: str) -> Sample:
+    def from_json(cls, obj: JsonValue, where: str) -> Sample:
         """Validate one decoded line; errors start with ``where`` (``file:line``) and the field."""
         if not isinstance(obj, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
 
-        def need(name: str, ok, what: str):
+        def need(name: str, ok: Callable[[JsonValue], object], what: str) -> JsonValue:
             if name not in obj:
                 raise DataError(f"{where}: {name}: missing")
             if not ok(obj[name]):
                 raise DataError(f"{where}: {name}: expected {what}, got {obj[name]!r:.80}")
             return obj[name]
 
-        def is_int(v):
+        def is_int(v: JsonValue) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        def int_list(v):
+        def int_list(v: JsonValue) -> bool:
             return isinstance(v, list) and all(is_int(t) for t in v)
 
         s = cls(

@@ -17,9 +17,10 @@ from __future__ import annotations
 import os
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -32,6 +33,11 @@ from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, score
 from megatron_rl.rewards.format import check_format, last_boxed
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 from megatron_rl.rewards.template import SYSTEM_PROMPT, build_messages
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
+    from megatron_rl.generation.api import GenResult
+    from megatron_rl.rewards.result import RewardResult
 
 __all__ = [
     "Attempt",
@@ -58,7 +64,7 @@ class SamplingConfig:
     seed: int = 0  # base of the per-request seeds
     system_prompt: str = SYSTEM_PROMPT  # the training prompt's; "" for none
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("k", self.k, low=1)
         check_range("max_new_tokens", self.max_new_tokens, low=1)
         check_range("temperature", self.temperature, low=0.0)
@@ -81,7 +87,7 @@ class Attempt:
     prompt_ids: list[int] | None = None  # kept only when asked (keep_tokens=True)
     completion_ids: list[int] | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
@@ -138,8 +144,8 @@ def open_generator(
     servers: Sequence[str] | None = None,
     max_len: int = 8192,
     max_slots: int = 16,
-    eos_token_ids=None,
-):
+    eos_token_ids: Iterable[int] | None = None,
+) -> LocalGenerator | FleetClient:
     """A :class:`LocalGenerator` over the HF folder ``model``, or a fleet client over ``servers``."""
     if (model is None) == (not servers):
         raise ValueError("give exactly one of a model folder (--model) or server URLs (--servers)")
@@ -149,7 +155,8 @@ def open_generator(
         return LocalGenerator.from_pretrained(
             model, max_slots=max_slots, max_len=max_len, eos_token_ids=eos_token_ids
         )
-
+    if servers is None:  # not reached: exactly one of the two was checked to be given
+        raise ValueError("give exactly one of a model folder (--model) or server URLs (--servers)")
     return FleetClient(list(servers))
 
 
@@ -200,7 +207,7 @@ def sample_and_score(
 
     own = pool is None
     pool = pool or VerifierPool(reward_cfg.workers)
-    pending: list[tuple[int, int, Any, str, Any]] = []
+    pending: list[tuple[int, int, GenResult, str, Future[RewardResult]]] = []
     bar = tqdm(total=len(problems) * cfg.k, desc=desc, unit="sample", file=sys.stderr, disable=not progress)
     try:
         for res in generator.generate(requests()):

@@ -33,7 +33,7 @@ import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, NotRequired, TypedDict
 
 from tqdm import tqdm
 
@@ -43,6 +43,7 @@ from megatron_rl.data.report import CurationReport
 from megatron_rl.data.rundir import Sample
 
 __all__ = [
+    "SFTRecord",
     "SFTTraceConfig",
     "collect_traces",
     "load_general",
@@ -50,6 +51,18 @@ __all__ = [
     "read_sft_pairs",
     "render_general",
 ]
+
+
+class SFTRecord(TypedDict):
+    """One line of an SFT file (see the module docstring)."""
+
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    source: Literal["trace", "general"]
+    prompt_id: NotRequired[str]  # traces only: the problem, the step that sampled it, ...
+    step: NotRequired[int]
+    pass_rate: NotRequired[float]  # ... the problem's pass rate, and which repeat this is
+    copy: NotRequired[int]
 
 
 @dataclass(kw_only=True)
@@ -63,7 +76,7 @@ class SFTTraceConfig:
     general_share: float = 0.1  # share of general instruction examples in the output
     seed: int = 0  # shuffling and the choice of general examples
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("min_step", self.min_step, low=0)
         check_range("max_per_problem", self.max_per_problem, low=1)
         check_range("upsample_below", self.upsample_below, low=0.0, high=1.0)
@@ -73,7 +86,7 @@ class SFTTraceConfig:
 
 def collect_traces(
     samples: Iterable[Sample], cfg: SFTTraceConfig, progress: bool = True
-) -> tuple[list[dict[str, Any]], CurationReport]:
+) -> tuple[list[SFTRecord], CurationReport]:
     """Steps 1-4 of the module docstring: trace records (repeats included), and the report."""
 
     report = CurationReport("curate sft-traces")
@@ -91,11 +104,12 @@ def collect_traces(
             report.drop("not correct" if s.correct is False else "not checked (correct is null)")
             continue
         correct[s.prompt_id].append(s)
-    traces = []
+    traces: list[SFTRecord] = []
     for pid, found in correct.items():
         rate = checked[pid][0] / checked[pid][1]
         found.sort(key=lambda s: -s.step)  # latest first (stable: file order within a step)
-        distinct, seen = [], set()
+        distinct: list[Sample] = []
+        seen: set[tuple[int, ...]] = set()
         for s in found:
             key = tuple(s.completion_ids)
             if key in seen:
@@ -147,9 +161,9 @@ def render_general(messages: Sequence[dict], tokenizer) -> tuple[list[int], list
     return list(ids), list(answer)
 
 
-def load_general(path: str, tokenizer) -> list[dict[str, Any]]:
+def load_general(path: str, tokenizer) -> list[SFTRecord]:
     """General instruction examples of ``path`` (see the module docstring), tokenized."""
-    out = []
+    out: list[SFTRecord] = []
     for where, obj in read_records(path):
         if not isinstance(obj, dict):
             raise DataError(f"{where}: expected a JSON object")
@@ -177,8 +191,8 @@ def load_general(path: str, tokenizer) -> list[dict[str, Any]]:
 
 
 def mix_general(
-    traces: list[dict], general: list[dict], cfg: SFTTraceConfig, report: CurationReport
-) -> list[dict]:
+    traces: list[SFTRecord], general: list[SFTRecord], cfg: SFTTraceConfig, report: CurationReport
+) -> list[SFTRecord]:
     """Traces plus enough general examples to make ``general_share`` of the result, shuffled."""
     rng = random.Random(cfg.seed)
     want = round(cfg.general_share / (1 - cfg.general_share) * len(traces))

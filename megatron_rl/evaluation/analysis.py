@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -36,13 +37,16 @@ from megatron_rl.evaluation import plots
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.hf.files import HFWeights
 
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
+
 __all__ = ["fit_log", "main", "read_metrics", "reward_length", "weight_pca"]
 
 
-def read_metrics(path, keys: Sequence[str]) -> list[dict[str, Any]]:
+def read_metrics(path: str | os.PathLike[str], keys: Sequence[str]) -> list[dict[str, JsonValue]]:
     """Rows of a metrics JSONL that hold every key of ``keys`` (numbers); others are skipped
     (e.g. evaluation-only lines). A key present but not a number is an error naming the line."""
-    rows = []
+    rows: list[dict[str, JsonValue]] = []
     for where, obj in read_records(path):
         if not isinstance(obj, dict) or not all(k in obj for k in keys):
             continue
@@ -70,14 +74,15 @@ def fit_log(x: Sequence[float], y: Sequence[float]) -> dict[str, float]:
 
 
 def reward_length(
-    metrics,
-    out_png,
+    metrics: str | os.PathLike[str],
+    out_png: str | os.PathLike[str],
     *,
     reward_key: str = "reward/mean",
     penalty_key: str = "reward/length_penalty",
     length_key: str = "length/mean",
-) -> dict[str, Any]:
-    """Fit and plot reward (length penalty removed) against mean length; returns the fit."""
+) -> dict[str, JsonValue]:
+    """Fit and plot reward (length penalty removed) against mean length; returns the fit (the
+    JSON written next to the PNG)."""
     rows = read_metrics(metrics, ("step", reward_key, penalty_key, length_key))
     if len(rows) < 2:
         raise DataError(f"{metrics}: fewer than two steps with {reward_key}, {penalty_key} and {length_key}")
@@ -97,14 +102,14 @@ def _label(folder: Path) -> str:
     return numbers[-1] if numbers else folder.name
 
 
-def _coordinates(first, max_coords: int, seed: int) -> dict[str, torch.Tensor | None]:
+def _coordinates(first: HFWeights, max_coords: int, seed: int) -> dict[str, torch.Tensor | None]:
     """Per tensor, the flat indices to take (None: all of it)."""
     sizes = {name: math.prod(first.shape(name)) for name in sorted(first)}
     total = sum(sizes.values())
     if total <= max_coords:
         return {name: None for name in sizes}
     gen = torch.Generator().manual_seed(seed)
-    out = {}
+    out: dict[str, torch.Tensor | None] = {}
     for name, size in sizes.items():
         take = max(1, round(max_coords * size / total))
         out[name] = torch.randint(0, size, (min(take, size),), generator=gen)
@@ -112,9 +117,15 @@ def _coordinates(first, max_coords: int, seed: int) -> dict[str, torch.Tensor | 
 
 
 def weight_pca(
-    folders: Sequence[str], out_png, *, max_coords: int = 2_000_000, seed: int = 0, progress: bool = True
-) -> dict[str, Any]:
-    """Project the checkpoints on the first two principal components; plot and return them."""
+    folders: Sequence[str],
+    out_png: str | os.PathLike[str],
+    *,
+    max_coords: int = 2_000_000,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, JsonValue]:
+    """Project the checkpoints on the first two principal components; plot and return them (the
+    JSON written next to the PNG)."""
 
     if len(folders) < 2:
         raise ValueError("weight-pca: give two or more checkpoints")
@@ -128,7 +139,7 @@ def weight_pca(
             if w.shape(n) != weights[0].shape(n):
                 raise DataError(f"{f}: {n}: shape {w.shape(n)} differs from {weights[0].shape(n)}")
     picks = _coordinates(weights[0], max_coords, seed)
-    rows = []
+    rows: list[torch.Tensor] = []
     for w in tqdm(
         weights, desc="reading checkpoints", unit="checkpoint", file=sys.stderr, disable=not progress
     ):

@@ -17,7 +17,10 @@ import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
 
 __all__ = [
     "ProblemEval",
@@ -79,7 +82,7 @@ class ProblemEval:
     truncated: int = 0  # samples cut at the token budget
     reasons: Counter = field(default_factory=Counter)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, JsonValue]:
         return {
             "problem_id": self.problem_id,
             "task": self.task,
@@ -143,13 +146,13 @@ def length_stats(lengths: Sequence[int]) -> dict[str, float]:
     }
 
 
-def _summary(results: Sequence[ProblemEval], ks: Sequence[int]) -> dict[str, Any]:
+def _summary(results: Sequence[ProblemEval], ks: Sequence[int]) -> dict[str, JsonValue]:
     majs = [r.maj for r in results if r.maj is not None]
     every = [n for r in results for n in r.lengths]
     right = [n for r in results for n, ok in zip(r.lengths, r.correct_mask) if ok]
     wrong = [n for r in results for n, ok in zip(r.lengths, r.correct_mask) if not ok]
     samples = sum(r.samples for r in results)
-    reasons: Counter = Counter()
+    reasons: Counter[str] = Counter()
     for r in results:
         reasons.update(r.reasons)
     return {
@@ -172,9 +175,9 @@ def _summary(results: Sequence[ProblemEval], ks: Sequence[int]) -> dict[str, Any
     }
 
 
-def aggregate(results: Sequence[ProblemEval], ks: Sequence[int]) -> dict[str, Any]:
-    """Overall summary, and the same per task and per language."""
-    out = {"overall": _summary(results, ks), "by_task": {}, "by_lang": {}}
+def aggregate(results: Sequence[ProblemEval], ks: Sequence[int]) -> dict[str, JsonValue]:
+    """Overall summary, and the same per task and per language (the JSON of ``report.json``)."""
+    out: dict[str, JsonValue] = {"overall": _summary(results, ks), "by_task": {}, "by_lang": {}}
     for key, attr in (("by_task", "task"), ("by_lang", "lang")):
         groups: dict[str, list[ProblemEval]] = {}
         for r in results:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -27,6 +27,10 @@ from megatron_rl.fileio import atomic_write_json, atomic_write_text, write_jsonl
 from megatron_rl.rewards.language import detect_language
 from megatron_rl.rewards.math import MathConfig
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+
+if TYPE_CHECKING:
+    from megatron_rl.data.sampling import Attempt
+    from megatron_rl.fileio import JsonValue
 
 __all__ = ["evaluate", "markdown", "problem_language", "write_report"]
 
@@ -83,7 +87,7 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}"
 
 
-def _table(groups: Mapping[str, Mapping[str, Any]], ks: Sequence[int], n: int) -> list[str]:
+def _table(groups: Mapping[str, Mapping[str, JsonValue]], ks: Sequence[int], n: int) -> list[str]:
     head = ["", "problems", *(f"pass@{k}" for k in ks), f"maj@{n}", "mean length", "truncated"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, s in groups.items():
@@ -99,7 +103,7 @@ def _table(groups: Mapping[str, Mapping[str, Any]], ks: Sequence[int], n: int) -
     return lines
 
 
-def markdown(summary: Mapping[str, Any], settings: Mapping[str, Any], ks: Sequence[int]) -> str:
+def markdown(summary: Mapping[str, JsonValue], settings: Mapping[str, JsonValue], ks: Sequence[int]) -> str:
     """The report as Markdown (percentages; maj over all samples)."""
     n = settings.get("k", ks[-1])
     lines = ["# Evaluation report", ""]
@@ -135,11 +139,11 @@ def markdown(summary: Mapping[str, Any], settings: Mapping[str, Any], ks: Sequen
 def write_report(
     out_dir: str | Path,
     problems: Sequence[Problem],
-    attempts: Mapping[str, Sequence],
+    attempts: Mapping[str, Sequence[Attempt]],
     results: Sequence[ProblemEval],
     ks: Sequence[int],
-    settings: Mapping[str, Any],
-) -> dict[str, Any]:
+    settings: Mapping[str, JsonValue],
+) -> dict[str, JsonValue]:
     """Write the files of the module docstring into ``out_dir``; returns the summary."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +163,7 @@ def write_report(
         ({"problem_id": p.id, **a.to_json()} for p in problems for a in attempts.get(p.id, [])),
     )
 
-    def curve(s):  # nan where some problem has fewer than k samples
+    def curve(s: JsonValue) -> list[float]:  # nan where some problem has fewer than k samples
         return [s["pass_at"].get(str(k), float("nan")) for k in ks]
 
     curves = {f"task {name}": curve(s) for name, s in summary["by_task"].items()}

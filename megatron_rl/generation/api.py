@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 from megatron_rl.generation.engine import Engine, EngineConfig
+from megatron_rl.types import FinishReason
 
 __all__ = ["GenRequest", "GenResult", "Generator", "LocalGenerator"]
-
-FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(kw_only=True)

@@ -34,7 +34,7 @@ import urllib.parse
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from megatron_rl.generation.api import GenRequest, GenResult
 from megatron_rl.generation.protocol import (
@@ -47,6 +47,9 @@ from megatron_rl.generation.protocol import (
     parse_generate,
     pause_payload,
 )
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
 
 __all__ = ["FleetClient", "ServerError", "ServerLost", "ServerState"]
 
@@ -64,7 +67,7 @@ class ServerLost(ConnectionError):
 class ServerError(RuntimeError):
     """The server answered with an error status."""
 
-    def __init__(self, url: str, route: str, status: int, body: Any):
+    def __init__(self, url: str, route: str, status: int, body: JsonValue):
         message = body.get("message") if isinstance(body, dict) else body
         super().__init__(f"{url}{route}: HTTP {status}: {message}")
         self.url, self.route, self.status, self.body = url, route, status, body
@@ -78,18 +81,19 @@ class ServerState:
     capacity_tokens: int = 0
     max_running: int = 0
     tp_size: int = 1
-    info: dict | None = None
+    info: dict[str, JsonValue] | None = None
 
 
 def _post_json(
     url: str,
     route: str,
-    body: Any,
+    body: object,
     *,
     method: str = "POST",
     timeout: float | None = None,
     request_id: str | None = None,
-) -> Any:
+) -> JsonValue:
+    """``body`` (None: no body) sent as JSON; the answer parsed as JSON (its text if it is not)."""
     # Only routes the SGLang contract test has checked (protocol.ROUTES), with their method; our
     # own extensions of the built-in engine live under /megatron_rl/.
     if ROUTES.get(route, "GET" if route.startswith("/megatron_rl/") else None) != method:
@@ -98,6 +102,8 @@ def _post_json(
             "that the client speaks (generation/protocol.py ROUTES)"
         )
     parts = urllib.parse.urlsplit(url)
+    if parts.hostname is None:
+        raise ValueError(f"{url}: not a server URL (expected http://host[:port])")
     conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
     try:
         data = None if body is None else json.dumps(body).encode()
@@ -130,7 +136,7 @@ class FleetClient:
         control_timeout_s: float = 600.0,
         initial_version: int = 0,
         max_workers: int = 256,
-    ):
+    ) -> None:
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         if not self.servers:
             raise ValueError("urls: need at least one server")
@@ -205,7 +211,7 @@ class FleetClient:
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.servers)
 
-    def _pick(self, exclude: set[str] = frozenset()) -> ServerState:
+    def _pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> ServerState:
         with self._lock:
             live = [s for s in self.servers if s.alive and s.url not in exclude] or [
                 s for s in self.servers if s.alive
@@ -223,7 +229,7 @@ class FleetClient:
     # ------------------------------------------------------------------ generation
 
     def submit(
-        self, req: GenRequest, *, url: str | None = None, exclude: set[str] = frozenset()
+        self, req: GenRequest, *, url: str | None = None, exclude: frozenset[str] | set[str] = frozenset()
     ) -> Future[GenResult]:
         """Send one request (to ``url``, or the least-loaded live server not in ``exclude``).
 
@@ -261,7 +267,7 @@ class FleetClient:
     def generate(self, requests: Iterable[GenRequest], *, resend_lost: bool = True) -> Iterator[GenResult]:
         """Yield a result per request as each finishes; lost requests are re-sent elsewhere
         (``resend_lost``) or raise :class:`ServerLost`."""
-        pending: dict[Future, tuple[GenRequest, set[str]]] = {}
+        pending: dict[Future[GenResult], tuple[GenRequest, set[str]]] = {}
         for r in requests:
             pending[self.submit(r)] = (r, set())
         while pending:
@@ -282,7 +288,7 @@ class FleetClient:
 
     # ------------------------------------------------------------------ weight updates
 
-    def _broadcast_control(self, route: str, body: Any, urls: list[str] | None = None) -> list:
+    def _broadcast_control(self, route: str, body: object, urls: list[str] | None = None) -> list[JsonValue]:
         urls = urls if urls is not None else [s.url for s in self.alive]
         futs = [self._pool.submit(_post_json, u, route, body, timeout=self.control_timeout_s) for u in urls]
         return [f.result() for f in futs]
@@ -312,7 +318,8 @@ class FleetClient:
     def update_ranks(self) -> dict[str, int]:
         """Rank offset of each update target in the update group (rank 0 is the trainer)."""
         tp = {**self._update_tp, **{s.url: s.tp_size for s in self.servers}}
-        ranks, nxt = {}, 1
+        ranks: dict[str, int] = {}
+        nxt = 1
         for u in self.update_urls:
             ranks[u] = nxt
             nxt += tp.get(u, 1)
@@ -324,7 +331,7 @@ class FleetClient:
 
     def init_update_group_async(
         self, *, master_address: str, master_port: int, group_name: str, backend: str
-    ) -> list[Future]:
+    ) -> list[Future[JsonValue]]:
         """Ask every update target to join the group; the futures complete once the trainer
         (rank 0) has joined too, so call this first, then join, then wait on them."""
         world = self.update_world_size()
@@ -346,7 +353,7 @@ class FleetClient:
             for u, r in self.update_ranks().items()
         ]
 
-    def update_weights_async(self, payload: dict) -> list[Future]:
+    def update_weights_async(self, payload: dict[str, object]) -> list[Future[JsonValue]]:
         """Post one ``/update_weights_from_distributed`` to every update target; they return
         after receiving the broadcast the caller makes next."""
         return [
@@ -356,7 +363,7 @@ class FleetClient:
             for u in self.update_urls
         ]
 
-    def server_info(self, url: str) -> dict:
+    def server_info(self, url: str) -> dict[str, JsonValue]:
         return _post_json(url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
 
     def weights_digest(self, url: str) -> dict[str, str]:

@@ -39,11 +39,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_rl.generation.api import GenRequest, GenResult
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
+    from megatron_rl.generation.api import FinishReason
 
 __all__ = [
     "ROUTES",
@@ -86,9 +90,9 @@ class ProtocolError(ValueError):
     """A reply that does not have the shape SGLang's API promises."""
 
 
-def generate_payload(req: GenRequest) -> dict[str, Any]:
+def generate_payload(req: GenRequest) -> dict[str, object]:
     """``/generate`` body for one request: token ids in, token ids + log-probs + versions out."""
-    sampling: dict[str, Any] = {
+    sampling: dict[str, object] = {
         "temperature": req.temperature,
         "top_p": req.top_p,
         "max_new_tokens": req.max_new_tokens,
@@ -111,7 +115,9 @@ def generate_payload(req: GenRequest) -> dict[str, Any]:
     }
 
 
-def versions_per_token(spans: Sequence[dict] | None, n_tokens: int, *, initial_version: int = 0) -> list[int]:
+def versions_per_token(
+    spans: Sequence[dict[str, JsonValue]] | None, n_tokens: int, *, initial_version: int = 0
+) -> list[int]:
     """Expand SGLang's ``weight_versions`` spans into one policy version per output token."""
     if not spans:
         return [initial_version] * n_tokens
@@ -132,7 +138,18 @@ def versions_per_token(spans: Sequence[dict] | None, n_tokens: int, *, initial_v
     return out
 
 
-def parse_generate(req: GenRequest, body: dict, *, server: str = "", initial_version: int = 0) -> GenResult:
+def _finish_reason(value: object) -> FinishReason:
+    """SGLang's finish type as ours; any other value counts as ``stop``."""
+    if value == "length":
+        return "length"
+    if value == "abort":
+        return "abort"
+    return "stop"
+
+
+def parse_generate(
+    req: GenRequest, body: dict[str, JsonValue], *, server: str = "", initial_version: int = 0
+) -> GenResult:
     """Read a ``/generate`` reply (one request) into a :class:`GenResult`."""
     try:
         meta = body["meta_info"]
@@ -146,9 +163,7 @@ def parse_generate(req: GenRequest, body: dict, *, server: str = "", initial_ver
         raise ProtocolError(
             f"/generate reply from {server or 'server'}: output_token_logprobs do not match output_ids"
         )
-    reason = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
-    if reason not in ("stop", "length", "abort"):
-        reason = "stop"
+    reason = _finish_reason(finish.get("type", "stop") if isinstance(finish, dict) else str(finish))
     return GenResult(
         request_id=req.request_id,
         prompt_ids=list(req.input_ids),
@@ -163,21 +178,21 @@ def parse_generate(req: GenRequest, body: dict, *, server: str = "", initial_ver
     )
 
 
-def pause_payload(mode: str = "in_place") -> dict[str, Any]:
+def pause_payload(mode: str = "in_place") -> dict[str, object]:
     """``/pause_generation``: ``in_place`` keeps requests and their KV cache."""
     if mode not in ("in_place", "abort", "retract"):
         raise ValueError(f"mode: must be in_place, abort or retract, got {mode!r}")
     return {"mode": mode}
 
 
-def abort_payload(rid: str | None = None) -> dict[str, Any]:
+def abort_payload(rid: str | None = None) -> dict[str, object]:
     """``/abort_request`` for one request, or every request when ``rid`` is None."""
     return {"abort_all": True} if rid is None else {"rid": rid}
 
 
 def init_group_payload(
     *, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """``/init_weights_update_group``: the server's workers take ranks ``rank_offset + tp_rank``."""
     return {
         "master_address": master_address,
@@ -202,9 +217,9 @@ def update_weights_payload(
     group_name: str,
     weight_version: int,
     flattened_bucket: bool = True,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """``/update_weights_from_distributed`` for one bucket; never flushes the cache."""
-    payload = {
+    payload: dict[str, object] = {
         "names": list(names),
         "dtypes": list(dtypes),
         "shapes": [list(map(int, s)) for s in shapes],
@@ -222,7 +237,8 @@ def bucket_layout(
     dtypes: Sequence[str], shapes: Sequence[Sequence[int]]
 ) -> tuple[list[tuple[int, int]], int]:
     """Byte ``(start, end)`` of each tensor in a flattened bucket, and its total size."""
-    spans, offset = [], 0
+    spans: list[tuple[int, int]] = []
+    offset = 0
     for dtype, shape in zip(dtypes, shapes, strict=True):
         dt = getattr(torch, dtype, None)
         if not isinstance(dt, torch.dtype):

@@ -12,10 +12,13 @@ alike: rank 0 is the trainer, a server with ``rank_offset`` r and ``tp`` workers
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 __all__ = ["broadcast", "destroy_update_group", "init_update_group"]
 
@@ -29,7 +32,7 @@ def init_update_group(
     world_size: int,
     group_name: str,
     timeout_s: float = 120.0,
-) -> Any:
+) -> dist.ProcessGroup:
     """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined."""
     from torch.distributed.distributed_c10d import (  # lazy: private torch API, used only to build the group
         Backend,
@@ -46,7 +49,7 @@ def init_update_group(
     # What SGLang's tcp:// rendezvous builds, made directly: under torchrun the rendezvous would
     # reuse the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE) and rank 0 would wait for
     # a master that never comes. Here rank 0 always hosts the group's own store.
-    store = dist.TCPStore(
+    tcp_store = dist.TCPStore(
         master_address,
         int(master_port),
         world_size,
@@ -54,14 +57,15 @@ def init_update_group(
         timeout=timeout,
         wait_for_workers=False,
     )
-    store = PrefixStore(group_name, store)
+    store = PrefixStore(group_name, tcp_store)
     pg, _ = _new_process_group_helper(
         world_size,
         rank,
         [],
         Backend(backend),
         store,
-        group_name=group_name,
+        # GroupName is NewType("GroupName", str) in torch's stubs: at run time the str itself.
+        group_name=cast("GroupName", group_name),
         backend_options=None,
         timeout=timeout,
     )
@@ -70,7 +74,7 @@ def init_update_group(
     return pg
 
 
-def destroy_update_group(group: Any) -> None:
+def destroy_update_group(group: dist.ProcessGroup) -> None:
     """Tear the group down (no-op if it is already gone)."""
     try:
         dist.destroy_process_group(group)
@@ -78,6 +82,6 @@ def destroy_update_group(group: Any) -> None:
         pass
 
 
-def broadcast(tensor: torch.Tensor, group: Any, src: int = 0) -> None:
+def broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, src: int = 0) -> None:
     """Broadcast ``tensor`` in place from group rank ``src`` to every rank of ``group``."""
     dist.broadcast(tensor, src=src, group=group)

@@ -10,11 +10,17 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from megatron_rl.fileio import JsonValue
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "VOCAB_DIVISIBLE_BY",
+    "HFConfigLike",
     "load_hf_config",
     "padded_vocab_size",
     "rope_parameters",
@@ -25,8 +31,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Megatron pads the vocabulary so each TP shard is a multiple of 128 (GEMM-friendly) ids.
 VOCAB_DIVISIBLE_BY = 128
 
+#: What :func:`load_hf_config` accepts: a loaded config, or the HF folder holding its config.json.
+HFConfigLike: TypeAlias = "PretrainedConfig | str | os.PathLike[str]"
 
-def load_hf_config(hf_config: Any):
+
+def load_hf_config(hf_config: HFConfigLike) -> PretrainedConfig:
     """``hf_config`` itself if it is a ``transformers.PretrainedConfig``; else read the
     ``config.json`` of the folder it names (no network access)."""
     import transformers  # lazy: transformers takes seconds to import; only this path needs it
@@ -61,9 +70,10 @@ def padded_vocab_size(
     return -(-vocab_size // multiple) * multiple
 
 
-def rope_parameters(hf) -> dict:
+def rope_parameters(hf: PretrainedConfig) -> dict[str, JsonValue]:
     """RoPE settings in either layout: transformers >= 5 (``rope_parameters`` holding
-    ``rope_theta``) or older config.json files (top-level ``rope_theta``, ``rope_scaling``)."""
+    ``rope_theta``) or older config.json files (top-level ``rope_theta``, ``rope_scaling``).
+    The values are config.json's (floats, ints and strings by RoPE type)."""
     params = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
     if params and all(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"rope_parameters: per-layer-type RoPE settings {sorted(params)} are not supported")

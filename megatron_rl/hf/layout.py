@@ -51,11 +51,14 @@ import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from megatron_rl.hf.arch import load_hf_config, padded_vocab_size
+
+if TYPE_CHECKING:
+    from megatron_rl.hf.arch import HFConfigLike
 
 __all__ = [
     "CONVERTERS",
@@ -165,7 +168,10 @@ def layer_offset(
         raise ValueError(f"num_layers: {num_layers} does not split evenly into {chunks} chunks")
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank: {pp_rank} outside [0, {pp_size})")
-    if (vp_size is None) != (vp_stage is None) or (vp_size and not 0 <= vp_stage < vp_size):
+    # (vp_stage is not None follows from the first test; it is spelt out for the type checker)
+    if (vp_size is None) != (vp_stage is None) or (
+        vp_size and vp_stage is not None and not 0 <= vp_stage < vp_size
+    ):
         raise ValueError(f"vp_stage: {vp_stage} does not fit vp_size={vp_size}")
     return ((vp_stage or 0) * pp_size + pp_rank) * (num_layers // chunks)
 
@@ -294,7 +300,7 @@ class ModelDims:
 
     @classmethod
     def from_hf_config(
-        cls, hf_config: Any, *, tensor_parallel: int = 1, padded_vocab: int | None = None
+        cls, hf_config: HFConfigLike, *, tensor_parallel: int = 1, padded_vocab: int | None = None
     ) -> ModelDims:
         """``padded_vocab`` defaults to :func:`padded_vocab_size` at ``tensor_parallel``."""
         hf = load_hf_config(hf_config)
@@ -354,7 +360,7 @@ class HFConverter:
 
     @staticmethod
     def for_config(
-        hf_config: Any, *, tensor_parallel: int = 1, padded_vocab: int | None = None
+        hf_config: HFConfigLike, *, tensor_parallel: int = 1, padded_vocab: int | None = None
     ) -> HFConverter:
         """The converter for an HF config (object or folder); see :class:`ModelDims` for the
         padded vocabulary. Raises ValueError naming the field for what it cannot map."""

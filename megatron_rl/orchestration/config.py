@@ -37,7 +37,7 @@ class LoopConfig:
     expected_length: int = 0  # completion tokens assumed for KV sizing before any finishes; 0 = l_max/2
     seed: int = 0  # prompt order and per-request sampling seeds
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("group_size", self.group_size, low=2)
         check_range("n_batch", self.n_batch, low=self.group_size)
         if self.n_batch % self.group_size:
@@ -102,7 +102,7 @@ class FleetConfig:
     threads: int = 1  # per local server: torch threads
     request_timeout_s: float = 0.0  # 0: none (long generations are normal)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("local_servers", self.local_servers, low=0)
         check_range("max_slots", self.max_slots, low=1)
         check_range("max_len", self.max_len, low=2)
@@ -137,7 +137,7 @@ class RunDirConfig:
     # export); running it again resumes. 0: no limit.
     time_limit_min: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("checkpoint_every", self.checkpoint_every, low=0)
         check_range("time_limit_min", self.time_limit_min, low=0.0)
         check_range("keep_last", self.keep_last, low=1)
@@ -166,7 +166,7 @@ class StageConfig:
     max_difficulty: float | None = None
     drop_solved: bool | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if (self.at_step is None) == (self.metric is None):
             raise ConfigFieldError(
                 "at_step", "a stage needs exactly one trigger: at_step, or metric + threshold"

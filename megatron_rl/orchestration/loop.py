@@ -27,15 +27,45 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.batching.builder import build_train_batch
-from megatron_rl.orchestration.rollouts import GroupRecord, Rollouts
 
-__all__ = ["Orchestrator", "StepResult", "staleness_stats"]
+if TYPE_CHECKING:
+    from megatron_rl.orchestration.recipe import RunConfig
+    from megatron_rl.orchestration.rollouts import GroupRecord, Rollouts
+    from megatron_rl.types import TrainBatch
+
+__all__ = ["Broadcaster", "Orchestrator", "StepResult", "Trainer", "staleness_stats", "train_stats"]
+
+_T = TypeVar("_T")
+
+
+class Trainer(Protocol):
+    """What the loop needs of the trainer: a :class:`~megatron_rl.training.trainer.PolicyTrainer`,
+    or a stand-in (a benchmark's modelled trainer)."""
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken: the policy version of the current weights."""
+        ...
+
+    def rl_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch`` (collective over the trainer's ranks); its stats."""
+        ...
+
+
+class Broadcaster(Protocol):
+    """What the loop needs of the weight update: a
+    :class:`~megatron_rl.weight_sync.broadcast.WeightBroadcaster`, or a stand-in."""
+
+    def sync(self, version: int) -> dict[str, float]:
+        """Send the trainer's weights to the fleet as policy ``version``; its timings."""
+        ...
 
 
 def staleness_stats(versions: list[torch.Tensor], current: int) -> dict[str, float]:
@@ -46,6 +76,36 @@ def staleness_stats(versions: list[torch.Tensor], current: int) -> dict[str, flo
     out = {"staleness/mean": float(lag.float().mean()), "staleness/max": float(lag.max())}
     for k, n in zip(*torch.unique(lag, return_counts=True)):
         out[f"staleness/hist/{int(k)}"] = float(n) / lag.numel()
+    return out
+
+
+# The trainer's per-optimizer-step stats reported as train/*: the mean over a step's optimizer
+# steps, the maximum for *_max.
+_TRAIN_STATS = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "entropy_mean",
+    "clip_low_frac",
+    "clip_high_frac",
+    "ratio_mean",
+    "ratio_max",
+    "approx_kl_mean",
+    "tokens_per_s",
+    "step_time_s",
+)
+
+
+def train_stats(stats_list: list[dict[str, float]]) -> dict[str, float]:
+    """``train/*`` of one step from its optimizer steps' stats (``rl_step``'s dicts, in order)."""
+    out: dict[str, float] = {}
+    for key in _TRAIN_STATS:
+        vals = [s[key] for s in stats_list if key in s]
+        if vals:
+            out[f"train/{key}"] = (
+                float(sum(vals) / len(vals)) if not key.endswith("_max") else float(max(vals))
+            )
+    out["train/optimizer_steps"] = float(len([s for s in stats_list if not s.get("skipped")]))
     return out
 
 
@@ -60,17 +120,17 @@ class Orchestrator:
     """Drives :class:`Rollouts` and the trainer; see the module docstring.
 
     ``trainer``: a :class:`~megatron_rl.training.trainer.PolicyTrainer` (or anything with
-    ``rl_step(batch)`` and ``step``); ``broadcaster``: a
+    ``rl_step(batch)`` and ``step``: :class:`Trainer`); ``broadcaster``: a
     :class:`~megatron_rl.weight_sync.broadcast.WeightBroadcaster` (or None: no fleet update);
     ``rollouts``: rank 0's :class:`Rollouts` (None on other ranks).
     """
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: RunConfig,
         *,
-        trainer: Any,
-        broadcaster: Any,
+        trainer: Trainer,
+        broadcaster: Broadcaster | None,
         rollouts: Rollouts | None,
         rank: int = 0,
         world_size: int = 1,
@@ -86,11 +146,19 @@ class Orchestrator:
         self._threads: list[threading.Thread] = []
         self.queue_blocked_s = 0.0
         self.queue_blocks = 0
-        self._busy_since: float | None = None
-        self._busy_s = 0.0
         self._t_start = time.monotonic()
         self._last = {"t": time.monotonic(), "tokens": 0, "busy": 0.0, "completions": 0}
         self.last_dropped: list[GroupRecord] = []
+
+    def _rank0_rollouts(self) -> Rollouts:
+        """The rollouts, for the methods only rank 0 runs (generation, batches, metrics): the
+        other ranks hold none, and the run builds them on rank 0 before the first step."""
+        if self.rollouts is None:
+            raise RuntimeError(
+                f"Orchestrator: rank {self.rank} holds no rollouts; only rank 0 generates, "
+                "takes batches and computes metrics"
+            )
+        return self.rollouts
 
     # ------------------------------------------------------------------ capacity
 
@@ -99,9 +167,9 @@ class Orchestrator:
         cap = self.loop.async_cap()
         r = self.rollouts
         if r is not None:
-            prompt = max((len(v) for v in r._prompt_cache.values()), default=64)
-            expected = r.lengths_ema or self.loop.expected_length or r.max_new_tokens / 2
-            kv = r.fleet.capacity_tokens()
+            prompt = r.max_prompt_len(default=64)
+            expected = r.length_ema or self.loop.expected_length or r.max_new_tokens / 2
+            kv = r.capacity_tokens()
             if kv > 0:
                 cap = min(cap, int(kv // max(1.0, prompt + expected)))
         g = self.loop.group_size
@@ -121,47 +189,34 @@ class Orchestrator:
     def stop(self) -> None:
         self._stop.set()
         if self.rollouts is not None:
-            with self.rollouts.cond:
-                self.rollouts.cond.notify_all()
+            self.rollouts.notify_all()
         for t in self._threads:
             t.join(timeout=10)
         self._threads = []
 
-    def _mark_busy(self) -> None:
-        busy = self.rollouts.in_flight > 0
-        now = time.monotonic()
-        if busy and self._busy_since is None:
-            self._busy_since = now
-        elif not busy and self._busy_since is not None:
-            self._busy_s += now - self._busy_since
-            self._busy_since = None
-
     def busy_seconds(self) -> float:
-        extra = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
-        return self._busy_s + extra
+        """Wall time the generators had work (a sequence in flight), as Rollouts counts it."""
+        return self.rollouts.busy_seconds() if self.rollouts is not None else 0.0
 
     def _generate_forever(self) -> None:
-        r, g = self.rollouts, self.loop.group_size
+        r, g = self._rank0_rollouts(), self.loop.group_size
+        # Room for one more group: no error, the cap not reached, the verified queue not full
+        # (the assembler's notify_all wakes this when the trainer takes a group).
+        room = lambda: not r.failed and r.in_flight + g <= self.async_cap() and not self.queue.full()
         while not self._stop.is_set():
-            with r.cond:
-                self._mark_busy()
-                if r.errors or r.in_flight + g > self.async_cap() or self.queue.full():
-                    r.cond.wait(0.02)
-                    continue
+            if not r.wait_until(room, timeout=0.02) or self._stop.is_set():
+                continue
             try:
                 r.issue_group()
             except BaseException as e:  # noqa: BLE001 - surfaced by the trainer thread
-                r._fail(e)
+                r.fail(e)
                 return
-            with r.cond:
-                self._mark_busy()
 
     def _assemble_forever(self) -> None:
-        r = self.rollouts
+        r = self._rank0_rollouts()
         while not self._stop.is_set():
-            try:
-                rec = r.completed.get(timeout=0.05)
-            except queue.Empty:
+            rec = r.take_completed(timeout=0.05)
+            if rec is None:
                 continue
             t0 = time.monotonic()
             blocked = False
@@ -174,22 +229,23 @@ class Orchestrator:
             if blocked:
                 self.queue_blocks += 1
                 self.queue_blocked_s += time.monotonic() - t0
-            with r.cond:
-                r.cond.notify_all()
+            r.notify_all()  # the queue has room again, maybe
 
     # ------------------------------------------------------------------ batches (rank 0)
 
     def _take_async(self, n: int, version: int) -> tuple[list[GroupRecord], list[GroupRecord]]:
         """Whole groups until ``n`` sequences; stale groups are set aside (re-issued)."""
-        bound = self.loop.staleness_bound()
-        taken, stale, count = [], [], 0
+        r, bound = self._rank0_rollouts(), self.loop.staleness_bound()
+        taken: list[GroupRecord] = []
+        stale: list[GroupRecord] = []
+        count = 0
         while count < n:
-            self.rollouts.check()
+            r.check()
             try:
                 rec = self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if version - rec.min_version() > bound:
+            if rec.staleness(version) > bound:
                 stale.append(rec)
                 continue
             taken.append(rec)
@@ -199,79 +255,74 @@ class Orchestrator:
     def _take_sync(self, n: int) -> list[GroupRecord]:
         """Generate until ``n`` sequences of kept groups exist (waves of at most the async cap);
         the first ``n / G`` kept in issue order are the batch, the rest are re-issued."""
-        r, g = self.rollouts, self.loop.group_size
+        r, g = self._rank0_rollouts(), self.loop.group_size
         kept: list[GroupRecord] = []
         while len(kept) * g < n:
             # The configured cap only (not the KV estimate, which depends on lengths seen so
             # far): a resumed run must issue the same waves as an uninterrupted one.
             wave = min(self.loop.async_cap(), n - len(kept) * g)
             recs = [r.issue_group() for _ in range(-(-wave // g))]
-            with r.cond:
-                self._mark_busy()
-                while r.in_flight > 0 or any(x.kept is None for x in recs):
-                    r.check()
-                    r.cond.wait(0.05)
-                    self._mark_busy()
-                self._mark_busy()
-            while True:
-                try:
-                    kept.append(r.completed.get_nowait())
-                except queue.Empty:
-                    break
+            r.wait_until(partial(self._settled, recs), timeout=None)
+            r.check()
+            kept.extend(r.drain_completed())
         kept.sort(key=lambda x: x.index)
         take = n // g
         for rec in kept[take:]:  # surplus: re-issued first next step, under the new weights
-            r.retire(rec)
-            r.sampler.reissue.appendleft(rec.key)
+            r.reissue(rec, first=True)
         return kept[:take]
+
+    def _settled(self, recs: list[GroupRecord]) -> bool:
+        """Every group of a sync wave scored and filtered (or a callback failed)."""
+        r = self._rank0_rollouts()
+        return r.failed or (r.in_flight == 0 and all(x.kept is not None for x in recs))
 
     # ------------------------------------------------------------------ one step (collective)
 
-    def step(self) -> StepResult | None:
+    def step(self) -> StepResult:
         """One training step: a batch, its optimizer steps, the weight broadcast (collective)."""
         n_batch, n_mini = self.loop.n_batch, self.loop.minibatch
         version = int(self.trainer.step)
         groups: list[GroupRecord] = []
         stale: list[GroupRecord] = []
+        r = self._rank0_rollouts() if self.rank == 0 else None
         t0 = time.monotonic()
-        if self.rank == 0:
+        if r is not None:
             if self.loop.mode == "async":
                 groups, stale = self._take_async(n_batch, version)
             else:
                 groups = self._take_sync(n_batch)
             for rec in stale:
-                self.rollouts.retire(rec)
-                self.rollouts.sampler.reissue.append(rec.key)
+                r.reissue(rec)
         t_wait = time.monotonic() - t0
         per_mini = n_mini // self.loop.group_size
         chunks = [groups[i : i + per_mini] for i in range(0, len(groups), per_mini)]
         n_chunks = self.broadcast_object(len(chunks))
-        metrics: Counter = Counter()
         stats_list: list[dict[str, float]] = []
-        versions = [torch.tensor(s.completion.versions) for rec in groups for s in rec.scored]
+        versions = [torch.tensor(s.completion.versions) for rec in groups for s in rec.all_scored()]
         for i in range(n_chunks):
-            batch = (
+            batch = self.broadcast_object(  # built on rank 0, sent to the others
                 build_train_batch([g.to_group() for g in chunks[i]], self.cfg.algorithm)
                 if self.rank == 0
                 else None
             )
-            batch = self.broadcast_object(batch)
+            if batch is None:
+                raise RuntimeError(f"Orchestrator: rank {self.rank} got no minibatch {i} from rank 0")
             stats_list.append(self.trainer.rl_step(batch))
         t_train = time.monotonic() - t0 - t_wait
         new_version = int(self.trainer.step)
-        sync_stats = {}
+        sync_stats: dict[str, float] = {}
         if self.sync_weights and self.broadcaster is not None:
             sync_stats = self.broadcaster.sync(new_version)
-        if self.rank != 0:
+        if r is None:  # not rank 0: no batch of its own, no metrics
             return StepResult(new_version, {}, [])
         for rec in groups:
-            self.rollouts.retire(rec)
+            r.retire(rec)
         metrics = self._metrics(
             groups, stale, stats_list, versions, version, new_version, t_wait, t_train, sync_stats
         )
         return StepResult(new_version, metrics, groups)
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj: _T) -> _T:
         """``obj`` from rank 0 on every trainer rank (pickled; a no-op on one rank)."""
         if self.world_size == 1:
             return obj
@@ -282,10 +333,19 @@ class Orchestrator:
     # ------------------------------------------------------------------ metrics (rank 0)
 
     def _metrics(
-        self, groups, stale, stats_list, versions, version, new_version, t_wait, t_train, sync_stats
+        self,
+        groups: list[GroupRecord],
+        stale: list[GroupRecord],
+        stats_list: list[dict[str, float]],
+        versions: list[torch.Tensor],
+        version: int,
+        new_version: int,
+        t_wait: float,
+        t_train: float,
+        sync_stats: dict[str, float],
     ) -> dict[str, float]:
-        r = self.rollouts
-        scored = [s for rec in groups for s in rec.scored]
+        r = self._rank0_rollouts()
+        scored = [s for rec in groups for s in rec.all_scored()]
         m: dict[str, float] = {"step": float(new_version), "version/trained_from": float(version)}
         if scored:
             rewards = torch.tensor([s.reward for s in scored])
@@ -306,25 +366,7 @@ class Orchestrator:
             )
             for part in ("format", "correct", "length", "language"):
                 m[f"reward/{part}"] = sum(s.parts.get(part, 0.0) for s in scored) / len(scored)
-        for key in (
-            "loss",
-            "grad_norm",
-            "lr",
-            "entropy_mean",
-            "clip_low_frac",
-            "clip_high_frac",
-            "ratio_mean",
-            "ratio_max",
-            "approx_kl_mean",
-            "tokens_per_s",
-            "step_time_s",
-        ):
-            vals = [s[key] for s in stats_list if key in s]
-            if vals:
-                m[f"train/{key}"] = (
-                    float(sum(vals) / len(vals)) if not key.endswith("_max") else float(max(vals))
-                )
-        m["train/optimizer_steps"] = float(len([s for s in stats_list if not s.get("skipped")]))
+        m.update(train_stats(stats_list))
         m.update(staleness_stats(versions, version))
         dropped = r.drain_dropped()
         self.last_dropped = dropped
@@ -341,22 +383,23 @@ class Orchestrator:
         now = time.monotonic()
         dt = max(now - self._last["t"], 1e-9)
         busy = self.busy_seconds()
+        stats = r.snapshot_stats()
         m["generator/busy_fraction"] = min(1.0, (busy - self._last["busy"]) / dt)
-        m["throughput/generated_tokens_per_s"] = (r.stats["generated_tokens"] - self._last["tokens"]) / dt
-        m["throughput/completions_per_s"] = (r.stats["completions"] - self._last["completions"]) / dt
+        m["throughput/generated_tokens_per_s"] = (stats["generated_tokens"] - self._last["tokens"]) / dt
+        m["throughput/completions_per_s"] = (stats["completions"] - self._last["completions"]) / dt
         m["throughput/train_tokens_per_s"] = sum(
-            len(s.completion.token_ids) + len(rec.prompt_ids) for rec in groups for s in rec.scored
+            len(s.completion.token_ids) + len(rec.prompt_ids) for rec in groups for s in rec.all_scored()
         ) / max(t_train, 1e-9)
         m["time/wait_for_batch_s"] = t_wait
         m["time/train_s"] = t_train
         m["time/step_s"] = dt
-        m["requests/lost"] = float(r.stats["requests_lost"])
+        m["requests/lost"] = float(stats["requests_lost"])
         for k, v in sync_stats.items():
             m[k] = float(v)
         self._last = {
             "t": now,
-            "tokens": r.stats["generated_tokens"],
+            "tokens": stats["generated_tokens"],
             "busy": busy,
-            "completions": r.stats["completions"],
+            "completions": stats["completions"],
         }
         return m

@@ -9,12 +9,13 @@ line and the dotted field (:mod:`megatron_rl.config` does the reading)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
-from megatron_rl.config import load_dataclass
+from megatron_rl.config import ConfigFieldError, load_dataclass
 from megatron_rl.orchestration.config import (
     DataConfig,
     FleetConfig,
@@ -27,7 +28,7 @@ from megatron_rl.rewards.compose import RewardConfig
 from megatron_rl.training.config import TrainerConfig
 from megatron_rl.weight_sync.broadcast import WeightSyncConfig
 
-__all__ = ["RunConfig", "load_config"]
+__all__ = ["PATH_FIELDS", "RunConfig", "check_paths", "load_config"]
 
 
 @dataclass(kw_only=True)
@@ -46,7 +47,76 @@ class RunConfig:
     run: RunDirConfig = field(default_factory=RunDirConfig)  # run directory, checkpoints
     curriculum: list[StageConfig] = field(default_factory=list)  # stages, in order
 
+    def __post_init__(self) -> None:
+        self.check_curriculum()
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML recipe (or only defaults when ``path`` is None) and apply overrides."""
-    return load_dataclass(RunConfig, path, overrides)
+    def check_curriculum(self) -> None:
+        """Check every stage as it will be applied, before anything starts: each stage's values
+        over what the stages before it left (so a typo in stage 3 fails at load, not hours in),
+        through the same component checks the stage will meet. Raises ConfigFieldError with the
+        dotted field, e.g. ``curriculum.2.n_minibatch``."""
+        loop, reward, algorithm = self.loop, self.reward, self.algorithm
+        low, high = self.data.min_difficulty, self.data.max_difficulty
+        previous_step: int | None = None
+        for i, st in enumerate(self.curriculum):
+            at = f"curriculum.{i}"
+            name = st.name or f"stage{i + 1}"
+            try:
+                loop = replace(loop, **_set(st, "n_batch", "n_minibatch", "n_async"))
+                reward = replace(reward, **_set(st, "l_max", "l_cache"))
+                algorithm = replace(algorithm, **_set(st, "eps_high"))
+            except ConfigFieldError as e:
+                raise ConfigFieldError(
+                    f"{at}.{e.field}", f"{e.message} (once stage {name!r} applies)"
+                ) from None
+            low = st.min_difficulty if st.min_difficulty is not None else low
+            high = st.max_difficulty if st.max_difficulty is not None else high
+            if low is not None and high is not None and low > high:
+                raise ConfigFieldError(
+                    f"{at}.min_difficulty",
+                    f"{low} is above max_difficulty {high} once stage {name!r} applies: no problem is left",
+                )
+            if st.at_step is not None:
+                if previous_step is not None and st.at_step < previous_step:
+                    raise ConfigFieldError(
+                        f"{at}.at_step",
+                        f"stages apply in order; {st.at_step} is before the previous stage's {previous_step}",
+                    )
+                if self.loop.max_steps and st.at_step >= self.loop.max_steps:
+                    raise ConfigFieldError(
+                        f"{at}.at_step",
+                        f"{st.at_step} is never reached (loop.max_steps is {self.loop.max_steps})",
+                    )
+                previous_step = st.at_step
+
+
+def _set(stage: StageConfig, *names: str) -> dict[str, Any]:
+    """The fields among ``names`` that ``stage`` sets (the others keep their values).
+
+    ``Any``: each value is the stage's own typed field of that name (``StageConfig.n_batch:
+    int | None``, not None here), the type of the component's field it overrides in
+    ``replace``; a dict holds one value type for all its keys, and the component's
+    ``__post_init__`` checks the values as ``replace`` builds it."""
+    return {n: getattr(stage, n) for n in names if getattr(stage, n) is not None}
+
+
+# Paths a recipe names, checked before a run starts anything.
+PATH_FIELDS = ("model.hf", "model.tokenizer", "data.train", "data.eval")
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Raise ConfigFieldError naming the first path field that is set but does not exist
+    (``hf:NAME`` data sets are resolved by their reader, not here)."""
+    for dotted in PATH_FIELDS:
+        section, name = dotted.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not str(value).startswith("hf:") and not Path(value).exists():
+            raise ConfigFieldError(dotted, f"no such file or folder: {value}")
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, paths: bool = False
+) -> RunConfig:
+    """Read a YAML recipe (or only defaults when ``path`` is None) and apply overrides; every
+    curriculum stage is checked, and with ``paths`` every path the recipe names must exist."""
+    return load_dataclass(RunConfig, path, overrides, check=check_paths if paths else None)

@@ -9,14 +9,27 @@ verifier pool and the prompt sampler:
 - each completion goes to the verifier pool the moment it finishes (future callbacks: no thread
   waits on a batch);
 - when all G completions of a group are scored the group is filtered (equal rewards dropped, with
-  the reason) and either lands in :attr:`Rollouts.completed` (kept) or is recorded as dropped;
+  the reason) and either waits in the completed queue (kept: :meth:`Rollouts.take_completed`) or
+  is recorded as dropped (:meth:`Rollouts.drain_dropped`);
 - a completion lost with its server (:class:`~megatron_rl.generation.client.ServerLost`) is
   re-sent to another live server at once; the loss is counted. A completion that comes back
   aborted (``weight_sync.pause_mode: abort``, ``/abort_request``) is re-sent too: a cut-off
   sample is never scored or trained.
 
-Every group issued and not yet trained or dropped is *pending*; :meth:`pending_keys` is what a
-checkpoint records so that a resumed run re-issues exactly those.
+Every group issued and not yet trained or dropped is *pending*: a kept group stays pending until
+its consumer calls :meth:`Rollouts.retire` (trained) or :meth:`Rollouts.reissue` (sent back to
+the sampler, to be issued again first). :meth:`Rollouts.state_dict` is what a checkpoint records
+(the sampler's cursor with the pending prompts ahead of its re-issue queue, and the counters), so
+a resumed run re-issues exactly those.
+
+**Threads.** Groups are issued from the loop's threads and finish on the fleet's and the pool's
+callback threads. Every piece of shared state (the pending groups, the sequences in flight, the
+counters, the error list, each record's results) changes under one lock, ``Rollouts._lock``,
+which a condition variable shares: :meth:`Rollouts.wait_until` waits on it for a predicate, and
+every change wakes the waiters. The lock is re-entrant so that a predicate may read the public
+properties. Drawing a prompt from the sampler and recording it as pending happen under it
+together, and so do the reads of a checkpoint, so a checkpoint never misses a prompt that was
+drawn but not yet recorded. The sampler has a lock of its own, always taken after this one.
 """
 
 from __future__ import annotations
@@ -27,24 +40,65 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
 from megatron_rl.algorithms.filtering import filter_groups
 from megatron_rl.data.problems import Problem, reward_input
 from megatron_rl.data.sampling import decode_completion, render_prompt
-from megatron_rl.generation.api import GenRequest, GenResult
+from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import ServerLost
-from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, prepare_verifiers, score
 from megatron_rl.rewards.pool import PoolTaskError
 from megatron_rl.rewards.result import RewardResult
 from megatron_rl.types import Completion, Group, Prompt, ScoredCompletion
 
-__all__ = ["GroupRecord", "Rollouts", "request_seed"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from concurrent.futures import Future
+
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_rl.generation.api import GenResult
+    from megatron_rl.orchestration.recipe import RunConfig
+    from megatron_rl.orchestration.sampler import PromptSampler
+    from megatron_rl.rewards.compose import RewardInput
+
+__all__ = ["Fleet", "GroupRecord", "Rollouts", "ScoringPool", "request_seed"]
+
+
+class Fleet(Protocol):
+    """What :class:`Rollouts` needs of the fleet: a
+    :class:`~megatron_rl.generation.client.FleetClient`, or a stand-in with these two methods."""
+
+    def submit(self, req: GenRequest, *, exclude: set[str]) -> Future[GenResult]:
+        """Send one request to a live server not in ``exclude``; the future fails with
+        :class:`~megatron_rl.generation.client.ServerLost` if that server dies."""
+        ...
+
+    def capacity_tokens(self) -> int:
+        """The live servers' KV capacity in tokens (0 when unknown)."""
+        ...
+
+
+class ScoringPool(Protocol):
+    """What :class:`Rollouts` needs of the verifier pool: a
+    :class:`~megatron_rl.rewards.pool.VerifierPool`, or a stand-in with ``submit``."""
+
+    def submit(
+        self,
+        fn: Callable[[RewardInput, RewardConfig], RewardResult],
+        inp: RewardInput,
+        cfg: RewardConfig,
+        /,
+        *,
+        timeout_s: float | None = None,
+    ) -> Future[RewardResult]:
+        """Run ``fn(inp, cfg)`` in a worker; the future fails with :class:`PoolTaskError` when
+        the task times out, its worker dies or ``fn`` raises."""
+        ...
 
 
 def request_seed(run_seed: int, prompt_id: str, epoch: int, sample: int) -> int:
@@ -66,43 +120,68 @@ class GroupRecord:
     results: list[GenResult | None]
     scored: list[ScoredCompletion | None]
     lost: int = 0  # completions re-sent after their server died
-    kept: bool | None = None
+    kept: bool | None = None  # None until all G are scored
     drop_reason: str = ""
     done_at: float = 0.0
-    _remaining: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _remaining: int = field(default=0, repr=False)  # samples not yet scored (under Rollouts' lock)
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.problem.id, self.epoch)
 
+    def all_scored(self) -> list[ScoredCompletion]:
+        """The G scored completions in sample order, once every one is scored (a kept or dropped
+        group); raises before then."""
+        done = [s for s in self.scored if s is not None]
+        if len(done) != len(self.scored):
+            raise RuntimeError(
+                f"group {self.problem.id}@{self.epoch}: {len(self.scored) - len(done)} of "
+                f"{len(self.scored)} samples are not scored yet"
+            )
+        return done
+
     def min_version(self) -> int:
+        """The policy version of the group's oldest token (the issue version before any)."""
         return min((min(r.versions) for r in self.results if r and r.versions), default=self.issued_version)
+
+    def staleness(self, current: int) -> int:
+        """Versions between ``current`` and the group's oldest token."""
+        return current - self.min_version()
 
     def to_group(self) -> Group:
         p = self.problem
+        if p.task not in ("math", "code"):  # read_problems checks it; Problem.task is a plain str
+            raise ValueError(f"problem {p.id}: task must be 'math' or 'code', got {p.task!r}")
+        task: Literal["math", "code"] = "code" if p.task == "code" else "math"
         prompt = Prompt(
             prompt_id=f"{p.id}@{self.epoch}",
             token_ids=self.prompt_ids,
             text=p.problem,
-            task=p.task,
+            task=task,
             answer=p.answer,
             tests=p.tests,
             language=p.language,
         )
-        return Group(prompt=prompt, completions=list(self.scored))
+        return Group(prompt=prompt, completions=self.all_scored())
 
 
 class Rollouts:
-    """Generation + scoring of groups (see the module docstring)."""
+    """Generation + scoring of groups, and their accounting (see the module docstring).
+
+    Build it with :meth:`from_config`. The public surface is what a loop needs: issue groups,
+    wait for a condition on the counts, take kept groups, retire or re-issue them, read
+    counters and save the state; nothing else is meant to be read or changed from outside.
+    ``reward`` and ``max_new_tokens`` are plain attributes a curriculum stage may set between
+    steps (read as each request is sent and each completion scored).
+    """
 
     def __init__(
         self,
         *,
-        fleet: Any,
-        pool: Any,
+        fleet: Fleet,
+        pool: ScoringPool,
         sampler: PromptSampler,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         reward: RewardConfig,
         group_size: int,
         temperature: float,
@@ -120,49 +199,213 @@ class Rollouts:
         self.filter_tolerance = filter_tolerance
         self.version = version
         self.eos = tokenizer.eos_token_id
-        self.completed: queue.Queue[GroupRecord] = queue.Queue()  # kept, scored groups
-        self.dropped: list[GroupRecord] = []  # filtered out since last drain
-        self.pending: dict[tuple[str, int], GroupRecord] = {}  # issued, not trained/dropped
-        self.cond = threading.Condition()
-        self.in_flight = 0  # sequences generating
+        self._lock = threading.RLock()  # re-entrant: wait_until's predicates read the properties
+        self._cond = threading.Condition(self._lock)
+        self._completed: queue.Queue[GroupRecord] = queue.Queue()  # kept, scored groups
+        self._dropped: list[GroupRecord] = []  # filtered out since the last drain
+        self._pending: dict[tuple[str, int], GroupRecord] = {}  # issued, not trained/dropped
+        self._in_flight = 0  # sequences generating
+        self._busy_s = 0.0  # time with a sequence in flight, up to _busy_since
+        self._busy_since: float | None = None  # when the current busy stretch began
         self._index = itertools.count()
-        self.errors: list[BaseException] = []
-        self.stats = Counter()  # issued/lost/generated_tokens/scored/verifier reasons
-        self.lengths_ema = 0.0
+        self._errors: list[BaseException] = []
+        self._stats: Counter[str] = Counter()  # issued/lost/generated_tokens/scored/verifier reasons
+        self._length_ema = 0.0
         self._prompt_cache: dict[str, list[int]] = {}
+        self._prepare_lock = threading.Lock()  # one-off verifier set-up, before any code sample
         self._prepared_code = False
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: RunConfig,
+        *,
+        fleet: Fleet,
+        pool: ScoringPool,
+        sampler: PromptSampler,
+        tokenizer: PreTrainedTokenizerBase,
+        system_prompt: str,
+        version: Callable[[], int],
+    ) -> Rollouts:
+        """Rollouts for a run: group size, sampling, seeds, reward and filter from ``cfg``;
+        ``version``: the trainer's policy version (recorded per group at issue)."""
+        return cls(
+            fleet=fleet,
+            pool=pool,
+            sampler=sampler,
+            tokenizer=tokenizer,
+            reward=cfg.reward,
+            group_size=cfg.loop.group_size,
+            temperature=cfg.algorithm.temperature,
+            top_p=cfg.loop.top_p,
+            max_new_tokens=cfg.reward.l_max,
+            seed=cfg.loop.seed,
+            system_prompt=system_prompt,
+            filter_tolerance=cfg.algorithm.filter_tolerance,
+            version=version,
+        )
+
+    # ------------------------------------------------------------------ counts (read-only)
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences generating now (issued, not yet returned by the fleet)."""
+        with self._lock:
+            return self._in_flight
+
+    @property
+    def length_ema(self) -> float:
+        """Moving average of completion lengths (tokens; 0 before the first one)."""
+        with self._lock:
+            return self._length_ema
+
+    @property
+    def failed(self) -> bool:
+        """Whether a callback met an error (:meth:`check` raises it)."""
+        with self._lock:
+            return bool(self._errors)
+
+    def busy_seconds(self) -> float:
+        """Wall time so far with at least one sequence in flight."""
+        with self._lock:
+            extra = time.monotonic() - self._busy_since if self._busy_since is not None else 0.0
+            return self._busy_s + extra
+
+    def max_prompt_len(self, default: int = 64) -> int:
+        """The longest prompt rendered so far (``default`` before any)."""
+        with self._lock:
+            return max((len(v) for v in self._prompt_cache.values()), default=default)
+
+    def capacity_tokens(self) -> int:
+        """The fleet's KV capacity in tokens (0 when unknown)."""
+        return self.fleet.capacity_tokens()
+
+    def snapshot_stats(self) -> Counter[str]:
+        """A copy of the counters, taken at one instant (missing keys read 0)."""
+        with self._lock:
+            return Counter(self._stats)
+
+    def pending_keys(self) -> list[tuple[str, int]]:
+        """Prompts issued and neither trained nor dropped, in issue order."""
+        with self._lock:
+            return [r.key for r in sorted(self._pending.values(), key=lambda r: r.index)]
+
+    def state_dict(self) -> dict[str, object]:
+        """What a checkpoint records: ``sampler`` (its cursor, the pending prompts first in its
+        re-issue queue) and ``stats`` (the counters), read together under the lock."""
+        with self._lock:
+            return {
+                "sampler": self.sampler.state_dict(pending=self.pending_keys()),
+                "stats": dict(self._stats),
+            }
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (at most ``timeout`` seconds) until ``predicate()`` holds; its last value.
+
+        The predicate runs under the lock, woken by every change of the counts (a group issued,
+        a sequence returned, a group finished, an error) and by :meth:`notify_all`."""
+        with self._cond:
+            return self._cond.wait_for(predicate, timeout)
+
+    def notify_all(self) -> None:
+        """Wake every :meth:`wait_until` (a caller's own state, read by its predicate, changed)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def fail(self, e: BaseException) -> None:
+        """Record an error that stops the run (raised by the next :meth:`check`)."""
+        with self._cond:
+            self._errors.append(e)
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise the first error a callback met (a refused request, no live server)."""
+        with self._lock:
+            first = self._errors[0] if self._errors else None
+        if first is not None:
+            raise RuntimeError(f"rollouts failed: {first}") from first
+
+    # ------------------------------------------------------------------ consuming
+
+    def take_completed(self, timeout: float | None = None) -> GroupRecord | None:
+        """The next kept group (it stays pending until retired), or None after ``timeout``."""
+        try:
+            return self._completed.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def drain_completed(self) -> list[GroupRecord]:
+        """Every kept group waiting now, without waiting for more."""
+        out = []
+        while True:
+            try:
+                out.append(self._completed.get_nowait())
+            except queue.Empty:
+                return out
+
+    def drain_dropped(self) -> list[GroupRecord]:
+        """Groups the filter dropped since the last drain (each with its ``drop_reason``)."""
+        with self._lock:
+            out, self._dropped = self._dropped, []
+        return out
+
+    def retire(self, rec: GroupRecord) -> None:
+        """The group was trained (or dropped by the trainer side): no longer pending."""
+        with self._cond:
+            self._forget(rec)
+            self._cond.notify_all()
+
+    def reissue(self, rec: GroupRecord, *, first: bool = False) -> None:
+        """Retire ``rec`` and have the sampler issue its prompt again before any new one
+        (``first``: ahead of the prompts already waiting to be re-issued); atomic for a
+        concurrent :meth:`state_dict`."""
+        with self._cond:
+            self._forget(rec)
+            self.sampler.requeue(rec.key, first=first)
+            self._cond.notify_all()
+
+    def _forget(self, rec: GroupRecord) -> None:
+        # Only this record: the same prompt may be pending again under a newer record.
+        if self._pending.get(rec.key) is rec:
+            del self._pending[rec.key]
 
     # ------------------------------------------------------------------ prompts
 
     def render(self, problem: Problem) -> list[int]:
-        ids = self._prompt_cache.get(problem.id)
-        if ids is None:
-            ids = render_prompt(self.tok, problem.problem, problem.task, system_prompt=self.system_prompt)
-            self._prompt_cache[problem.id] = ids
-        return ids
+        """The prompt's token ids (rendered once per problem)."""
+        with self._lock:
+            ids = self._prompt_cache.get(problem.id)
+            if ids is None:
+                ids = render_prompt(self.tok, problem.problem, problem.task, system_prompt=self.system_prompt)
+                self._prompt_cache[problem.id] = ids
+            return ids
 
     # ------------------------------------------------------------------ issuing
 
     def issue_group(self, problem: Problem | None = None, epoch: int | None = None) -> GroupRecord:
         """Send the G requests of the sampler's next prompt (or of ``problem``)."""
-        if problem is None:
-            problem, epoch = self.sampler.next()
-        ids = self.render(problem)
-        rec = GroupRecord(
-            problem=problem,
-            epoch=int(epoch or 0),
-            index=next(self._index),
-            prompt_ids=ids,
-            issued_version=self.version(),
-            issued_at=time.monotonic(),
-            results=[None] * self.group_size,
-            scored=[None] * self.group_size,
-            _remaining=self.group_size,
-        )
-        with self.cond:
-            self.pending[rec.key] = rec
-            self.in_flight += self.group_size
-        self.stats["groups_issued"] += 1
+        with self._cond:
+            if problem is None:
+                problem, epoch = self.sampler.next()
+            rec = GroupRecord(
+                problem=problem,
+                epoch=int(epoch or 0),
+                index=next(self._index),
+                prompt_ids=self.render(problem),
+                issued_version=self.version(),
+                issued_at=time.monotonic(),
+                results=[None] * self.group_size,
+                scored=[None] * self.group_size,
+                _remaining=self.group_size,
+            )
+            self._pending[rec.key] = rec
+            if self._in_flight == 0:
+                self._busy_since = rec.issued_at
+            self._in_flight += self.group_size
+            self._stats["groups_issued"] += 1
+            self._cond.notify_all()
         for i in range(self.group_size):
             self._submit(rec, i)
         return rec
@@ -178,59 +421,72 @@ class Rollouts:
             stop_token_ids=(self.eos,) if self.eos is not None else (),
         )
 
-    def _submit(self, rec: GroupRecord, i: int, exclude: frozenset = frozenset()) -> None:
+    def _submit(self, rec: GroupRecord, i: int, exclude: frozenset[str] = frozenset()) -> None:
         try:
             fut = self.fleet.submit(self._request(rec, i), exclude=set(exclude))
         except ServerLost as e:  # no live server at all
-            self._fail(e)
+            self.fail(e)
             return
         fut.add_done_callback(lambda f: self._on_generated(rec, i, f, exclude))
 
-    def _fail(self, e: BaseException) -> None:
-        with self.cond:
-            self.errors.append(e)
-            self.cond.notify_all()
+    # ------------------------------------------------------------------ callbacks
 
-    def _on_generated(self, rec: GroupRecord, i: int, fut, exclude: frozenset) -> None:
+    def _on_generated(
+        self, rec: GroupRecord, i: int, fut: Future[GenResult], exclude: frozenset[str]
+    ) -> None:
         try:
             result = fut.result()
         except ServerLost as e:
-            rec.lost += 1
-            self.stats["requests_lost"] += 1
+            with self._lock:
+                rec.lost += 1
+                self._stats["requests_lost"] += 1
             self._submit(rec, i, exclude | {e.url})  # re-issue elsewhere, same seed
             return
         except BaseException as e:  # noqa: BLE001 - a refused request stops the run, with why
-            self._fail(e)
+            self.fail(e)
             return
         if result.finish_reason == "abort":  # cut off (abort pause, /abort_request): send again
-            self.stats["requests_aborted"] += 1
+            with self._lock:
+                self._stats["requests_aborted"] += 1
             self._submit(rec, i, exclude)
             return
-        rec.results[i] = result
         n = len(result.token_ids)
-        with self.cond:
-            self.in_flight -= 1
-            self.lengths_ema = n if not self.lengths_ema else 0.95 * self.lengths_ema + 0.05 * n
-            self.cond.notify_all()
-        self.stats["generated_tokens"] += n
-        self.stats["completions"] += 1
-        text = self._completion_text(result.token_ids)
+        with self._cond:
+            rec.results[i] = result
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._busy_since is not None:
+                self._busy_s += time.monotonic() - self._busy_since
+                self._busy_since = None
+            self._length_ema = n if not self._length_ema else 0.95 * self._length_ema + 0.05 * n
+            self._stats["generated_tokens"] += n
+            self._stats["completions"] += 1
+            self._cond.notify_all()
+        text = decode_completion(self.tok, result.token_ids)
         inp = reward_input(rec.problem, text, num_tokens=n, group_id=f"{rec.problem.id}@{rec.epoch}")
-        if inp.task == "code" and not self._prepared_code:
-            prepare_verifiers([inp], self.reward)
-            self._prepared_code = True
+        if inp.task == "code":
+            with self._prepare_lock:  # later code samples wait for the set-up, not race it
+                if not self._prepared_code:
+                    prepare_verifiers([inp], self.reward)
+                    self._prepared_code = True
         try:
             sfut = self.pool.submit(score, inp, self.reward, timeout_s=hard_timeout_s(inp, self.reward))
         except BaseException as e:  # noqa: BLE001 - a broken pool: the sample scores 0, says why
-            self._on_scored(rec, i, text, None, e)
+            self._on_scored(rec, i, result, text, None, e)
             return
-        sfut.add_done_callback(lambda f: self._on_scored(rec, i, text, f, None))
+        sfut.add_done_callback(lambda f: self._on_scored(rec, i, result, text, f, None))
 
-    def _completion_text(self, token_ids: list[int]) -> str:
-        return decode_completion(self.tok, token_ids)
-
-    def _on_scored(self, rec: GroupRecord, i: int, text: str, fut, error) -> None:
-        if error is None:
+    def _on_scored(
+        self,
+        rec: GroupRecord,
+        i: int,
+        r: GenResult,
+        text: str,
+        fut: Future[RewardResult] | None,
+        error: BaseException | None,
+    ) -> None:
+        """Sample ``i`` (generated as ``r``, decoded as ``text``) is scored: by ``fut``, or not at
+        all because the pool refused it with ``error``."""
+        if fut is not None:
             try:
                 res: RewardResult = fut.result()
             except PoolTaskError as e:
@@ -239,9 +495,7 @@ class Rollouts:
                 res = RewardResult(0.0, {}, "verifier_error", f"{type(e).__name__}: {e}")
         else:
             res = RewardResult(0.0, {}, "verifier_error", f"pool: {error}")
-        r = rec.results[i]
-        self.stats[f"reason/{res.reason}"] += 1
-        rec.scored[i] = ScoredCompletion(
+        scored = ScoredCompletion(
             completion=Completion(
                 prompt_id=f"{rec.problem.id}@{rec.epoch}",
                 sample_index=i,
@@ -257,16 +511,19 @@ class Rollouts:
             correct=res.correct,
             format_ok=res.format_ok,
         )
-        with rec._lock:
+        with self._lock:
+            self._stats[f"reason/{res.reason}"] += 1
+            rec.scored[i] = scored
             rec._remaining -= 1
             last = rec._remaining == 0
         if last:
             self._group_done(rec)
 
     def _group_done(self, rec: GroupRecord) -> None:
-        rec.done_at = time.monotonic()
-        rewards = torch.tensor([s.reward for s in rec.scored], dtype=torch.float64)
-        flags = lambda name: torch.tensor([bool(getattr(s, name)) for s in rec.scored])
+        # Every sample is scored: no other callback touches rec.scored any more.
+        scored = rec.all_scored()
+        rewards = torch.tensor([s.reward for s in scored], dtype=torch.float64)
+        flags = lambda name: torch.tensor([bool(getattr(s, name)) for s in scored])
         keep, report = filter_groups(
             rewards,
             torch.zeros(len(rewards), dtype=torch.long),
@@ -274,36 +531,16 @@ class Rollouts:
             correct=flags("correct"),
             format_ok=flags("format_ok"),
         )
-        rec.kept = bool(keep.all())
-        if all(s.correct for s in rec.scored):
-            self.sampler.solved.add(rec.problem.id)
-        with self.cond:
+        solved = all(s.correct for s in scored)
+        with self._cond:
+            rec.done_at = time.monotonic()
+            rec.kept = bool(keep.all())
+            if solved:
+                self.sampler.mark_solved(rec.problem.id)
             if rec.kept:
-                self.completed.put(rec)
+                self._completed.put(rec)
             else:
                 rec.drop_reason = next(r for r, n in report.dropped.items() if n)
-                self.dropped.append(rec)
-                self.pending.pop(rec.key, None)
-            self.cond.notify_all()
-
-    # ------------------------------------------------------------------ accounting
-
-    def retire(self, rec: GroupRecord) -> None:
-        """The group was trained (or dropped by the trainer side): no longer pending."""
-        with self.cond:
-            self.pending.pop(rec.key, None)
-
-    def pending_keys(self) -> list[tuple[str, int]]:
-        """Prompts issued and neither trained nor dropped, in issue order."""
-        with self.cond:
-            return [r.key for r in sorted(self.pending.values(), key=lambda r: r.index)]
-
-    def drain_dropped(self) -> list[GroupRecord]:
-        with self.cond:
-            out, self.dropped = self.dropped, []
-        return out
-
-    def check(self) -> None:
-        """Raise the first error a callback met (a refused request, no live server)."""
-        if self.errors:
-            raise RuntimeError(f"rollouts failed: {self.errors[0]}") from self.errors[0]
+                self._dropped.append(rec)
+                self._forget(rec)
+            self._cond.notify_all()

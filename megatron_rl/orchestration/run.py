@@ -33,7 +33,7 @@ import sys
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 import yaml
@@ -54,6 +54,18 @@ from megatron_rl.rewards.template import SYSTEM_PROMPT
 from megatron_rl.training.checkpoint import latest_checkpoint
 from megatron_rl.training.trainer import PolicyTrainer
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster
+
+# JsonValue and YamlValue are Any: a record read back from JSON (eval.jsonl, the checkpoint's
+# extra state) or YAML (config.yaml) has no static shape; the code reading a field checks it.
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from transformers import PreTrainedTokenizerBase
+
+    from megatron_rl.config import YamlValue
+    from megatron_rl.data.problems import Problem
+    from megatron_rl.fileio import JsonValue
+    from megatron_rl.orchestration.loop import StepResult
+    from megatron_rl.orchestration.recipe import RunConfig
 
 __all__ = ["main", "run_training"]
 
@@ -77,24 +89,27 @@ def _system_prompt(value: str) -> str:
 class _Curriculum:
     """Applies :class:`StageConfig` stages in order (rank 0 decides, all ranks apply)."""
 
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.stages = cfg.curriculum
         self.index = 0  # stages applied so far
 
-    def due(self, step: int, history: list[dict]) -> bool:
+    def due(self, step: int, history: list[dict[str, float]]) -> bool:
         if self.index >= len(self.stages):
             return False
         st = self.stages[self.index]
         if st.at_step is not None:
             return step >= st.at_step
-        vals = [h[st.metric] for h in history[-st.window :] if st.metric in h]
+        metric, threshold = st.metric, st.threshold
+        if metric is None or threshold is None:  # StageConfig requires at_step or metric + threshold
+            raise ValueError(f"curriculum.{self.index}: neither at_step nor metric + threshold is set")
+        vals = [h[metric] for h in history[-st.window :] if metric in h]
         if len(vals) < st.window:
             return False
         mean = sum(vals) / len(vals)
-        return mean >= st.threshold if st.above else mean <= st.threshold
+        return mean >= threshold if st.above else mean <= threshold
 
-    def apply(self, upto: int, orch: Orchestrator | None, sampler: Any) -> list[str]:
+    def apply(self, upto: int, orch: Orchestrator | None, sampler: PromptSampler | None) -> list[str]:
         """Apply stages until ``upto`` are applied; return their names."""
         names = []
         while self.index < upto:
@@ -124,7 +139,16 @@ class _Curriculum:
         return names
 
 
-def _evaluate(fleet, pool, tok, problems, cfg, *, label: str, progress: bool) -> dict:
+def _evaluate(
+    fleet: FleetClient,
+    pool: VerifierPool,
+    tok: PreTrainedTokenizerBase,
+    problems: list[Problem],
+    cfg: RunConfig,
+    *,
+    label: str,
+    progress: bool,
+) -> dict[str, JsonValue]:
     """Held-out pass@1: mean correctness over ``run.eval_k`` samples per problem."""
 
     sc = SamplingConfig(
@@ -148,7 +172,7 @@ def _evaluate(fleet, pool, tok, problems, cfg, *, label: str, progress: bool) ->
     }
 
 
-def plot_metrics(metrics_path: Path, evals: list[dict], out_dir: Path) -> list[Path]:
+def plot_metrics(metrics_path: Path, evals: list[dict[str, JsonValue]], out_dir: Path) -> list[Path]:
     """PNG plots of the run's metrics against step (and held-out pass@1 when evaluated)."""
     import matplotlib  # lazy: matplotlib is heavy; only plotting needs it
 
@@ -200,7 +224,9 @@ def plot_metrics(metrics_path: Path, evals: list[dict], out_dir: Path) -> list[P
     return [path]
 
 
-def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = None) -> dict:
+def run_training(
+    cfg: RunConfig, *, progress: bool = True, stop_after: int | None = None
+) -> dict[str, object]:
     """Run (or resume) the recipe ``cfg`` (a :class:`~megatron_rl.config.RunConfig`); returns
     the summary on rank 0 (``{}`` on the other ranks). ``stop_after``: leave after this many
     steps of *this* invocation (tests, benchmarks), checkpointing as usual."""
@@ -210,7 +236,6 @@ def run_training(cfg: Any, *, progress: bool = True, stop_after: int | None = No
         raise ValueError("data.train: required (a JSONL of problems)")
     with ExitStack() as stack:  # unwinds in reverse: orchestrator, broadcaster, pool, servers
         run = _Run(cfg, stack, progress=progress)
-        run.set_up()
         run.train(stop_after)
         return run.finish()
 
@@ -224,47 +249,44 @@ class _Run:
     started is registered on ``stack`` so that an exception anywhere stops it.
     """
 
-    def __init__(self, cfg: Any, stack: ExitStack, *, progress: bool):
+    def __init__(self, cfg: RunConfig, stack: ExitStack, *, progress: bool) -> None:
+        """Set the run up, in order: trainer (and its checkpoint), run directory and services on
+        rank 0, weight broadcaster, rollouts, orchestrator."""
         self.cfg, self.stack, self.progress = cfg, stack, progress
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.t_start = time.monotonic()
-        self.rank = self.world = 0
-        self.rank0 = False
-        self.trainer = self.broadcaster = self.orch = None
-        self.fleet = self.pool = self.sampler = self.rollouts = self.tok = None
-        self.resume_from: Path | None = None
-        self.extra: dict = {}  # the checkpoint's extra state (sampler, curriculum, history)
-        self.history: list[dict] = []  # recent metrics, for metric-triggered curriculum stages
-        self.evals: list[dict] = []
-        self.eval_problems = None
+        self.evals: list[dict[str, JsonValue]] = []  # eval.jsonl so far (rank 0)
         self.curriculum = _Curriculum(cfg)
         self.stopped = "max_steps"  # or "time_limit" / "stop_after": why train() returned
+        # Rank 0's services and held-out problems; None on the other ranks.
+        self.fleet: FleetClient | None = None
+        self.pool: VerifierPool | None = None
+        self.sampler: PromptSampler | None = None
+        self.rollouts: Rollouts | None = None
+        self.eval_problems: list[Problem] | None = None
 
-    # ------------------------------------------------------------------ set-up
-
-    def set_up(self) -> None:
-
-        cfg = self.cfg
-        self.tok = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
+        self.tok: PreTrainedTokenizerBase = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
         self.trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
-        self.stack.callback(self.trainer.close)
+        stack.callback(self.trainer.close)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.rank0 = self.rank == 0
-        if cfg.run.resume != "never":
-            self.resume_from = latest_checkpoint(self.ckpt_root)
+        self.resume_from = latest_checkpoint(self.ckpt_root) if cfg.run.resume != "never" else None
         if cfg.run.resume == "must" and self.resume_from is None:
             raise FileNotFoundError(f"run.resume: must, but {self.ckpt_root} holds no checkpoint")
+        # The checkpoint's extra state (sampler, curriculum, history), as saved by _checkpoint.
+        self.extra: dict[str, JsonValue] = {}
         if self.resume_from is not None:
             self.extra = self.trainer.load_checkpoint(self.resume_from)
         else:
             self.trainer.load_hf(cfg.model.hf)
-        self.history = list(self.extra.get("history", []))
+        # Recent metrics, for metric-triggered curriculum stages.
+        self.history: list[dict[str, float]] = list(self.extra.get("history", []))
         self.curriculum.apply(int(self.extra.get("curriculum_index", 0)), None, None)
         if self.rank0:
             self._prepare_run_dir()
-            self._start_services()
-        self._connect_broadcaster()
+            self.fleet, self.pool, self.sampler = self._start_services()
+        self.broadcaster = self._connect_broadcaster()
         if self.rank0:
             self.rollouts = self._make_rollouts()
         self.orch = Orchestrator(
@@ -275,7 +297,7 @@ class _Run:
             rank=self.rank,
             world_size=self.world,
         )
-        self.stack.callback(self.orch.stop)
+        stack.callback(self.orch.stop)
         self.curriculum.apply(self.curriculum.index, self.orch, self.sampler)  # re-bind to orch
         if self.rank0 and cfg.data.eval:
             self.eval_problems = read_problems(cfg.data.eval)
@@ -298,7 +320,7 @@ class _Run:
         if (run_dir / "eval.jsonl").exists():
             self.evals = read_jsonl(run_dir / "eval.jsonl")
 
-    def _start_services(self) -> None:
+    def _start_services(self) -> tuple[FleetClient, VerifierPool, PromptSampler]:
         """Rank 0: local engine servers (unless ``fleet.urls``), the fleet client, the verifier
         pool and the prompt sampler (at the checkpoint's cursor)."""
 
@@ -320,23 +342,22 @@ class _Run:
             self.run_dir / "logs" / "pids.json",
             json.dumps({"trainer": os.getpid(), "engines": engines, "urls": urls}),
         )
-        self.fleet = FleetClient(
+        fleet = FleetClient(
             urls,
             update_urls=cfg.fleet.update_urls or None,
             request_timeout_s=cfg.fleet.request_timeout_s or None,
         )
-        stack.callback(self.fleet.close)
-        self.pool = stack.enter_context(VerifierPool(cfg.reward.workers))
-        self.sampler = PromptSampler(
-            read_problems(cfg.data.train), seed=cfg.loop.seed, shuffle=cfg.data.shuffle
-        )
+        stack.callback(fleet.close)
+        pool = stack.enter_context(VerifierPool(cfg.reward.workers))
+        sampler = PromptSampler(read_problems(cfg.data.train), seed=cfg.loop.seed, shuffle=cfg.data.shuffle)
         for k in ("min_difficulty", "max_difficulty", "drop_solved"):
-            setattr(self.sampler, k, getattr(cfg.data, k))
-        self.curriculum.apply(0, None, self.sampler)
+            setattr(sampler, k, getattr(cfg.data, k))
+        self.curriculum.apply(0, None, sampler)
         if "sampler" in self.extra:
-            self.sampler.load_state_dict(self.extra["sampler"])
+            sampler.load_state_dict(self.extra["sampler"])
+        return fleet, pool, sampler
 
-    def _connect_broadcaster(self) -> None:
+    def _connect_broadcaster(self) -> WeightBroadcaster | None:
         """Data-parallel rank 0 of every stage joins the update group; the fleet then gets the
         trainer's weights (the initial or the checkpoint's) before it generates anything."""
         from megatron.core import (
@@ -344,28 +365,25 @@ class _Run:
         )
 
         if ps.get_data_parallel_rank() != 0:
-            return
-        self.broadcaster = WeightBroadcaster(self.trainer.hf_tensors, self.fleet, self.cfg.weight_sync)
-        self.broadcaster.connect()
-        self.stack.callback(self.broadcaster.close)
-        self.broadcaster.sync(self.trainer.step)
+            return None
+        broadcaster = WeightBroadcaster(self.trainer.hf_tensors, self.fleet, self.cfg.weight_sync)
+        broadcaster.connect()
+        self.stack.callback(broadcaster.close)
+        broadcaster.sync(self.trainer.step)
+        return broadcaster
 
-    def _make_rollouts(self):
-
-        cfg, trainer = self.cfg, self.trainer
-        return Rollouts(
-            fleet=self.fleet,
-            pool=self.pool,
-            sampler=self.sampler,
+    def _make_rollouts(self) -> Rollouts:
+        """Rank 0: generation and scoring over the services :meth:`_start_services` started."""
+        trainer, fleet, pool, sampler = self.trainer, self.fleet, self.pool, self.sampler
+        if fleet is None or pool is None or sampler is None:
+            raise RuntimeError(f"rank {self.rank}: rollouts need the fleet, pool and sampler rank 0 starts")
+        return Rollouts.from_config(
+            self.cfg,
+            fleet=fleet,
+            pool=pool,
+            sampler=sampler,
             tokenizer=self.tok,
-            reward=cfg.reward,
-            group_size=cfg.loop.group_size,
-            temperature=cfg.algorithm.temperature,
-            top_p=cfg.loop.top_p,
-            max_new_tokens=cfg.reward.l_max,
-            seed=cfg.loop.seed,
-            system_prompt=_system_prompt(cfg.data.system_prompt),
-            filter_tolerance=cfg.algorithm.filter_tolerance,
+            system_prompt=_system_prompt(self.cfg.data.system_prompt),
             version=lambda: int(trainer.step),
         )
 
@@ -408,15 +426,7 @@ class _Run:
                         flush=True,
                     )
                 if not (cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0):
-                    _checkpoint(
-                        trainer,
-                        self.ckpt_root,
-                        cfg,
-                        self.rollouts,
-                        self.sampler,
-                        self.curriculum,
-                        self.history,
-                    )
+                    self._checkpoint()
                 break
             self._advance_curriculum()
             result = self.orch.step()
@@ -433,9 +443,7 @@ class _Run:
                 )
             due = cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0
             if due or trainer.step >= cfg.loop.max_steps:
-                _checkpoint(
-                    trainer, self.ckpt_root, cfg, self.rollouts, self.sampler, self.curriculum, self.history
-                )
+                self._checkpoint()
             if (
                 rank0
                 and cfg.run.eval_every
@@ -446,6 +454,12 @@ class _Run:
         bar.close()
         self.orch.stop()
 
+    def _checkpoint(self) -> None:
+        extra: dict[str, object] = {"curriculum_index": self.curriculum.index, "history": self.history[-20:]}
+        if self.rollouts is not None:  # its sampler's cursor and the counters, read at one instant
+            extra.update(self.rollouts.state_dict())
+        self.trainer.save_checkpoint(self.ckpt_root, extra=extra, keep_last=self.cfg.run.keep_last)
+
     def _advance_curriculum(self) -> None:
         """Rank 0 decides whether the next stage is due; every rank applies it."""
         cur = self.curriculum
@@ -455,7 +469,7 @@ class _Run:
             if self.rank0:
                 print(f"[curriculum] step {self.trainer.step}: entering {name}", file=sys.stderr)
 
-    def _record(self, result: Any, tb: Any) -> None:
+    def _record(self, result: StepResult, tb: SummaryWriter | None) -> None:
         """Rank 0: metrics.jsonl (+ TensorBoard), samples.jsonl and ledger.jsonl of a step."""
         m = result.metrics
         m["curriculum/stage"] = float(self.curriculum.index)
@@ -466,14 +480,17 @@ class _Run:
         if tb is not None:
             for k, v in m.items():
                 tb.add_scalar(k, v, int(m["step"]))
-        _write_samples(self.run_dir, self.cfg, result, self.orch, self.tok)
+        _write_samples(self.run_dir, self.cfg, result, self.orch)
 
     def evaluate(self, label: str) -> None:
         """Rank 0: held-out pass@1 now, appended to eval.jsonl."""
         if self.eval_problems is None:
             return
+        fleet, pool = self.fleet, self.pool
+        if fleet is None or pool is None:  # eval_problems are read on rank 0, which holds both
+            raise RuntimeError(f"rank {self.rank}: evaluation needs rank 0's fleet and verifier pool")
         res = _evaluate(
-            self.fleet, self.pool, self.tok, self.eval_problems, self.cfg, label=label, progress=self.progress
+            fleet, pool, self.tok, self.eval_problems, self.cfg, label=label, progress=self.progress
         )
         res["step"] = int(self.trainer.step)
         self.evals.append(res)
@@ -487,7 +504,7 @@ class _Run:
 
     # ------------------------------------------------------------------ teardown
 
-    def finish(self) -> dict:
+    def finish(self) -> dict[str, object]:
         """The final policy as an HF folder (every rank takes part), then on rank 0 the final
         evaluation, the plots and ``summary.json``."""
         cfg, trainer, run_dir = self.cfg, self.trainer, self.run_dir
@@ -526,15 +543,15 @@ class _Run:
 _FIXED_ON_RESUME = ("model.hf", "data.train", "loop.group_size", "loop.seed", "data.shuffle")
 
 
-def _check_resume_config(path: Path, new: dict) -> None:
+def _check_resume_config(path: Path, new: dict[str, YamlValue]) -> None:
     """Refuse a resume whose recipe changed what the checkpoint's state depends on; say which
     other fields changed."""
     if not path.exists():
         return
     old = yaml.safe_load(path.read_text()) or {}
 
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
+    def flat(d: dict[str, YamlValue], prefix: str = "") -> dict[str, YamlValue]:
+        out: dict[str, YamlValue] = {}
         for k, v in d.items():
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
@@ -551,7 +568,7 @@ def _check_resume_config(path: Path, new: dict) -> None:
         print(f"[resume] recipe fields changed since the checkpoint: {', '.join(changed)}", file=sys.stderr)
 
 
-def _tensorboard(folder: Path):
+def _tensorboard(folder: Path) -> SummaryWriter | None:
     """A TensorBoard writer when tensorboard is installed (pip install 'megatron-rl[tensorboard]')."""
     try:
         from torch.utils.tensorboard import (
@@ -562,7 +579,7 @@ def _tensorboard(folder: Path):
     return SummaryWriter(str(folder))
 
 
-def _write_samples(run_dir: Path, cfg: Any, result: Any, orch: Orchestrator, tok: Any) -> None:
+def _write_samples(run_dir: Path, cfg: RunConfig, result: StepResult, orch: Orchestrator) -> None:
     """samples.jsonl (trained + dropped completions) and ledger.jsonl (one line per group)."""
     step = result.step
     dropped = orch.last_dropped
@@ -593,7 +610,7 @@ def _write_samples(run_dir: Path, cfg: Any, result: Any, orch: Orchestrator, tok
         return
     rows = []
     for g in (*result.groups, *dropped):
-        for s in g.scored:
+        for s in g.all_scored():
             c = s.completion
             rows.append(
                 {
@@ -614,14 +631,6 @@ def _write_samples(run_dir: Path, cfg: Any, result: Any, orch: Orchestrator, tok
     append_jsonl(run_dir / "samples.jsonl", rows)
 
 
-def _checkpoint(trainer, root: Path, cfg, rollouts, sampler, curriculum, history) -> None:
-    extra = {"curriculum_index": curriculum.index, "history": history[-20:]}
-    if rollouts is not None:
-        extra["sampler"] = sampler.state_dict(pending=rollouts.pending_keys())
-        extra["stats"] = dict(rollouts.stats)
-    trainer.save_checkpoint(root, extra=extra, keep_last=cfg.run.keep_last)
-
-
 def main(argv: list[str] | None = None) -> int:
     """``megatron-rl train RECIPE.yaml [section.key=value ...]``."""
 
@@ -631,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_intermixed_args(argv)
     try:
-        cfg = load_config(args.recipe, args.overrides)
+        cfg = load_config(args.recipe, args.overrides, paths=True)  # before anything starts
     except ConfigError as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 2

@@ -9,14 +9,24 @@ stages bound the difficulty of the problems sampled.
 state (epoch, position, the prompts to re-issue first, solved prompts) is a small dict saved with
 each checkpoint, so a resumed run continues where the checkpoint was taken: prompts that were in
 flight then are re-issued, none is skipped, none repeated beyond those.
+
+The sampler is shared by threads (the loop's generation thread draws prompts, the trainer thread
+sends groups back to be re-issued, scoring callbacks record solved prompts, the checkpoint reads
+the cursor): every method that reads or changes the cursor, the re-issue queue or the solved set
+takes the sampler's own lock. The difficulty bounds and ``drop_solved`` are plain attributes the
+curriculum sets between steps.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 from collections import deque
+from typing import TYPE_CHECKING
 
-from megatron_rl.data.problems import Problem
+if TYPE_CHECKING:
+    from megatron_rl.data.problems import Problem
+    from megatron_rl.fileio import JsonValue
 
 __all__ = ["PromptSampler", "difficulty"]
 
@@ -41,8 +51,9 @@ class PromptSampler:
         self.max_difficulty: float | None = None
         self.drop_solved = False
         self.epoch, self.position = 0, 0
-        self.reissue: deque[tuple[str, int]] = deque()  # (prompt id, epoch) to send again first
-        self.solved: set[str] = set()
+        self._lock = threading.Lock()
+        self._reissue: deque[tuple[str, int]] = deque()  # (prompt id, epoch) to send again first
+        self._solved: set[str] = set()
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[str]:
@@ -53,7 +64,7 @@ class PromptSampler:
 
     def eligible(self, pid: str) -> bool:
         p = self.problems[pid]
-        if self.drop_solved and pid in self.solved:
+        if self.drop_solved and pid in self._solved:
             return False
         d = difficulty(p)
         if d is not None and self.min_difficulty is not None and d < self.min_difficulty:
@@ -64,8 +75,12 @@ class PromptSampler:
 
     def next(self) -> tuple[Problem, int]:
         """The next problem and the epoch it belongs to (re-issues first)."""
-        if self.reissue:
-            pid, epoch = self.reissue.popleft()
+        with self._lock:
+            return self._next()
+
+    def _next(self) -> tuple[Problem, int]:
+        if self._reissue:
+            pid, epoch = self._reissue.popleft()
             return self.problems[pid], epoch
         for _ in range(2 * len(self.order) + 2):
             if self.position >= len(self._perm):
@@ -82,28 +97,45 @@ class PromptSampler:
             "prompt sampler: no eligible problem left (difficulty bounds or drop_solved excluded them all)"
         )
 
-    def state_dict(self, pending: list[tuple[str, int]]) -> dict:
-        """The cursor; ``pending``: prompts issued but not yet trained (they are re-issued)."""
-        return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "reissue": [list(x) for x in (*pending, *self.reissue)],
-            "solved": sorted(self.solved),
-            "min_difficulty": self.min_difficulty,
-            "max_difficulty": self.max_difficulty,
-            "drop_solved": self.drop_solved,
-        }
+    def requeue(self, key: tuple[str, int], *, first: bool = False) -> None:
+        """Send ``(prompt id, epoch)`` again before any new prompt; ``first``: ahead of those
+        already waiting to be re-issued."""
+        with self._lock:
+            if first:
+                self._reissue.appendleft(key)
+            else:
+                self._reissue.append(key)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._perm = self._permutation(self.epoch)
+    def mark_solved(self, pid: str) -> None:
+        """A whole group of ``pid`` was correct (``drop_solved`` skips it from now on)."""
+        with self._lock:
+            self._solved.add(pid)
+
+    def state_dict(self, pending: list[tuple[str, int]]) -> dict[str, object]:
+        """The cursor; ``pending``: prompts issued but not yet trained (they are re-issued)."""
+        with self._lock:
+            return {
+                "epoch": self.epoch,
+                "position": self.position,
+                "reissue": [list(x) for x in (*pending, *self._reissue)],
+                "solved": sorted(self._solved),
+                "min_difficulty": self.min_difficulty,
+                "max_difficulty": self.max_difficulty,
+                "drop_solved": self.drop_solved,
+            }
+
+    def load_state_dict(self, state: dict[str, JsonValue]) -> None:
+        """Back to the cursor of :meth:`state_dict`, as read back from a checkpoint (JSON)."""
         missing = [pid for pid, _ in state["reissue"] if pid not in self.problems]
         if missing:
             raise ValueError(
                 f"resume: prompts {missing[:5]} of the checkpoint are not in the problem file any more"
             )
-        self.reissue = deque((str(pid), int(ep)) for pid, ep in state["reissue"])
-        self.solved = set(state.get("solved", []))
-        self.min_difficulty = state.get("min_difficulty")
-        self.max_difficulty = state.get("max_difficulty")
-        self.drop_solved = bool(state.get("drop_solved", False))
+        with self._lock:
+            self.epoch, self.position = int(state["epoch"]), int(state["position"])
+            self._perm = self._permutation(self.epoch)
+            self._reissue = deque((str(pid), int(ep)) for pid, ep in state["reissue"])
+            self._solved = set(state.get("solved", []))
+            self.min_difficulty = state.get("min_difficulty")
+            self.max_difficulty = state.get("max_difficulty")
+            self.drop_solved = bool(state.get("drop_solved", False))

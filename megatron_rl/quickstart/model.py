@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +30,9 @@ from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.hf.files import write_hf_folder
 from megatron_rl.hf.layout import HFConverter
 from megatron_rl.quickstart.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 __all__ = ["TinyModelConfig", "build_model_folder", "hf_config"]
 
@@ -49,7 +52,7 @@ class TinyModelConfig:
     init_std: float = 0.02  # normal init of every matrix (HF initializer_range)
     seed: int = 0  # names the initial weights
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in (
             "hidden_size",
             "num_layers",
@@ -71,7 +74,7 @@ class TinyModelConfig:
         check_range("seed", self.seed, low=0)
 
 
-def hf_config(cfg: TinyModelConfig, tokenizer) -> Any:
+def hf_config(cfg: TinyModelConfig, tokenizer) -> LlamaConfig:
     """The ``transformers.LlamaConfig``; vocabulary and special ids from ``tokenizer``."""
     import transformers  # lazy: transformers takes seconds to import; only this path needs it
 
@@ -86,7 +89,9 @@ def hf_config(cfg: TinyModelConfig, tokenizer) -> Any:
         rms_norm_eps=1e-5,
         initializer_range=cfg.init_std,
         tie_word_embeddings=cfg.tie_word_embeddings,
-        rope_theta=cfg.rope_theta,
+        # transformers 5 declares rope_parameters but still takes 4.x's rope_theta (into it); 4.x
+        # knows only rope_theta. One spelling for both:
+        rope_theta=cfg.rope_theta,  # type: ignore[call-arg]  # see above
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -96,14 +101,14 @@ def hf_config(cfg: TinyModelConfig, tokenizer) -> Any:
 
 
 def build_model_folder(
-    cfg: TinyModelConfig, tokenizer_dir: str | os.PathLike, out: str | os.PathLike
+    cfg: TinyModelConfig, tokenizer_dir: str | os.PathLike[str], out: str | os.PathLike[str]
 ) -> Path:
     """An HF folder with randomly initialised weights and the tokenizer; returns ``out``
     (replaced if it exists)."""
 
     config = hf_config(cfg, load_tokenizer(tokenizer_dir))
     gen = torch.Generator().manual_seed(cfg.seed)
-    tensors = []
+    tensors: list[tuple[str, torch.Tensor]] = []
     for name, shape in HFConverter.for_config(config).expected_hf_shapes().items():
         if name.endswith("norm.weight"):
             tensors.append((name, torch.ones(shape)))

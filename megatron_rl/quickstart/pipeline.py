@@ -29,7 +29,7 @@ from megatron_rl.fileio import atomic_write_json
 
 __all__ = ["main"]
 
-DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+DEFAULT_RECIPE = Path(__file__).resolve().with_name("recipe.yaml")  # examples/quickstart.yaml links to it
 
 
 def _stage(title: str, cmd: list[str]) -> None:

@@ -40,6 +40,7 @@ import hashlib
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_rl.config import ConfigFieldError, check_range
 
@@ -67,9 +68,9 @@ class Problem:
     difficulty: int  # 1..3, see the module docstring
     kind: str  # arithmetic | linear
     steps: tuple[str, ...] = ()  # worked solution, one short sentence per step
-    task: str = "math"
+    task: Literal["math", "code"] = "math"  # always math here; typed as the data layer's Problem.task
 
-    def to_record(self) -> dict:
+    def to_record(self) -> dict[str, str | int]:
         """The JSONL record (the fields every problem set of the project has)."""
         return {
             "id": self.id,
@@ -90,7 +91,7 @@ class ProblemConfig:
     # Relative weight of levels 1, 2, 3 (need not sum to 1): the difficulty knob.
     difficulty_weights: tuple[float, float, float] = (0.25, 0.45, 0.3)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_range("count", self.count, low=1)
         check_range("seed", self.seed, low=0)
         check_range("linear_fraction", self.linear_fraction, low=0.0, high=1.0)
@@ -99,7 +100,7 @@ class ProblemConfig:
             raise ConfigFieldError(
                 "difficulty_weights", f"need {len(LEVELS)} non-negative weights with a positive sum, got {w}"
             )
-        self.difficulty_weights = w
+        self.difficulty_weights = (w[0], w[1], w[2])  # len(w) == len(LEVELS) == 3, checked above
 
 
 def _problem(kind: str, level: int, text: str, answer: int, steps: list[str]) -> Problem:
@@ -217,7 +218,8 @@ def split_problems(
 ) -> tuple[list[Problem], list[Problem]]:
     """``(train, held_out)`` by :func:`is_held_out`; order kept within each split."""
     check_range("held_out_fraction", held_out_fraction, low=0.0, high=1.0)
-    train, held_out = [], []
+    train: list[Problem] = []
+    held_out: list[Problem] = []
     for p in problems:
         (held_out if is_held_out(p.problem, held_out_fraction) else train).append(p)
     return train, held_out

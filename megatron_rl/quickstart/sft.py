@@ -39,6 +39,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm import tqdm
@@ -168,7 +169,7 @@ def make_trainer(
     warm-up. ``grpo``: the :class:`GRPOConfig` for RL steps (default: the paper's).
     """
 
-    style = "cosine" if decay_steps else "constant"
+    style: Literal["cosine", "constant"] = "cosine" if decay_steps else "constant"
     optim = OptimConfig(
         lr=lr,
         min_lr=min_lr if decay_steps else 0.0,
@@ -228,7 +229,7 @@ class ThreadGovernor:
         if self._checking:
             self._times[c] = min(seconds, self._times.get(c, float("inf")))
             if not self._probe:
-                self.best = min(self._times, key=self._times.get)
+                self.best = min(self._times, key=self._times.__getitem__)
                 self._checking, self._since_check = False, 0
             return
         self._since_check += 1

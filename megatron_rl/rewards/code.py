@@ -46,8 +46,10 @@ __all__ = [
     "compile_cpp",
     "ensure_pch",
     "extract_code_block",
+    "interpreter",
     "normalise_language",
     "outputs_match",
+    "remove_tree",
     "select_tests",
     "verify_code",
 ]
@@ -309,7 +311,7 @@ def _last_lines(text: str, n: int = DETAIL_LINES) -> str:
     return "\n".join(text.strip().splitlines()[-n:])
 
 
-def _interpreter(cfg: CodeConfig) -> tuple[str, list[str]]:
+def interpreter(cfg: CodeConfig) -> tuple[str, list[str]]:
     """(interpreter path, read-only paths it needs beyond what the sandbox always shows)."""
     if not cfg.python:
         return sys.executable, []
@@ -366,7 +368,7 @@ def _run_test(
             extra_ro_paths=[build_dir, *ro_paths],
         )
     finally:
-        _remove_tree(workdir)
+        remove_tree(workdir)
     err = res.stderr.decode(errors="replace")
     if res.status != "ok":
         reason = _REASON[res.status]
@@ -387,7 +389,7 @@ def _run_test(
     )
 
 
-def _remove_tree(path: str) -> None:
+def remove_tree(path: str) -> None:
     """rmtree that also removes what the program made unreadable (matters when not root)."""
 
     def fix(func, p, _exc):
@@ -403,23 +405,25 @@ def _remove_tree(path: str) -> None:
 
 def _build(
     code: str, language: str, build_dir: str, cfg: CodeConfig
-) -> tuple[list[str] | None, list[str], Verdict | None]:
-    """(argv to run, read-only paths, None), or (None, [], the failing Verdict)."""
+) -> tuple[list[str], list[str]] | Verdict:
+    """(argv to run, read-only paths), or the failing Verdict."""
     if language == "python":
-        python, ro = _interpreter(cfg)
+        python, ro = interpreter(cfg)
         path = os.path.join(build_dir, "main.py")
         with open(path, "w") as f:
             f.write(code)
-        return [python, "-I", path], ro, None
+        return [python, "-I", path], ro
     res = _compile(code, build_dir, cfg, use_pch=True)
     if res.status == "sandbox_error":
-        return None, [], Verdict(False, 0.0, "sandbox_error", res.detail)
+        return Verdict(False, 0.0, "sandbox_error", res.detail)
     if res.status != "ok":
-        return None, [], Verdict(False, 0.0, "compile_error", _first_lines(_compile_message(res, cfg)))
-    return [os.path.join(build_dir, "main")], [], None
+        return Verdict(False, 0.0, "compile_error", _first_lines(_compile_message(res, cfg)))
+    return [os.path.join(build_dir, "main")], []
 
 
-def verify_code(code: str, language: str, tests: list[dict], cfg: CodeConfig, *, seed: int = 0) -> Verdict:
+def verify_code(
+    code: str, language: str | None, tests: list[dict], cfg: CodeConfig, *, seed: int = 0
+) -> Verdict:
     """Run ``code`` on ``select_tests(tests, cfg.tests_per_problem, seed)``.
 
     Returns Verdict(correct, fraction, reason, detail). Binary mode (``partial_credit`` False)
@@ -446,12 +450,13 @@ def verify_code(code: str, language: str, tests: list[dict], cfg: CodeConfig, *,
     try:
         build_dir = os.path.join(root, "build")
         os.mkdir(build_dir, 0o755)
-        program, ro_paths, failed = _build(code, language, build_dir, cfg)
-        if failed:
-            return failed
+        built = _build(code, language, build_dir, cfg)
+        if isinstance(built, Verdict):
+            return built
+        program, ro_paths = built
         return _run_all(chosen, program, build_dir, root, code, ro_paths, cfg)
     finally:
-        _remove_tree(root)
+        remove_tree(root)
 
 
 def _run_all(

@@ -99,7 +99,11 @@ def group_seed(inp: RewardInput) -> int:
 
 
 def _correctness(inp: RewardInput, answer: str, cfg: RewardConfig) -> Verdict:
+    # __post_init__ refuses a math sample without an answer and a code sample without tests;
+    # RewardInput is not frozen, so these say so again rather than fail deeper in.
     if inp.task == "math":
+        if inp.answer is None:
+            raise ValueError("a math sample needs 'answer'")
         return verify_math(answer, inp.answer, cfg.math)
     block_lang, code = extract_code_block(answer)
     if code is None or not code.strip():
@@ -108,6 +112,8 @@ def _correctness(inp: RewardInput, answer: str, cfg: RewardConfig) -> Verdict:
         return Verdict(
             False, 0.0, "wrong_answer", f"code block is {block_lang!r}, the problem asks for {inp.language!r}"
         )
+    if inp.tests is None:
+        raise ValueError("a code sample needs a non-empty 'tests' list")
     return verify_code(code, block_lang, inp.tests, cfg.code, seed=group_seed(inp))
 
 

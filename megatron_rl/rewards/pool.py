@@ -35,12 +35,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
-from typing import Any
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import TypeVar
 
 __all__ = ["PoolTaskError", "VerifierPool"]
 
 _PR_SET_PDEATHSIG = 1
+T = TypeVar("T")  # what a task returns
 
 
 class PoolTaskError(Exception):
@@ -52,7 +54,7 @@ class PoolTaskError(Exception):
         self.detail = detail
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn: Connection) -> None:
     try:  # die with the parent, whatever kills it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
@@ -88,8 +90,8 @@ class _Task:
 
 @dataclass
 class _Worker:
-    process: Any
-    conn: Any
+    process: BaseProcess
+    conn: Connection
     task: _Task | None = None
     deadline: float = 0.0
     ready: bool = False  # said hello: it imported everything and waits for tasks
@@ -118,12 +120,23 @@ class VerifierPool:
         self._start_failures = 0  # consecutive workers that died before saying ready
         self.stats = {"tasks": 0, "worker_timeout": 0, "worker_crash": 0, "verifier_error": 0}
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
-        self._workers = [self._spawn() for _ in range(num_workers)]
+        self._workers: list[_Worker] = []
+        while len(self._workers) < num_workers and self._broken is None:
+            try:
+                self._workers.append(self._spawn())
+            except OSError as e:
+                # The child died during the forkserver's hand-over (a broken pipe): a worker that
+                # cannot start, counted like one that dies before it is ready.
+                self._start_failures += 1
+                if self._start_failures >= 3:
+                    self._broken = (
+                        f"3 verifier processes in a row died while starting ({type(e).__name__}: {e})"
+                    )
         self._thread = threading.Thread(target=self._loop, name="verifier-pool", daemon=True)
         self._thread.start()
 
     # -- public ------------------------------------------------------------------------------
-    def submit(self, fn: Callable, *args, timeout_s: float | None = None) -> Future:
+    def submit(self, fn: Callable[..., T], *args: object, timeout_s: float | None = None) -> Future[T]:
         """Run ``fn(*args)`` in a worker; the future fails with :class:`PoolTaskError` when the
         task times out, its worker dies or ``fn`` raises."""
         task = _Task(next(self._ids), fn, args, timeout_s or self.default_timeout_s)
@@ -266,6 +279,8 @@ class VerifierPool:
                     continue
                 _, ok, payload = msg
                 task, w.task = w.task, None
+                if task is None:  # a worker answers only the task it was sent
+                    raise RuntimeError(f"verifier worker {w.process.pid} sent a result with no task")
                 self.stats["tasks"] += 1
                 if ok:
                     task.future.set_result(payload)

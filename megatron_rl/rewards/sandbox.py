@@ -82,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["STATUSES", "SandboxResult", "resolve_mode", "run_sandboxed", "sandbox_problem"]
@@ -185,7 +186,7 @@ def run_sandboxed(
     output_limit_bytes: int,
     max_processes: int,
     mode: str = "auto",
-    extra_ro_paths: list[str] = (),
+    extra_ro_paths: Sequence[str] = (),
 ) -> SandboxResult:
     """Run ``argv`` in the sandbox (see the module docstring) and classify how it ended.
 
@@ -231,7 +232,7 @@ def _run(
     output_limit_bytes: int,
     max_processes: int,
     mode: str,
-    extra_ro_paths: list[str] | tuple,
+    extra_ro_paths: Sequence[str],
 ) -> SandboxResult:
     workdir = os.path.realpath(workdir)
     ro_paths = _ro_paths(extra_ro_paths)
@@ -276,7 +277,7 @@ def _run(
     return res
 
 
-def _ro_paths(extra: list[str] | tuple) -> list[str]:
+def _ro_paths(extra: Sequence[str]) -> list[str]:
     """The interpreter's prefixes (for Python programs and the plain-mode launcher) plus the
     caller's paths, resolved and without duplicates or paths already under /usr."""
     want = [sys.prefix, sys.base_prefix, *extra]
@@ -453,6 +454,7 @@ def _spawn_and_wait(
             )
         except OSError as e:
             return SandboxResult(-1, b"", b"", "sandbox_error", f"cannot start {cmd[0]}: {e}")
+    assert proc.stdout is not None and proc.stderr is not None  # both are PIPEs (above)
     try:
         out, err, killed_for = _pump(proc, start + wall_s, output_limit)
     finally:
@@ -480,13 +482,16 @@ def _spawn_and_wait(
     )
 
 
-def _pump(proc: subprocess.Popen, deadline: float, output_limit: int) -> tuple[bytes, bytes, str | None]:
+def _pump(
+    proc: subprocess.Popen[bytes], deadline: float, output_limit: int
+) -> tuple[bytes, bytes, str | None]:
     """Read stdout/stderr until both close and ``proc`` has exited (and is reaped). Returns
     (stdout, stderr, None), or what was read with "timeout" / "output_limit" when a cap was hit
     (``proc`` then still runs)."""
     sel = selectors.DefaultSelector()
     out, err = bytearray(), bytearray()
     err_total = 0
+    assert proc.stdout is not None and proc.stderr is not None  # the caller opens both as PIPEs
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
     try:  # readable when the process exits; without it, poll every 20 ms

@@ -71,7 +71,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -80,6 +80,16 @@ import torch.distributed as dist
 from megatron_rl import __version__
 from megatron_rl.fileio import atomic_write_json, atomic_write_text, fsync_dir
 from megatron_rl.training.model import model_sharded_state_dict, unwrap_chunks
+
+if TYPE_CHECKING:
+    # megatron-core ships no type information: to mypy these names are Any.
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_rl.fileio import JsonValue
+    from megatron_rl.training.model import ModelChunks
 
 __all__ = [
     "DISTRIBUTED_OPTIMIZER_ON_CPU",
@@ -132,7 +142,7 @@ def _is_complete(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
-def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """The complete checkpoints under ``root`` as ``(step, path)``, lowest step first.
 
     Only ``step_<digits>`` folders holding the ``complete`` marker count: a save in progress
@@ -149,7 +159,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The checkpoint to resume from under ``root``, or None if there is no complete one.
 
     ``root/latest`` is followed if it names a complete checkpoint; if it is missing, or names a
@@ -199,7 +209,7 @@ def _on_rank0(fn: Callable[[], T]) -> T:
     CheckpointError quoting it if it cannot be pickled). Without this, a failure on rank 0 would
     leave the other ranks blocked in the next collective.
     """
-    payload: list[Any] = [None]
+    payload: list[Any] = [None]  # Any: ("ok", fn's result) or ("error", exception), pickled
     error: BaseException | None = None
     if dist.get_rank() == 0:
         try:
@@ -225,7 +235,7 @@ def _agree(
 ) -> None:
     """Raise on every rank if any rank has a ``problem``: this rank's own exception ``local``
     where it has one, else ``error_type`` quoting the first rank's problem."""
-    gathered: list[Any] = [None] * dist.get_world_size()
+    gathered: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, problem)
     bad = [(rank, p) for rank, p in enumerate(gathered) if p]
     if not bad:
@@ -266,7 +276,7 @@ class _Layout:
     model_chunks: int  # > 1 with interleaved (virtual) pipeline stages
 
 
-def _layout(chunks: list) -> _Layout:
+def _layout(chunks: list[GPTModel]) -> _Layout:
     """The layout these (unwrapped) chunks were built for, read from their process groups."""
     pgs = chunks[0].pg_collection
     world, tp, pp = dist.get_world_size(), pgs.tp.size(), pgs.pp.size()
@@ -285,14 +295,17 @@ def _rng_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _capture_rng() -> dict:
+def _capture_rng() -> dict[str, object]:
     """This rank's RNG states as plain tensors, numbers and tuples (``weights_only``-loadable)."""
     from megatron.core.tensor_parallel import (
         get_cuda_rng_tracker,  # lazy: megatron-core takes seconds to import; only this path needs it
     )
 
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
+    legacy = np.random.get_state()
+    if isinstance(legacy, dict):  # only if someone replaced the global generator's MT19937
+        raise CheckpointError("numpy's global generator is not MT19937; its state cannot be saved")
+    kind, keys, pos, has_gauss, gauss = legacy
+    state: dict[str, object] = {
         "python": random.getstate(),
         "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
         "torch_cpu": torch.get_rng_state(),
@@ -303,7 +316,7 @@ def _capture_rng() -> dict:
     return state
 
 
-def _restore_rng(state: dict) -> None:
+def _restore_rng(state: dict[str, Any]) -> None:  # Any: the tuples and tensors _capture_rng stored
     """Inverse of :func:`_capture_rng`."""
     from megatron.core.tensor_parallel import (
         get_cuda_rng_tracker,  # lazy: megatron-core takes seconds to import; only this path needs it
@@ -350,11 +363,11 @@ def _state_seed(ckpt: Path) -> int:
 # -- what goes into dist_checkpointing ----------------------------------------------------------
 
 
-def _inner_optimizers(optimizer: Any) -> list:
+def _inner_optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _optimizer_kind(optimizer: Any) -> str | None:
+def _optimizer_kind(optimizer: MegatronOptimizer | None) -> str | None:
     """``None``, ``"plain"`` (Float16OptimizerWithFloat16Params / FP32Optimizer, possibly inside a
     ChainedOptimizer) or ``"distributed"`` (any DistributedOptimizer inside)."""
     if optimizer is None:
@@ -367,12 +380,12 @@ def _optimizer_kind(optimizer: Any) -> str | None:
     return "distributed" if any(isinstance(o, DistributedOptimizer) for o in inner) else "plain"
 
 
-def _has_state(optimizer: Any) -> bool:
+def _has_state(optimizer: MegatronOptimizer) -> bool:
     """Whether the optimizer has stepped: torch optimizers create their state on the first step."""
     return any(len(o.optimizer.state) for o in _inner_optimizers(optimizer))
 
 
-def _reset_optimizer(optimizer: Any) -> None:
+def _reset_optimizer(optimizer: MegatronOptimizer) -> None:
     """Make ``optimizer`` what it was before its first step, around the freshly loaded weights.
 
     Clears the per-parameter state (Adam creates it again, step 0, on the next step) and copies
@@ -384,16 +397,18 @@ def _reset_optimizer(optimizer: Any) -> None:
     optimizer.reload_model_params()
 
 
-def _optimizer_metadata(kind: str | None, sharding: str | None) -> dict:
+def _optimizer_metadata(kind: str | None, sharding: str | None) -> dict[str, bool | str | None]:
     # Without the prefix flag a ChainedOptimizer of several plain optimizers would key its state
     # by optimizer index, which depends on the layout.
-    meta: dict = {"chained_optim_avoid_prefix": True}
+    meta: dict[str, bool | str | None] = {"chained_optim_avoid_prefix": True}
     if kind == "distributed":
         meta["distrib_optim_sharding_type"] = sharding
     return meta
 
 
-def _sharded_state_dict(chunks: list, optimizer: Any, meta: dict, is_loading: bool) -> dict:
+def _sharded_state_dict(
+    chunks: list[GPTModel], optimizer: MegatronOptimizer | None, meta: dict[str, JsonValue], is_loading: bool
+) -> ShardedStateDict:
     model = model_sharded_state_dict(chunks)
     state = {"model": model}
     if optimizer is not None:
@@ -401,7 +416,7 @@ def _sharded_state_dict(chunks: list, optimizer: Any, meta: dict, is_loading: bo
     return state
 
 
-def _versions() -> dict:
+def _versions() -> dict[str, str | None]:
 
     def version(dist_name: str) -> str | None:
         try:
@@ -421,13 +436,13 @@ def _versions() -> dict:
 
 
 def save_checkpoint(
-    root: str | os.PathLike,
+    root: str | os.PathLike[str],
     step: int,
-    model_chunks: list,
-    optimizer: Any,
-    scheduler: Any,
+    model_chunks: ModelChunks,
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
     *,
-    extra: dict | None = None,
+    extra: dict[str, object] | None = None,
     keep_last: int | None = 3,
     seed: int | None = None,
 ) -> Path:
@@ -497,7 +512,7 @@ def save_checkpoint(
     return Path(_on_rank0(lambda: str(_finalize(root, tmp, marker, keep_last))))
 
 
-def _start(root: Path, step: int, extra: dict | None) -> Path:
+def _start(root: Path, step: int, extra: dict[str, object] | None) -> Path:
     """Rank 0: the tmp folder of a new save, with ``extra.json`` in it (checked first)."""
     text = json.dumps(extra or {}, indent=1, sort_keys=True) + "\n"  # TypeError before mkdir
     # secrets, not random: the python generator was just captured and must not advance.
@@ -508,7 +523,7 @@ def _start(root: Path, step: int, extra: dict | None) -> Path:
     return tmp
 
 
-def _finalize(root: Path, tmp: Path, marker: dict, keep_last: int | None) -> Path:
+def _finalize(root: Path, tmp: Path, marker: dict[str, JsonValue], keep_last: int | None) -> Path:
     """Rank 0: marker, rename into place, ``latest``, then pruning (in that order)."""
     atomic_write_json(tmp / MARKER, marker)
     final = root / checkpoint_dir_name(marker["step"])
@@ -554,13 +569,13 @@ def _prune(root: Path, new: Path, step: int, keep_last: int | None) -> None:
 
 
 def load_checkpoint(
-    path: str | os.PathLike,
-    model_chunks: list,
-    optimizer: Any = None,
-    scheduler: Any = None,
+    path: str | os.PathLike[str],
+    model_chunks: ModelChunks,
+    optimizer: MegatronOptimizer | None = None,
+    scheduler: OptimizerParamScheduler | None = None,
     *,
     strict: bool = True,
-) -> tuple[int, dict]:
+) -> tuple[int, dict[str, JsonValue]]:
     """Load a checkpoint into ``model_chunks``, ``optimizer``, ``scheduler``; ``(step, extra)``.
 
     Collective over the default process group. ``path`` is a checkpoint folder or a root (then
@@ -610,7 +625,13 @@ def load_checkpoint(
 
 
 def _load_states(
-    ckpt: Path, chunks: list, loaded: dict, strict: bool, optimizer: Any, load_optimizer: Any, scheduler: Any
+    ckpt: Path,
+    chunks: list[GPTModel],
+    loaded: ShardedStateDict,
+    strict: bool,
+    optimizer: MegatronOptimizer | None,
+    load_optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
 ) -> None:
     """Copy what dist_checkpointing read into the modules, the optimizer and the scheduler."""
     # Loading copies into parameters (and the distributed optimizer's views of them); autograd
@@ -633,7 +654,12 @@ def _load_states(
 
 
 def _check_optimizer_and_scheduler(
-    ckpt: Path, contents: dict, optimizer: Any, scheduler: Any, saved: _Layout, layout: _Layout
+    ckpt: Path,
+    contents: dict[str, JsonValue],
+    optimizer: MegatronOptimizer | None,
+    scheduler: OptimizerParamScheduler | None,
+    saved: _Layout,
+    layout: _Layout,
 ) -> None:
     """Raise (the same on every rank: it reads only the marker) if the state cannot be loaded."""
     kind = _optimizer_kind(optimizer)
@@ -664,7 +690,7 @@ def _check_optimizer_and_scheduler(
         raise CheckpointError(f"{ckpt} holds no LR scheduler state; pass scheduler=None")
 
 
-def _sharded_tensors(state: dict) -> list:
+def _sharded_tensors(state: ShardedStateDict) -> list[ShardedTensor]:
     """Every ShardedTensor in a sharded state dict, factories expanded (without changing it)."""
     from megatron.core.dist_checkpointing.dict_utils import (
         nested_values,  # lazy: megatron-core takes seconds to import; only this path needs it
@@ -674,7 +700,7 @@ def _sharded_tensors(state: dict) -> list:
         ShardedTensorFactory,
     )
 
-    out = []
+    out: list[ShardedTensor] = []
     for value in nested_values(state):
         if isinstance(value, ShardedTensorFactory):
             out.extend(_sharded_tensors({"built": value.build()}))
@@ -683,7 +709,7 @@ def _sharded_tensors(state: dict) -> list:
     return out
 
 
-def _check_fits(ckpt: Path, state: dict, strict: bool) -> set[str]:
+def _check_fits(ckpt: Path, state: ShardedStateDict, strict: bool) -> set[str]:
     """Compare every tensor this rank would load with the checkpoint's global names and shapes.
 
     Returns the model tensors (by global key) to skip when ``strict`` is False; raises
@@ -695,10 +721,12 @@ def _check_fits(ckpt: Path, state: dict, strict: bool) -> set[str]:
         dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
     )
 
-    problem, skip, error_type = None, set(), CheckpointMismatchError
+    problem: str | None = None
+    skip: set[str] = set()
+    error_type: type[Exception] = CheckpointMismatchError
     try:
         stored = dist_checkpointing.load_tensors_metadata(str(ckpt / DIST_DIR))
-        problems = []
+        problems: list[str] = []
         for part in ("model", "optimizer"):
             for ten in _sharded_tensors({part: state.get(part, {})}):
                 if ten.key not in stored:
@@ -722,14 +750,16 @@ def _check_fits(ckpt: Path, state: dict, strict: bool) -> set[str]:
     return skip
 
 
-def _without_keys(state: Any, keys: set[str]) -> Any:
+def _without_keys(state: object, keys: set[str]) -> object:
     """``state`` without the entries whose ShardedTensor/factory key is in ``keys``."""
     if isinstance(state, dict):
         return {k: _without_keys(v, keys) for k, v in state.items() if getattr(v, "key", None) not in keys}
     return state
 
 
-def _restore_or_reseed(ckpt: Path, marker: dict, saved: _Layout, layout: _Layout, chunks: list) -> None:
+def _restore_or_reseed(
+    ckpt: Path, marker: dict[str, JsonValue], saved: _Layout, layout: _Layout, chunks: list[GPTModel]
+) -> None:
     """Exact RNG states at the same layout and device kind; a deterministic reseed otherwise."""
     rank = dist.get_rank()
     if saved == layout and marker["rng_device"] == _rng_device():

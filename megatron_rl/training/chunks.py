@@ -16,7 +16,7 @@ embedding and skipped on the way out.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,11 @@ from megatron_rl.hf.layout import (
     tp_split,
 )
 
+if TYPE_CHECKING:
+    # megatron-core ships no type information: to mypy these names are Any.
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import MegatronModule
+
 __all__ = [
     "chunk_global_names",
     "chunk_layer_offset",
@@ -40,7 +45,7 @@ __all__ = [
 ]
 
 
-def _unwrap(chunk: Any):
+def _unwrap(chunk: MegatronModule) -> GPTModel:
     from megatron.core.utils import (
         unwrap_model,  # lazy: megatron-core takes seconds to import; only this path needs it
     )
@@ -48,13 +53,13 @@ def _unwrap(chunk: Any):
     return unwrap_model(chunk)
 
 
-def chunk_layer_offset(chunk: Any) -> int:
+def chunk_layer_offset(chunk: MegatronModule) -> int:
     """Global index of the chunk's first transformer layer (0 for a chunk without layers)."""
     layers = _unwrap(chunk).decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
 
 
-def chunk_global_names(chunk: Any) -> dict[str, str]:
+def chunk_global_names(chunk: MegatronModule) -> dict[str, str]:
     """Local parameter name -> canonical global name, for every parameter of ``chunk``."""
     offset = chunk_layer_offset(chunk)
     return {n: canonical_name(to_global_name(n, offset)) for n, _ in _unwrap(chunk).named_parameters()}
@@ -62,7 +67,12 @@ def chunk_global_names(chunk: Any) -> dict[str, str]:
 
 @torch.no_grad()
 def load_hf_into_chunk(
-    chunk: Any, converter: HFConverter, hf_state: Mapping[str, torch.Tensor], *, tp_rank: int, tp_size: int
+    chunk: MegatronModule,
+    converter: HFConverter,
+    hf_state: Mapping[str, torch.Tensor],
+    *,
+    tp_rank: int,
+    tp_size: int,
 ) -> int:
     """Copy HF weights into every parameter of ``chunk`` (this rank's TP shard of each).
 
@@ -89,7 +99,7 @@ def load_hf_into_chunk(
 
 @torch.no_grad()
 def chunk_to_hf(
-    chunk: Any, converter: HFConverter, *, tp_group: Any = None
+    chunk: MegatronModule, converter: HFConverter, *, tp_group: dist.ProcessGroup | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """HF ``(name, full tensor)`` pairs for the parameters of this chunk, in model order.
 
@@ -113,7 +123,7 @@ def chunk_to_hf(
         yield from converter.mcore_to_hf(name, full)
 
 
-def _pp_info() -> tuple[int, int, Any, Any]:
+def _pp_info() -> tuple[int, int, dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(pp rank, pp size, tp group or None, pp group) of this rank; TP=PP=1 without Megatron."""
     try:
         from megatron.core import (
@@ -133,7 +143,7 @@ def _pp_info() -> tuple[int, int, Any, Any]:
     return 0, 1, None, None
 
 
-def iter_model_hf(chunks: list, converter: HFConverter) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_model_hf(chunks: list[MegatronModule], converter: HFConverter) -> Iterator[tuple[str, torch.Tensor]]:
     """Every HF tensor of the whole model, on global rank 0 of the first data-parallel replica,
     in model order (stage by stage). Collective over the model-parallel ranks of that replica;
     other ranks get nothing. Ranks of other data-parallel replicas must not call it."""

@@ -39,9 +39,12 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.types import Device
 
 __all__ = ["PATCHED_MODULES", "CpuRNGStatesTracker", "apply_cpu_compat", "cpu_compat_applied"]
 
@@ -136,7 +139,7 @@ def apply_cpu_compat() -> bool:
                     f"cpu_compat: {name}.torch is not the torch module; "
                     "megatron-core changed, review PATCHED_MODULES"
                 )
-            module.torch = stand_in
+            module.torch = stand_in  # type: ignore[attr-defined]  # ModuleType declares no ``torch``; it has one (checked above)
         for module_name, qualname, _why in _CUDA_TYPE_SCOPES:
             _wrap_in_cuda_type_scope(module_name, qualname)
         _patch_rng()
@@ -148,7 +151,7 @@ def apply_cpu_compat() -> bool:
 # -- 1. the ``torch`` stand-in ------------------------------------------------------------------
 
 
-def _cpu_if_cuda(device: Any) -> Any:
+def _cpu_if_cuda(device: Device) -> Device:
     """``device`` unchanged unless it names CUDA ('cuda', 'cuda:0', torch.device('cuda'), an int)."""
     if device is None:
         return None
@@ -160,6 +163,7 @@ def _cpu_if_cuda(device: Any) -> Any:
 
 
 def _cpu_factory(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # Any: the arguments of torch's own (overloaded) factory, forwarded unchanged but ``device``.
     @functools.wraps(fn)
     def factory(*args: Any, **kwargs: Any) -> torch.Tensor:
         if "device" in kwargs:
@@ -179,10 +183,10 @@ class _CpuCuda:
         return _CPU
 
     @staticmethod
-    def synchronize(device: Any = None) -> None:
+    def synchronize(device: Device = None) -> None:
         """CPU ops are synchronous; Megatron calls this after p2p and before freeing buffers."""
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # Any: whatever torch.cuda holds under that name
         return getattr(torch.cuda, name)
 
 
@@ -201,7 +205,7 @@ class _CpuTorch:
     full = staticmethod(_cpu_factory(torch.full))
     arange = staticmethod(_cpu_factory(torch.arange))
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # Any: whatever torch holds under that name
         return getattr(torch, name)
 
     def __repr__(self) -> str:
@@ -232,15 +236,18 @@ def _cpu_tensors_pass_as_cuda() -> Iterator[None]:
     own = {name: torch.Tensor.__dict__.get(name) for name in ("type", "cuda")}
     original_type = torch.Tensor.type
 
-    def type_(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kw: Any):
+    def type_(
+        self: torch.Tensor, dtype: torch.dtype | str | None = None, non_blocking: bool = False, **kw: object
+    ) -> str | torch.Tensor:
         if dtype is None and not kw and self.device.type == "cpu":
             return original_type(self).replace("torch.", "torch.cuda.", 1)
         return original_type(self, dtype, non_blocking, **kw)
 
-    def cuda_(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def cuda_(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return self
 
-    torch.Tensor.type, torch.Tensor.cuda = type_, cuda_
+    # Patched for this scope only (restored below), with plain functions in place of the stubs' overloads.
+    torch.Tensor.type, torch.Tensor.cuda = type_, cuda_  # type: ignore[method-assign, assignment]  # see above
     _scope_depth = 1
     try:
         yield
@@ -262,12 +269,13 @@ def _wrap_in_cuda_type_scope(module_name: str, qualname: str) -> None:
     if getattr(fn, "_cpu_compat_scoped", False):
         return
 
+    # Any: ``fn`` is a megatron-core function or method, and megatron-core ships no types.
     @functools.wraps(fn)
     def scoped(*args: Any, **kwargs: Any) -> Any:
         with _cpu_tensors_pass_as_cuda():
             return fn(*args, **kwargs)
 
-    scoped._cpu_compat_scoped = True  # type: ignore[attr-defined]
+    scoped._cpu_compat_scoped = True  # type: ignore[attr-defined]  # a marker on the function object
     setattr(owner, attr, scoped)
     if path:
         return  # a method: every importer shares the class object
@@ -281,12 +289,12 @@ def _wrap_in_cuda_type_scope(module_name: str, qualname: str) -> None:
 # -- 2. the RNG tracker ---------------------------------------------------------------------------
 
 
-def _get_cpu_rng_state(device: Any = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+def _get_cpu_rng_state(device: Device = None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     """Drop-in for ``random._get_cuda_rng_state``: the CPU generator's state (a fresh tensor)."""
     return torch.get_rng_state()
 
 
-def _set_cpu_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+def _set_cpu_rng_state(new_state: torch.Tensor, device: Device = -1, graph_safe: bool = False) -> None:
     """Drop-in for ``random._set_cuda_rng_state``."""
     torch.set_rng_state(new_state)
 
@@ -302,6 +310,8 @@ def _make_tracker_class() -> type:
         Differs from the CUDA tracker in two ways only: states are CPU generator states, and
         ``fork`` does not warn that "the CPU RNG state changed" (here that is the point).
         """
+
+        _current_state_name: str  # set by the base class; declared for the type checker
 
         def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
             super().__init__(use_cudagraphable_rng=False, is_inference_rng_tracker=is_inference_rng_tracker)

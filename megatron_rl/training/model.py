@@ -18,14 +18,27 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
 
 from megatron_rl.hf.arch import SUPPORTED_MODEL_TYPES, load_hf_config, padded_vocab_size, rope_parameters
 from megatron_rl.training.parallel import ParallelConfig, process_groups
+
+if TYPE_CHECKING:
+    # megatron-core ships no type information: to mypy these names are Any. They are written
+    # out so that each signature says which Megatron object it takes.
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from transformers import PretrainedConfig
+
+    from megatron_rl.hf.arch import HFConfigLike
 
 __all__ = [
     "build_gpt_model",
@@ -40,11 +53,15 @@ __all__ = [
 ]
 
 
+#: A model chunk (GPTModel, bare or wrapped in DDP / Float16Module: all MegatronModules) or a list.
+ModelChunks: TypeAlias = "MegatronModule | Sequence[MegatronModule]"
+
+
 def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def _rope_model_kwargs(hf) -> dict:
+def _rope_model_kwargs(hf: PretrainedConfig) -> dict[str, float]:
     """GPTModel's RoPE arguments: ``rotary_base`` plus the scalings Megatron implements.
 
     - ``default``: none.
@@ -54,7 +71,7 @@ def _rope_model_kwargs(hf) -> dict:
       values are refused.
     """
     p = rope_parameters(hf)
-    kw: dict = {"rotary_base": p["rope_theta"]}
+    kw: dict[str, float] = {"rotary_base": p["rope_theta"]}
     kind = p["rope_type"]
     if kind == "default":
         return kw
@@ -75,7 +92,7 @@ def _rope_model_kwargs(hf) -> dict:
     )
 
 
-def _check_supported(hf) -> None:
+def _check_supported(hf: PretrainedConfig) -> None:
     """Raise ValueError naming the HF field when the architecture is not one this builds."""
     if hf.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -102,8 +119,12 @@ def _check_supported(hf) -> None:
 
 
 def transformer_config_from_hf(
-    hf_config: Any, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32, **overrides: Any
-):
+    hf_config: HFConfigLike,
+    parallel: ParallelConfig,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    **overrides: object,
+) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for a Mistral / Llama / Qwen2 HF config and a layout.
 
     RMSNorm (the config's eps), SwiGLU MLP, grouped-query attention, no linear biases except
@@ -137,7 +158,7 @@ def transformer_config_from_hf(
         if n % parallel.tensor_parallel:
             raise ValueError(f"{name}: {n} is not divisible by tensor_parallel={parallel.tensor_parallel}")
     on_gpu = torch.cuda.is_available()
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, object] = dict(
         num_layers=hf.num_hidden_layers,
         hidden_size=hf.hidden_size,
         ffn_hidden_size=hf.intermediate_size,
@@ -175,7 +196,9 @@ def transformer_config_from_hf(
     return TransformerConfig(**kwargs)
 
 
-def gpt_model_kwargs_from_hf(hf_config: Any, *, tensor_parallel: int, vocab_size: int | None = None) -> dict:
+def gpt_model_kwargs_from_hf(
+    hf_config: HFConfigLike, *, tensor_parallel: int, vocab_size: int | None = None
+) -> dict[str, object]:
     """The ``GPTModel`` arguments that come from the HF config (vocabulary, positions, RoPE,
     tied embeddings); ``vocab_size`` overrides the config's (e.g. a resized tokenizer)."""
     hf = load_hf_config(hf_config)
@@ -188,7 +211,7 @@ def gpt_model_kwargs_from_hf(hf_config: Any, *, tensor_parallel: int, vocab_size
     )
 
 
-def _layer_spec(config):
+def _layer_spec(config: TransformerConfig) -> ModuleSpec:
     """Transformer Engine layers where TE is importable, plain PyTorch ones otherwise."""
     from megatron.core.models.gpt.gpt_layer_specs import (  # lazy: megatron-core takes seconds to import; only this path needs it
         get_gpt_layer_local_spec,
@@ -206,7 +229,7 @@ def _layer_spec(config):
 
 
 def build_gpt_model(
-    hf_config: Any,
+    hf_config: HFConfigLike,
     parallel: ParallelConfig,
     *,
     pre_process: bool | None = None,
@@ -214,9 +237,9 @@ def build_gpt_model(
     vocab_size: int | None = None,
     params_dtype: torch.dtype = torch.float32,
     vp_stage: int | None = None,
-    pg_collection: Any = None,
-    config: Any = None,
-):
+    pg_collection: ProcessGroupCollection | None = None,
+    config: TransformerConfig | None = None,
+) -> GPTModel:
     """One ``GPTModel`` chunk for this rank (needs :func:`init_parallel` first).
 
     ``pre_process`` / ``post_process`` default to "this is the first / last pipeline stage"
@@ -252,12 +275,12 @@ def build_gpt_model(
 
 
 def build_model_chunks(
-    hf_config: Any,
+    hf_config: HFConfigLike,
     parallel: ParallelConfig,
     *,
     vocab_size: int | None = None,
     params_dtype: torch.dtype = torch.float32,
-) -> list:
+) -> list[GPTModel]:
     """The model chunks of this rank, as Megatron's schedules take them: ``[model]`` without
     interleaving, ``virtual_pipeline`` chunks (virtual stages ``0..vpp-1``) with it."""
     config = transformer_config_from_hf(hf_config, parallel, params_dtype=params_dtype)
@@ -268,7 +291,7 @@ def build_model_chunks(
     ]
 
 
-def unwrap_chunks(model: Any) -> list:
+def unwrap_chunks(model: ModelChunks) -> list[GPTModel]:
     """The bare ``GPTModel`` chunks of a chunk or list of chunks wrapped in DDP / Float16Module."""
     from megatron.core.utils import (
         unwrap_model,  # lazy: megatron-core takes seconds to import; only this path needs it
@@ -277,7 +300,7 @@ def unwrap_chunks(model: Any) -> list:
     return unwrap_model(list(model) if isinstance(model, (list, tuple)) else [model])
 
 
-def model_sharded_state_dict(chunks: list) -> dict:
+def model_sharded_state_dict(chunks: Sequence[GPTModel]) -> ShardedStateDict:
     """The ``dist_checkpointing`` sharded state dict of (unwrapped) model chunks."""
     # With several chunks (interleaving) the python keys must not collide; the tensors inside
     # carry their global names (layer numbers include the chunk's offset), which is what the
@@ -287,7 +310,7 @@ def model_sharded_state_dict(chunks: list) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
-def save_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
+def save_model_checkpoint(model: ModelChunks, path: str | os.PathLike[str]) -> None:
     """Write the model's weights to the folder ``path`` with ``dist_checkpointing`` (collective:
     every rank of the default group calls it). ``model`` is a chunk or a list of chunks,
     possibly wrapped in DDP / Float16Module. Not atomic: a crash mid-save leaves a partial folder.
@@ -300,7 +323,7 @@ def save_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
     dist_checkpointing.save(model_sharded_state_dict(unwrap_chunks(model)), str(path))
 
 
-def load_model_checkpoint(model: Any, path: str | os.PathLike) -> None:
+def load_model_checkpoint(model: ModelChunks, path: str | os.PathLike[str]) -> None:
     """Load weights written by :func:`save_model_checkpoint` at any TP/PP layout into ``model``
     (collective). Every parameter must be in the checkpoint with the same global shape."""
     from megatron.core import (

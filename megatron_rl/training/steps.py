@@ -58,16 +58,23 @@ offset, ~1e-3 rad at 16k; exact per sequence on the TE path, which restarts RoPE
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal, TypeAlias, TypedDict
 
 import torch
 
 from megatron_rl.algorithms.logprobs import token_logprobs
 from megatron_rl.algorithms.loss import grpo_loss
 from megatron_rl.batching.collate import Microbatch
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    # megatron-core ships no type information: to mypy these names are Any.
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import MegatronModule
 
 __all__ = [
     "LossMode",
@@ -86,6 +93,22 @@ __all__ = [
 
 LossMode = Literal["grpo", "sft", "logprobs"]
 
+
+class LogprobsOutput(TypedDict):
+    """What the ``logprobs`` closure reports for one microbatch."""
+
+    seq_index: list[int]  # the microbatch's sequences, in row / segment order
+    logprobs: list[torch.Tensor]  # [C_i] completion-token log-probs per sequence
+
+
+#: A closure's result as the schedule takes it with ``calculate_per_token_loss``:
+#: ``(loss, loss tokens, metrics)`` (metric sums, or :class:`LogprobsOutput`).
+LossOutput: TypeAlias = "tuple[torch.Tensor, torch.Tensor, Mapping[str, object]]"
+LossFn: TypeAlias = "Callable[[StepContext, Microbatch, torch.Tensor], LossOutput]"
+LossClosure: TypeAlias = "Callable[[torch.Tensor], LossOutput]"  # logits -> LossOutput
+#: ``forward_step(data_iterator, model) -> (output, loss closure over the logits)``.
+ForwardStep: TypeAlias = "Callable[[Iterator[Microbatch], MegatronModule], tuple[torch.Tensor, LossClosure]]"
+
 _TENSOR_FIELDS = (
     "tokens",
     "position_ids",
@@ -103,7 +126,7 @@ _TENSOR_FIELDS = (
 class StepContext:
     """What every microbatch of a step shares; fixed before the schedule runs."""
 
-    tp_group: Any  # tensor-parallel group of the vocab-parallel logits (None: unsharded)
+    tp_group: dist.ProcessGroup | None  # TP group of the vocab-parallel logits (None: unsharded)
     vocab_size: int  # the tokenizer's vocabulary; logits of ids >= this are masked to -inf
     device: torch.device  # where the model runs; microbatches are moved there
     temperature: float = 1.0  # sampling temperature of the behaviour log-probs (GRPO only)
@@ -114,7 +137,9 @@ class StepContext:
     fp32_output: bool | None = None  # Float16Module's fp32_output (False: keep bf16 logits)
 
 
-def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_group=None) -> torch.Tensor:
+def mask_padded_vocab(
+    logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """``logits`` ``[..., V_local]`` (this rank's shard, ids ``[r V_local, (r+1) V_local)``) with
     ids ``>= vocab_size`` set to -inf. Returns the input itself when the shard has no such id,
     else a masked copy (the gradient of masked entries is 0)."""
@@ -193,16 +218,16 @@ def sft_loss_fn(
 
 def logprobs_fn(
     ctx: StepContext, mb: Microbatch, logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor, torch.Tensor, LogprobsOutput]:
     """Forward only: ``{"seq_index": [...], "logprobs": [[C_i] per sequence]}`` for the
     microbatch's sequences (at ``ctx.temperature``); the loss returned is a 0 placeholder."""
     with torch.no_grad():
         logp, _ = taken_token_logprobs(ctx, logits, mb.labels, ctx.temperature)
-    out = {"seq_index": list(mb.seq_index), "logprobs": mb.split_per_sequence(logp)}
+    out: LogprobsOutput = {"seq_index": list(mb.seq_index), "logprobs": mb.split_per_sequence(logp)}
     return logp.new_zeros(()), _num_tokens(mb), out
 
 
-_LOSS_FNS: dict[str, Callable] = {"grpo": grpo_loss_fn, "sft": sft_loss_fn, "logprobs": logprobs_fn}
+_LOSS_FNS: dict[str, LossFn] = {"grpo": grpo_loss_fn, "sft": sft_loss_fn, "logprobs": logprobs_fn}
 
 
 def metric_keys(mode: LossMode) -> list[str]:
@@ -239,7 +264,7 @@ def _to_device(mb: Microbatch, device: torch.device) -> Microbatch:
     return dataclasses.replace(mb, **moved)
 
 
-def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = None) -> dict[str, Any]:
+def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = None) -> dict[str, object]:
     """``GPTModel.forward`` arguments for a (host) microbatch, on ``device`` (default: the
     microbatch's). The mask is built on the host: ``Microbatch.attention_mask`` makes CPU tensors.
 
@@ -248,7 +273,7 @@ def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = Non
     (Transformer Engine), else the block-diagonal causal mask (see the module docstring).
     """
     device = device or mb.tokens.device
-    inputs: dict[str, Any] = {
+    inputs: dict[str, object] = {
         "input_ids": mb.tokens.to(device),
         "position_ids": mb.position_ids.to(device),
         "attention_mask": None,
@@ -260,8 +285,9 @@ def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = Non
             PackedSeqParams,  # lazy: megatron-core takes seconds to import; only this path needs it
         )
 
-        cu = mb.cu_seqlens.to(device, torch.int32)
-        longest = int((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).max())
+        starts = mb.packed_cu_seqlens()
+        cu = starts.to(device, torch.int32)
+        longest = int((starts[1:] - starts[:-1]).max())
         inputs["packed_seq_params"] = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
@@ -270,7 +296,9 @@ def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = Non
     return inputs
 
 
-def _forward_step(ctx: StepContext, loss_fn: Callable, data_iterator: Iterator[Microbatch], model):
+def _forward_step(
+    ctx: StepContext, loss_fn: LossFn, data_iterator: Iterator[Microbatch], model: MegatronModule
+) -> tuple[torch.Tensor, LossClosure]:
     mb = next(data_iterator)
     kwargs = model_inputs(mb, thd=ctx.thd, device=ctx.device)
     if ctx.fp32_output is not None:
@@ -278,7 +306,7 @@ def _forward_step(ctx: StepContext, loss_fn: Callable, data_iterator: Iterator[M
     return model(**kwargs), partial(loss_fn, ctx, _to_device(mb, ctx.device))
 
 
-def make_forward_step(ctx: StepContext, mode: LossMode) -> Callable:
+def make_forward_step(ctx: StepContext, mode: LossMode) -> ForwardStep:
     """``forward_step(data_iterator, model) -> (output, partial(loss_fn, ctx, microbatch))`` for
     ``get_forward_backward_func()``; the iterator yields :class:`Microbatch` objects."""
     if mode not in _LOSS_FNS:
@@ -287,9 +315,9 @@ def make_forward_step(ctx: StepContext, mode: LossMode) -> Callable:
 
 
 def finalize_grads_summed(
-    model: list,
+    model: list[MegatronModule],
     num_tokens: torch.Tensor | None = None,
-    pg_collection: Any = None,
+    pg_collection: ProcessGroupCollection | None = None,
     force_all_reduce: bool = False,
 ) -> None:
     """``config.finalize_model_grads_func``: Megatron's ``finalize_model_grads`` (DP all-reduce,

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 import warnings
-from typing import Any
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,18 @@ from megatron_rl.training.steps import (
     metric_keys,
 )
 from megatron_rl.types import TrainBatch, TrainSequence
+
+if TYPE_CHECKING:
+    # megatron-core ships no type information: to mypy these names are Any.
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from transformers import PretrainedConfig
+
+    from megatron_rl.batching.collate import Layout
+    from megatron_rl.fileio import JsonValue
+    from megatron_rl.hf.arch import HFConfigLike
 
 __all__ = ["PolicyTrainer"]
 
@@ -85,7 +100,7 @@ def _ensure_parallel(cfg: TrainerConfig) -> bool:
     return False
 
 
-def _filler_microbatch(layout: str, pad_to_multiple: int) -> Microbatch:
+def _filler_microbatch(layout: Layout, pad_to_multiple: int) -> Microbatch:
     """A microbatch that contributes exactly nothing (weight 0 everywhere): a data-parallel replica
     with fewer sequences than microbatches it must run still joins every collective."""
     seq = TrainSequence(
@@ -112,26 +127,25 @@ def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
         out[:r, :s] = t
         return out
 
-    fields = {
-        name: grow(getattr(mb, name), -1 if name == "versions" else 0)
-        for name in (
-            "tokens",
-            "position_ids",
-            "labels",
-            "loss_weights",
-            "advantages",
-            "behaviour_logprobs",
-            "versions",
-            "loss_mask",
-        )
-    }
+    position_ids, cu_seqlens = grow(mb.position_ids), mb.cu_seqlens
     if mb.layout == "packed":
         used = sum(mb.seq_lengths)
-        bounds = mb.cu_seqlens.tolist()
+        bounds = mb.packed_cu_seqlens().tolist()
         bounds = bounds[:-1] + [width] if bounds[-1] > used else bounds + [width]
-        fields["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32)
-        fields["position_ids"][0, used:] = torch.arange(width - used)
-    return dataclasses.replace(mb, **fields)
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+        position_ids[0, used:] = torch.arange(width - used)
+    return dataclasses.replace(
+        mb,
+        tokens=grow(mb.tokens),
+        position_ids=position_ids,
+        labels=grow(mb.labels),
+        loss_weights=grow(mb.loss_weights),
+        advantages=grow(mb.advantages),
+        behaviour_logprobs=grow(mb.behaviour_logprobs),
+        versions=grow(mb.versions, -1),
+        loss_mask=grow(mb.loss_mask),
+        cu_seqlens=cu_seqlens,
+    )
 
 
 class PolicyTrainer:
@@ -144,12 +158,12 @@ class PolicyTrainer:
 
     def __init__(
         self,
-        hf_config: Any,
+        hf_config: HFConfigLike,
         cfg: TrainerConfig,
         grpo: GRPOConfig,
         batching: BatchingConfig,
         vocab_size: int | None = None,
-    ):
+    ) -> None:
         """``vocab_size``: the tokenizer's vocabulary (default: the HF config's); the model pads it
         (``padded_vocab_size``) and the padded ids are masked out of every log-softmax."""
         if grpo.kl_coef:
@@ -188,7 +202,7 @@ class PolicyTrainer:
 
     # -- construction -----------------------------------------------------------------------------
 
-    def _build_model(self, hf) -> list:
+    def _build_model(self, hf: PretrainedConfig) -> list[DistributedDataParallel]:
         from megatron.core.distributed import (  # lazy: megatron-core takes seconds to import; only this path needs it
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -198,7 +212,7 @@ class PolicyTrainer:
         )
 
         p = self.cfg.parallel
-        overrides: dict[str, Any] = dict(
+        overrides: dict[str, object] = dict(
             calculate_per_token_loss=True,  # loss used as returned; DDP sums (see steps.py)
             # The fused causal softmax kernel ignores a given mask; packed rows need the mask
             # (local spec). Transformer Engine's attention does not use this softmax at all.
@@ -246,7 +260,7 @@ class PolicyTrainer:
         config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
         return model
 
-    def _build_optimizer(self):
+    def _build_optimizer(self) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
         from megatron.core.optimizer import (  # lazy: megatron-core takes seconds to import; only this path needs it
             OptimizerConfig,
             get_megatron_optimizer,
@@ -304,7 +318,7 @@ class PolicyTrainer:
         self.scheduler.step(0)  # re-apply the learning rate of that step
 
     @property
-    def chunks(self) -> list:
+    def chunks(self) -> list[GPTModel]:
         """The bare ``GPTModel`` chunks (DDP and Float16Module unwrapped), for weight export."""
         from megatron.core.utils import (
             unwrap_model,  # lazy: megatron-core takes seconds to import; only this path needs it
@@ -331,7 +345,13 @@ class PolicyTrainer:
         dist.all_reduce(total, group=self.pgs.mp)
         return int(total)
 
-    def save_checkpoint(self, root, *, extra: dict | None = None, keep_last: int | None = 3):
+    def save_checkpoint(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        extra: dict[str, object] | None = None,
+        keep_last: int | None = 3,
+    ) -> Path:
         """Atomic checkpoint of model, optimizer, scheduler (the step) and RNG under ``root``
         (collective; see :mod:`megatron_rl.training.checkpoint`). Returns its folder."""
 
@@ -346,14 +366,14 @@ class PolicyTrainer:
             seed=self.cfg.seed,
         )
 
-    def load_checkpoint(self, path) -> dict:
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, JsonValue]:
         """Resume from a checkpoint folder, or the latest complete one under a root, written at
         any TP/PP; returns its ``extra``. The step comes back with the scheduler."""
 
         _, extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         return extra
 
-    def load_hf(self, folder) -> None:
+    def load_hf(self, folder: str | os.PathLike[str]) -> None:
         """Copy an HF folder's weights into this rank's shards of every chunk (any TP/PP), and
         refresh the optimizer's main copies (collective only in that every rank reads)."""
         weights = HFWeights(folder)
@@ -370,20 +390,27 @@ class PolicyTrainer:
             weights.close()
         self.optimizer.reload_model_params()
 
-    def hf_converter(self, hf_config):
+    def hf_converter(self, hf_config: HFConfigLike) -> HFConverter:
         """The HF <-> Megatron name map for this model (its padded vocabulary and TP)."""
         tp = self.pgs.tp.size()
         return HFConverter.for_config(
             hf_config, tensor_parallel=tp, padded_vocab=padded_vocab_size(self.vocab_size, tp)
         )
 
-    def hf_tensors(self):
+    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every HF-named tensor of the current policy, streamed on global rank 0 in model order;
         collective over the model-parallel ranks of the first data-parallel replica, which must all
         iterate it (other ranks get nothing). What the weight broadcast sends."""
         return iter_model_hf(self.chunks, self.hf_converter(self.hf_config))
 
-    def export_hf(self, out, *, like, dtype: torch.dtype | None = None, max_shard: str = "2GB"):
+    def export_hf(
+        self,
+        out: str | os.PathLike[str],
+        *,
+        like: str | os.PathLike[str],
+        dtype: torch.dtype | None = None,
+        max_shard: str = "2GB",
+    ) -> Path | None:
         """Write the current weights as an HF folder ``out`` (config and tokenizer files from
         the HF folder ``like``), atomically; collective over the model-parallel ranks of the
         first data-parallel replica (call it on every rank). Returns ``out`` on rank 0."""
@@ -561,8 +588,10 @@ class PolicyTrainer:
 
     def _run(
         self, mbs: list[Microbatch], mode: LossMode, *, forward_only: bool, temperature: float | None = None
-    ) -> list:
-        """Megatron's schedule over ``mbs``; the loss closures' outputs (last stage only)."""
+    ) -> list[Any]:
+        """Megatron's schedule over ``mbs``; the loss closures' outputs (last stage only): metric
+        dicts of tensors (grpo, sft) or :class:`~megatron_rl.training.steps.LogprobsOutput`.
+        Any: the list comes back from megatron-core's schedule, which ships no types."""
         from megatron.core.pipeline_parallel import (
             get_forward_backward_func,  # lazy: megatron-core takes seconds to import; only this path needs it
         )
@@ -588,7 +617,7 @@ class PolicyTrainer:
             )
 
     def _reduce_metrics(
-        self, parts: list[dict], keys: list[str], stats: dict[str, float]
+        self, parts: list[dict[str, torch.Tensor]], keys: list[str], stats: dict[str, float]
     ) -> dict[str, torch.Tensor]:
         """Sum (``*_max``: max) the metrics over data-parallel replicas, on every rank: two
         all-reduces over the world, to which only each replica's reporting rank contributes."""

@@ -26,10 +26,11 @@ new one, on the next port, with the servers still alive.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ import torch.distributed as dist
 from megatron_rl.config import ConfigFieldError, check_choice, check_range
 from megatron_rl.generation.protocol import pack_bucket, tensor_digest, update_weights_payload
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
+
+if TYPE_CHECKING:
+    from megatron_rl.generation.client import FleetClient
 
 __all__ = ["WeightBroadcaster", "WeightSyncConfig"]
 
@@ -47,7 +51,9 @@ class WeightSyncConfig:
 
     backend: str = "auto"  # nccl, gloo, or auto: nccl with CUDA, else gloo
     master_address: str = "127.0.0.1"  # an address of trainer rank 0 the servers can reach
-    master_port: int = 29650  # rendezvous port of the update group (+1 per rebuild)
+    # Rendezvous port of the update group on master_address; 0 (default): a free one, picked when
+    # the group is built (two runs on one host never collide). A fixed port goes +1 per rebuild.
+    master_port: int = 0
     group_name: str = "megatron_rl_weights"
     bucket_mb: float = 512.0  # bytes per broadcast
     cast_dtype: str | None = None  # e.g. "bfloat16"; None: the parameters' dtype
@@ -55,13 +61,13 @@ class WeightSyncConfig:
     timeout_s: float = 300.0
     verify: bool = False  # after each sync, check the servers' weight digests (built-in engine)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_choice("backend", self.backend, ("auto", "nccl", "gloo"))
         if self.backend == "auto":
             self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         check_choice("pause_mode", self.pause_mode, ("in_place", "abort"))
         check_range("bucket_mb", self.bucket_mb, low=0.0, low_open=True)
-        check_range("master_port", self.master_port, low=1, high=65535)
+        check_range("master_port", self.master_port, low=0, high=65535)
         if self.cast_dtype is not None and not isinstance(getattr(torch, self.cast_dtype, None), torch.dtype):
             raise ConfigFieldError("cast_dtype", f"not a torch dtype: {self.cast_dtype!r}")
 
@@ -72,18 +78,36 @@ class WeightBroadcaster:
     def __init__(
         self,
         named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
-        fleet: Any,
+        fleet: FleetClient | None,
         cfg: WeightSyncConfig,
-    ):
+    ) -> None:
         # Called once per sync on every rank that takes part: yields the whole model's HF-named
         # tensors on rank 0 (and takes part in the gathers elsewhere), e.g. PolicyTrainer.hf_tensors.
         self.named_tensors = named_tensors
-        self.fleet = fleet
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if self.rank == 0 and fleet is None:
+            raise ValueError("WeightBroadcaster: rank 0 talks to the fleet and needs its client")
+        self._fleet = fleet  # rank 0's client; other ranks take part in the gathers only
         self.cfg = cfg
-        self.group = None
+        self.group: dist.ProcessGroup | None = None  # the update group (rank 0, once connected)
         self._members: tuple[str, ...] = ()
         self._port = cfg.master_port
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def fleet(self) -> FleetClient:
+        """The fleet client (rank 0 only: the other ranks never reach the servers)."""
+        if self._fleet is None:
+            raise RuntimeError(f"WeightBroadcaster: rank {self.rank} has no fleet client (rank 0 has)")
+        return self._fleet
+
+    def _rendezvous_port(self) -> int:
+        """The port of a new group: a free one on master_address when the recipe leaves it at 0;
+        else the recipe's, then the next after the last (the old store may still hold it)."""
+        if self.cfg.master_port == 0:
+            with socket.socket() as sock:
+                sock.bind((self.cfg.master_address, 0))
+                return int(sock.getsockname()[1])
+        return self.cfg.master_port if self.group is None and not self._members else self._port + 1
 
     # ------------------------------------------------------------------ group
 
@@ -91,6 +115,7 @@ class WeightBroadcaster:
         """Build the update group with every live server (rank 0 only; other ranks no-op)."""
         if self.rank != 0:
             return
+        self._port = self._rendezvous_port()
         self.fleet.refresh()
         self.fleet.update_urls = self.fleet.live_update_urls()
         if not self.fleet.update_urls:
@@ -126,7 +151,6 @@ class WeightBroadcaster:
         if self.group is not None and all(u in live for u in self._members):
             return
         self.close()
-        self._port += 1  # the old rendezvous store may still hold the port
         self.connect()
 
     # ------------------------------------------------------------------ sync
@@ -134,7 +158,8 @@ class WeightBroadcaster:
     def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         limit = int(self.cfg.bucket_mb * 2**20)
         cast = getattr(torch, self.cfg.cast_dtype) if self.cfg.cast_dtype else None
-        bucket, size = [], 0
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
         for name, t in self.named_tensors():
             if self.rank != 0:
                 continue
@@ -182,6 +207,9 @@ class WeightBroadcaster:
                 if self.cfg.verify:
                     digests.update((n, tensor_digest(t)) for n, t in bucket)
                 names, dtypes, shapes, flat = pack_bucket(bucket)
+                group = self.group
+                if group is None:  # buckets exist on rank 0 only, which connected above
+                    raise RuntimeError("weight sync: rank 0 holds no update group (connect() first)")
                 futs = self.fleet.update_weights_async(
                     update_weights_payload(
                         names=names,
@@ -192,7 +220,7 @@ class WeightBroadcaster:
                     )
                 )
                 try:
-                    broadcast(flat, self.group, src=0)
+                    broadcast(flat, group, src=0)
                     for f in futs:
                         f.result()
                 except Exception as e:  # noqa: BLE001 - a server died mid-update
@@ -214,7 +242,6 @@ class WeightBroadcaster:
             if self.rank == 0:
                 self.fleet.refresh()
                 self.close()
-                self._port += 1
                 self.connect()
             return self.sync(version, _retry=False)
         seconds = time.perf_counter() - t0
@@ -242,7 +269,7 @@ class WeightBroadcaster:
         return True
 
 
-def _sync_group():
+def _sync_group() -> dist.ProcessGroup | None:
     """The ranks that call :meth:`WeightBroadcaster.sync` together (model-parallel ranks of the
     first data-parallel replica), or None for a single rank."""
     try:

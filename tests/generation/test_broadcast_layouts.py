@@ -5,7 +5,7 @@ each process start costs seconds. At each layout the ranks build a ``PolicyTrain
 ``WeightBroadcaster`` to that layout's server (one per layout, started here, so that each can be
 checked after the spawn) and ``sync(version=5)``: TP shards are all-gathered inside the stage,
 the second pipeline stage sends its tensors to rank 0, and rank 0 alone broadcasts. Rank 0 then
-writes the HF tensors the trainer holds (``iter_model_hf``) to a file, and every rank returns the
+writes the HF tensors the trainer holds (``PolicyTrainer.hf_tensors``) to a file, and every rank returns the
 trainer's own log-probs of a few fixed sequences (Megatron's forward at that layout). This
 process checks, per layout, that
 
@@ -50,7 +50,6 @@ def _sync_one_layout(
 
     from megatron_rl.algorithms.config import GRPOConfig
     from megatron_rl.batching.config import BatchingConfig
-    from megatron_rl.training.chunks import iter_model_hf
     from megatron_rl.training.config import TrainerConfig
     from megatron_rl.training.parallel import ParallelConfig
     from megatron_rl.training.trainer import PolicyTrainer
@@ -74,7 +73,7 @@ def _sync_one_layout(
         )
         bc.connect()
         stats = bc.sync(version=VERSION)
-        hf = {n: t.clone() for n, t in iter_model_hf(trainer.chunks, bc.converter)}
+        hf = {n: t.clone() for n, t in trainer.hf_tensors()}
         if rank == 0:
             assert stats["weight_sync/buckets"] > 1, stats
             save_file(hf, out_file)

@@ -18,7 +18,6 @@ from megatron_rl.generation.api import GenRequest, LocalGenerator
 from megatron_rl.generation.client import FleetClient, ServerLost
 from megatron_rl.generation.engine import Engine, EngineConfig
 from megatron_rl.generation.engine.launch import EngineProcess
-from megatron_rl.training.chunks import iter_model_hf
 from megatron_rl.types import TrainBatch, TrainSequence
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
 from tests.generation.conftest import free_port, prompt
@@ -70,9 +69,7 @@ def _post(url: str, route: str, body) -> tuple[int, dict]:
 
 
 def _trainer_hf(trainer, tiny_llama) -> dict[str, torch.Tensor]:
-    from megatron_rl.hf.layout import HFConverter
-
-    return {n: t.clone() for n, t in iter_model_hf(trainer.chunks, HFConverter.for_config(tiny_llama))}
+    return {n: t.clone() for n, t in trainer.hf_tensors()}
 
 
 def test_generate_over_http_matches_the_in_process_engine(server, tiny_llama):

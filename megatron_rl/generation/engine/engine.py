@@ -35,15 +35,14 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
 from megatron_rl.generation.engine.model import Decoder, KVCache
+from megatron_rl.types import FinishReason
 
 __all__ = ["Engine", "EngineConfig", "Finished", "SlotEngine", "sample_token", "sample_tokens"]
-
-FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(kw_only=True)
@@ -53,7 +52,7 @@ class EngineConfig:
     max_slots: int = 8  # sequences decoded together (cache slots)
     max_len: int = 2048  # tokens per slot: prompt + completion must fit
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_slots < 1:
             raise ValueError(f"max_slots: must be >= 1, got {self.max_slots}")
         if self.max_len < 2:
@@ -181,7 +180,19 @@ def sample_tokens(
     return tokens.tolist(), lps.tolist()
 
 
-class SlotEngine(ABC):
+class SlotRequest(Protocol):
+    """What :class:`SlotEngine` needs of an engine's request record."""
+
+    request_id: str
+    slot: int  # -1 while waiting
+
+    def finished(self, reason: FinishReason) -> Finished: ...
+
+
+R = TypeVar("R", bound=SlotRequest)  # an engine's own request record
+
+
+class SlotEngine(ABC, Generic[R]):
     """What every engine behind the server shares: requests wait in a queue for one of
     ``config.max_slots`` slots, run until they end, and free their slot; a weight version is
     stamped on every token; :meth:`pause` stops :meth:`step` in place. Subclasses hold the model
@@ -189,13 +200,13 @@ class SlotEngine(ABC):
     and implement :meth:`add_request` and :meth:`step`; their request records carry ``slot`` and
     ``request_id`` and have a ``finished(reason)`` method."""
 
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
         self.version = 0
         self.paused = False
         self.prefill_tokens = 0  # prompt tokens run through the model (a recompute would add here)
-        self._waiting: deque = deque()
-        self._running: dict[int, Any] = {}  # slot -> request
+        self._waiting: deque[R] = deque()
+        self._running: dict[int, R] = {}  # slot -> request
         self._free: list[int] = list(range(self.config.max_slots - 1, -1, -1))  # pop() -> 0 first
 
     # ------------------------------------------------------------------ state
@@ -249,15 +260,15 @@ class SlotEngine(ABC):
             self._waiting.remove(req)
         return req.finished("abort")
 
-    def _find(self, request_id: str):
+    def _find(self, request_id: str) -> R | None:
         for req in (*self._waiting, *self._running.values()):
             if req.request_id == request_id:
                 return req
         return None
 
-    def _admit(self) -> list:
+    def _admit(self) -> list[R]:
         """Give free slots to waiting requests, in arrival order; return the admitted ones."""
-        admitted = []
+        admitted: list[R] = []
         while self._waiting and self._free:
             req = self._waiting.popleft()
             req.slot = self._free.pop()
@@ -265,13 +276,13 @@ class SlotEngine(ABC):
             admitted.append(req)
         return admitted
 
-    def _release(self, req) -> None:
+    def _release(self, req: R) -> None:
         del self._running[req.slot]
         self._clear_slot(req.slot)
         self._free.append(req.slot)
         req.slot = -1
 
-    def _clear_slot(self, slot: int) -> None:  # noqa: B027 - a hook; engines without a KV cache keep it
+    def _clear_slot(self, slot: int) -> None:  # a hook; engines without a KV cache keep it
         """Forget what the slot holds (the KV cache); nothing to do without one."""
 
     # ------------------------------------------------------------------ stepping
@@ -308,7 +319,7 @@ class SlotEngine(ABC):
         return out
 
 
-class Engine(SlotEngine):
+class Engine(SlotEngine[_Request]):
     """Continuous batching over a fixed number of KV-cache slots; see the module docstring."""
 
     def __init__(
@@ -317,7 +328,7 @@ class Engine(SlotEngine):
         config: EngineConfig | None = None,
         *,
         eos_token_ids: Iterable[int] | None = None,
-    ):
+    ) -> None:
         super().__init__(config)
         self.model = model.eval()
         self.cache = KVCache(
@@ -331,10 +342,14 @@ class Engine(SlotEngine):
 
     @classmethod
     def from_pretrained(
-        cls, folder: str | os.PathLike, config: EngineConfig | None = None, **kwargs
+        cls,
+        folder: str | os.PathLike[str],
+        config: EngineConfig | None = None,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
     ) -> Engine:
         """An engine over the HF model folder ``folder`` (config.json + safetensors)."""
-        return cls(Decoder.from_pretrained(folder), config, **kwargs)
+        return cls(Decoder.from_pretrained(folder), config, eos_token_ids=eos_token_ids)
 
     @property
     def capacity_tokens(self) -> int:
@@ -430,7 +445,7 @@ class Engine(SlotEngine):
             req.logprobs.append(logprob)
             req.versions.append(self.version)
             if token in req.stop:
-                reason: FinishReason | None = "stop"
+                reason: FinishReason = "stop"
             elif len(req.token_ids) >= req.max_new_tokens:
                 reason = "length"
             else:

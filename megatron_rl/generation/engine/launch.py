@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["EngineProcess"]
@@ -38,16 +39,16 @@ class EngineProcess:
 
     def __init__(
         self,
-        model: str | os.PathLike,
+        model: str | os.PathLike[str],
         *,
         max_slots: int = 16,
         max_len: int = 2048,
         threads: int = 1,
         host: str = "127.0.0.1",
         weight_version: int = 0,
-        log_path: str | os.PathLike | None = None,
-        extra_args: list[str] = (),
-    ):
+        log_path: str | os.PathLike[str] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
         self.model = str(model)
         self.args = [
             "--max-slots",
@@ -64,7 +65,7 @@ class EngineProcess:
         ]
         self.host = host
         self.log_path = log_path
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
 
     @property
@@ -80,7 +81,7 @@ class EngineProcess:
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
         tmp = tempfile.mkdtemp(prefix="megatron-rl-engine-")
         port_file = Path(tmp) / "port"
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path else None
         env = dict(os.environ, OMP_NUM_THREADS=self.args[self.args.index("--threads") + 1])
         self.proc = subprocess.Popen(
             [
@@ -96,13 +97,13 @@ class EngineProcess:
                 str(port_file),
                 *self.args,
             ],
-            stdout=log,
-            stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else log,
+            stdout=log if log is not None else subprocess.DEVNULL,
+            stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
             start_new_session=True,
             preexec_fn=_die_with_parent,
             env=env,
         )
-        if log is not subprocess.DEVNULL:
+        if log is not None:
             log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -124,27 +125,33 @@ class EngineProcess:
         self.stop()
         raise TimeoutError(f"serve-engine did not answer within {timeout_s:.0f}s")
 
+    def _running(self) -> subprocess.Popen[bytes] | None:
+        """The server process while it runs, else None."""
+        return self.proc if self.proc is not None and self.proc.poll() is None else None
+
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self._running() is not None
 
     def kill(self) -> None:
         """SIGKILL the server's process group (simulates a crashed node)."""
-        if self.alive():
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        proc = self._running()
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def stop(self, grace_s: float = 5.0) -> None:
         """SIGTERM, then SIGKILL after ``grace_s``."""
-        if not self.alive():
+        proc = self._running()
+        if proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         try:
-            self.proc.wait(grace_s)
+            proc.wait(grace_s)
         except subprocess.TimeoutExpired:
             self.kill()
 
     def __enter__(self) -> EngineProcess:
         return self.start() if self.proc is None else self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

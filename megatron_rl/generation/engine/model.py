@@ -20,16 +20,19 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megatron_rl.hf.files import HFWeights
+
+if TYPE_CHECKING:
+    from megatron_rl.fileio import JsonValue
 
 __all__ = ["Decoder", "DecoderConfig", "KVCache"]
 
@@ -79,7 +82,7 @@ class DecoderConfig:
             raise ValueError(f"rope_theta: must be > 0, got {self.rope_theta}")
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> DecoderConfig:
+    def from_hf(cls, cfg: Mapping[str, JsonValue]) -> DecoderConfig:
         """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout)."""
         model_type = cfg.get("model_type", "")
         if cfg.get("hidden_act", "silu") != "silu":
@@ -92,6 +95,8 @@ class DecoderConfig:
         if rope_type != "default":
             raise ValueError(f"rope_type: only 'default' rotary embeddings are supported, got {rope_type!r}")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        if theta is None:
+            raise ValueError("rope_theta: null in config.json, a number is needed")
         num_heads = cfg["num_attention_heads"]
         # Qwen2 always has q/k/v biases and no o bias; Llama's attention_bias covers all four.
         qwen = model_type == "qwen2"
@@ -217,6 +222,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Decoder(nn.Module):
     """Llama / Mistral / Qwen2 causal LM over a :class:`KVCache`; parameters named as in HF."""
+
+    inv_freq: torch.Tensor  # a buffer (register_buffer below), declared for the type checker
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -360,7 +367,8 @@ class Decoder(nn.Module):
         key_pos = torch.arange(end, device=start.device)
         mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
         x = self.model.embed_tokens(input_ids)
-        for i, block in enumerate(self.model.layers):
+        # _Backbone fills its ModuleList with _Blocks only; the list's iterator is typed as Modules.
+        for i, block in enumerate(cast("Iterable[_Block]", self.model.layers)):
             x = x + self._attend(i, block, block.input_layernorm(x), cache, slots, positions, mask)
             x = x + block.mlp(block.post_attention_layernorm(x))
         cache.lengths[slots] = start + T

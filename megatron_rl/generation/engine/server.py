@@ -41,10 +41,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,6 +55,14 @@ from megatron_rl.generation.engine.timing import TimingEngine
 from megatron_rl.generation.protocol import bucket_layout, tensor_digest, unpack_bucket
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from megatron_rl.fileio import JsonValue
+
+#: A route's JSON body (an object, checked in do_POST) and what it answers.
+Body = dict[str, "JsonValue"]
+
 __all__ = ["EngineServer", "main"]
 
 log = logging.getLogger("megatron_rl.engine_server")
@@ -62,7 +71,7 @@ SERVER_VERSION = "megatron-rl-engine (SGLang 0.5.23 API subset)"
 
 
 class _BadRequest(Exception):
-    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST):
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
         super().__init__(message)
         self.status = status
 
@@ -70,16 +79,24 @@ class _BadRequest(Exception):
 class _Waiter:
     __slots__ = ("event", "result")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.event = threading.Event()
         self.result: Finished | None = None
+
+    def finished(self) -> Finished:
+        """The result, once ``event`` is set (``_deliver`` sets the result first)."""
+        if self.result is None:
+            raise RuntimeError("a request was marked done without a result")
+        return self.result
 
 
 class EngineServer:
     """An :class:`Engine` behind SGLang-shaped HTTP routes. ``serve_forever`` blocks;
     ``start()`` serves from a daemon thread (tests), ``shutdown()`` stops both threads."""
 
-    def __init__(self, engine: Engine, *, host: str = "127.0.0.1", port: int = 0, model_path: str = ""):
+    def __init__(
+        self, engine: Engine | TimingEngine, *, host: str = "127.0.0.1", port: int = 0, model_path: str = ""
+    ) -> None:
         self.engine = engine
         self.model_path = model_path
         self.cond = threading.Condition()
@@ -87,7 +104,7 @@ class EngineServer:
         self._intents = 0
         self._intents_lock = threading.Lock()
         self._waiters: dict[str, _Waiter] = {}
-        self._groups: dict[str, Any] = {}
+        self._groups: dict[str, dist.ProcessGroup] = {}
         self._session = False
         self._stop = False
         self._rid_counter = 0
@@ -97,7 +114,9 @@ class EngineServer:
         ThreadingHTTPServer.request_queue_size = 1024
         self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
-        self.host, self.port = self.httpd.server_address[:2]
+        bound_host, self.port = self.httpd.server_address[:2]
+        # An AF_INET server's host is a str; typeshed allows bytes for other address families.
+        self.host = bound_host.decode() if isinstance(bound_host, bytes) else bound_host
         self._loop = threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True)
         self._http_thread: threading.Thread | None = None
 
@@ -131,7 +150,7 @@ class EngineServer:
     # ------------------------------------------------------------------ engine loop
 
     @contextmanager
-    def _between_steps(self):
+    def _between_steps(self) -> Iterator[None]:
         """The engine lock for a request handler, taken before the engine's next step.
 
         The engine loop takes the lock again as soon as a step ends, and Python's locks are not
@@ -165,10 +184,10 @@ class EngineServer:
                     finished = self.engine.step()
                 except Exception as e:  # a model error must not leave clients waiting forever
                     log.exception("engine step failed")
-                    finished = [self.engine.abort(rid) for rid in list(self._waiters)]
-                    finished = [f for f in finished if f is not None]
+                    aborted = [self.engine.abort(rid) for rid in list(self._waiters)]
+                    finished = [f for f in aborted if f is not None]
                     for f in finished:
-                        f.error = f"engine step failed: {e}"  # type: ignore[attr-defined]
+                        f.error = f"engine step failed: {e}"  # type: ignore[attr-defined]  # a note _reply reads with getattr
                 self.stats["steps"] += 1
                 self.stats["busy_s"] += time.perf_counter() - t0
                 self._deliver(finished)
@@ -183,7 +202,7 @@ class EngineServer:
 
     # ------------------------------------------------------------------ routes
 
-    def generate(self, body: dict) -> Any:
+    def generate(self, body: Body) -> Body | list[Body]:
         if body.get("text") is not None or body.get("input_ids") is None:
             raise _BadRequest(
                 "input_ids: required (the built-in engine has no tokenizer; send token ids, not text)"
@@ -235,7 +254,7 @@ class EngineServer:
             self.cond.notify_all()
         for w in waiters:
             w.event.wait()
-        out = [self._reply(w.result) for w in waiters]
+        out = [self._reply(w.finished()) for w in waiters]
         return out if batch else out[0]
 
     def _next_rid(self) -> str:
@@ -243,9 +262,9 @@ class EngineServer:
             self._rid_counter += 1
             return f"engine-{os.getpid()}-{self._rid_counter}"
 
-    def _reply(self, f: Finished) -> dict:
+    def _reply(self, f: Finished) -> Body:
         n = len(f.token_ids)
-        spans: list[dict] = []
+        spans: list[dict[str, str | int]] = []
         for i, v in enumerate(f.versions):
             if spans and spans[-1]["version"] == str(v):
                 spans[-1]["end"] = i + 1
@@ -273,7 +292,7 @@ class EngineServer:
             },
         }
 
-    def pause(self, body: dict) -> dict:
+    def pause(self, body: Body) -> Body:
         mode = body.get("mode", "abort")
         if mode == "retract":
             raise _BadRequest(
@@ -288,7 +307,7 @@ class EngineServer:
                 self._abort_all()
         return {"success": True, "message": f"paused ({mode})"}
 
-    def resume(self, body: dict) -> dict:
+    def resume(self, body: Body) -> Body:
         with self._between_steps():
             self.engine.resume()
             self.cond.notify_all()
@@ -299,7 +318,7 @@ class EngineServer:
         self._deliver([f for f in aborted if f is not None])
         return len(aborted)
 
-    def abort(self, body: dict) -> dict:
+    def abort(self, body: Body) -> Body:
         with self._between_steps():
             if body.get("abort_all"):
                 n = self._abort_all()
@@ -310,7 +329,7 @@ class EngineServer:
             self.cond.notify_all()
         return {"success": True, "message": f"aborted {n} request(s)"}
 
-    def init_group(self, body: dict) -> dict:
+    def init_group(self, body: Body) -> Body:
 
         try:
             name = body.get("group_name", "weight_update_group")
@@ -330,7 +349,7 @@ class EngineServer:
             raise _BadRequest(f"Failed to initialize custom process group: {e}") from None
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    def destroy_group(self, body: dict) -> dict:
+    def destroy_group(self, body: Body) -> Body:
 
         group = self._groups.pop(body.get("group_name", "weight_update_group"), None)
         if group is None:
@@ -338,17 +357,17 @@ class EngineServer:
         destroy_update_group(group)
         return {"success": True, "message": "destroyed"}
 
-    def begin_update(self, body: dict) -> dict:
+    def begin_update(self, body: Body) -> Body:
         self._session = True
         return {"success": True, "message": "weight-update session open"}
 
-    def end_update(self, body: dict) -> dict:
+    def end_update(self, body: Body) -> Body:
         if not self._session:
             raise _BadRequest("no weight-update session is open; call begin_weight_update() first")
         self._session = False
         return {"success": True, "message": "weight-update session closed"}
 
-    def update_weights(self, body: dict) -> dict:
+    def update_weights(self, body: Body) -> Body:
 
         if not self._session:
             raise _BadRequest(
@@ -394,7 +413,7 @@ class EngineServer:
             self.stats["weight_updates"] += 1
         return {"success": True, "message": "Succeeded to update parameter online."}
 
-    def receive_raw(self, body: dict) -> dict:
+    def receive_raw(self, body: Body) -> Body:
 
         group = self._groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
@@ -408,14 +427,14 @@ class EngineServer:
         broadcast(torch.empty(numel, dtype=torch.uint8, device=self.engine.cache.k.device), group, src=0)
         return {"success": True, "message": f"received {numel} bytes"}
 
-    def update_version(self, body: dict) -> dict:
+    def update_version(self, body: Body) -> Body:
         with self._between_steps():
             if body.get("abort_all_requests", True):
                 self._abort_all()
             self.engine.set_version(_int_version(body["new_version"]))
         return {"success": True, "message": "updated", "new_version": body["new_version"]}
 
-    def server_info(self) -> dict:
+    def server_info(self) -> Body:
         with self._between_steps():
             e = self.engine
             return {
@@ -439,12 +458,12 @@ class EngineServer:
                 ],
             }
 
-    def weights_digest(self) -> dict:
+    def weights_digest(self) -> Body:
         with self._between_steps():
             return {n: tensor_digest(p) for n, p in self.engine.model.named_weights().items()}
 
 
-def _int_version(v: Any) -> int:
+def _int_version(v: JsonValue) -> int:
     try:
         return int(v)
     except (TypeError, ValueError):
@@ -465,8 +484,8 @@ _SAMPLING_KEYS = {
 }
 
 
-def _make_handler(server: EngineServer):
-    post = {
+def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
+    post: dict[str, Callable[[Body], Body | list[Body]]] = {
         "/generate": server.generate,
         "/pause_generation": server.pause,
         "/continue_generation": server.resume,
@@ -480,7 +499,7 @@ def _make_handler(server: EngineServer):
         "/flush_cache": lambda body: {"success": True, "message": "no prefix cache to flush"},
         "/megatron_rl/receive_raw": server.receive_raw,
     }
-    get = {
+    get: dict[str, Callable[[], Body]] = {
         "/get_server_info": server.server_info,
         "/server_info": server.server_info,
         "/health": lambda: {},
@@ -491,10 +510,12 @@ def _make_handler(server: EngineServer):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
-        def log_message(self, fmt, *args):  # quiet: one line per request is noise at RL rates
+        def log_message(
+            self, fmt: str, *args: object
+        ) -> None:  # quiet: one line per request is noise at RL rates
             log.debug("%s %s", self.address_string(), fmt % args)
 
-        def _send(self, status: int, obj: Any) -> None:
+        def _send(self, status: int, obj: object) -> None:
             data = json.dumps(obj).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -502,7 +523,7 @@ def _make_handler(server: EngineServer):
             self.end_headers()
             self.wfile.write(data)
 
-        def _dispatch(self, fn, *args) -> None:
+        def _dispatch(self, fn: Callable[..., object], *args: Body) -> None:
             try:
                 self._send(HTTPStatus.OK, fn(*args))
             except _BadRequest as e:
@@ -514,13 +535,13 @@ def _make_handler(server: EngineServer):
                     {"success": False, "message": f"{type(e).__name__}: {e}"},
                 )
 
-        def do_GET(self):
+        def do_GET(self) -> None:
             fn = get.get(self.path.split("?")[0])
             if fn is None:
                 return self._send(HTTPStatus.NOT_FOUND, {"message": f"no route {self.path}"})
             self._dispatch(fn)
 
-        def do_POST(self):
+        def do_POST(self) -> None:
             fn = post.get(self.path.split("?")[0])
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
@@ -565,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.model, "config.json")) as f:
             hf = json.load(f)
         eos = hf.get("eos_token_id")
-        engine = TimingEngine.from_json(
+        engine: Engine | TimingEngine = TimingEngine.from_json(
             args.timing_model,
             EngineConfig(max_slots=args.max_slots, max_len=args.max_len),
             eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],

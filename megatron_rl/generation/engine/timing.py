@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +63,7 @@ class TimingConfig:
     logprob: float = -1.0  # log-prob reported for every token
     script: list[list[int]] = field(default_factory=list)  # completions, picked by seed
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("decode_s", "decode_s_per_seq", "prefill_s_per_token"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -72,7 +72,7 @@ class TimingConfig:
         self.script = [[int(t) for t in s] for s in self.script]
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> TimingConfig:
+    def from_json(cls, path: str | os.PathLike[str]) -> TimingConfig:
         with open(path) as f:
             obj = json.load(f)
         if not isinstance(obj, dict):
@@ -122,7 +122,7 @@ class _Scripted:
         )
 
 
-class TimingEngine(SlotEngine):
+class TimingEngine(SlotEngine[_Scripted]):
     """The :class:`~megatron_rl.generation.engine.Engine` interface the server uses, timed by a
     cost model and written from a script; see the module docstring."""
 
@@ -133,8 +133,8 @@ class TimingEngine(SlotEngine):
         *,
         eos_token_ids: Iterable[int] = (),
         vocab_size: int | None = None,
-        sleep=time.sleep,
-    ):
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         super().__init__(config)
         self.timing = timing
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
@@ -145,8 +145,22 @@ class TimingEngine(SlotEngine):
         self._arrivals = 0
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike, config: EngineConfig | None = None, **kwargs) -> TimingEngine:
-        return cls(TimingConfig.from_json(path), config, **kwargs)
+    def from_json(
+        cls,
+        path: str | os.PathLike[str],
+        config: EngineConfig | None = None,
+        *,
+        eos_token_ids: Iterable[int] = (),
+        vocab_size: int | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> TimingEngine:
+        return cls(
+            TimingConfig.from_json(path),
+            config,
+            eos_token_ids=eos_token_ids,
+            vocab_size=vocab_size,
+            sleep=sleep,
+        )
 
     def add_request(
         self,
