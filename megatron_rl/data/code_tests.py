@@ -43,6 +43,7 @@ from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.data.problems import DataError, Problem
 from megatron_rl.data.report import CurationReport
 from megatron_rl.rewards.code import (
+    SANDBOX_REASONS,
     CodeConfig,
     compile_cpp,
     ensure_pch,
@@ -64,15 +65,6 @@ __all__ = [
 ]
 
 LANGUAGE_NAMES = {"python": "Python", "cpp": "C++"}
-# How a sandbox status reads in the report (the verifier's vocabulary).
-_STATUS = {
-    "exit_nonzero": "runtime_error",
-    "signal": "runtime_error",
-    "timeout": "timeout",
-    "memory": "memory",
-    "output_limit": "output_limit",
-    "sandbox_error": "sandbox_error",
-}
 
 
 @dataclass(kw_only=True)
@@ -153,7 +145,7 @@ def run_solution(
             runs.append(
                 SolutionRun("ok", res.stdout.decode(errors="replace"))
                 if res.status == "ok"
-                else SolutionRun(_STATUS.get(res.status, res.status))
+                else SolutionRun(SANDBOX_REASONS.get(res.status, res.status))
             )
         return "", runs
     finally:

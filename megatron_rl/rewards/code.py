@@ -42,6 +42,7 @@ from megatron_rl.rewards.result import Verdict
 from megatron_rl.rewards.sandbox import SandboxResult, run_sandboxed
 
 __all__ = [
+    "SANDBOX_REASONS",
     "CodeConfig",
     "compile_cpp",
     "ensure_pch",
@@ -293,7 +294,8 @@ def _compile_message(res: SandboxResult, cfg: CodeConfig) -> str:
 # ---------------------------------------------------------------------------------------------
 # Running tests
 
-_REASON = {
+# A sandbox status -> the reward's reason (also how curation reports a solution's run).
+SANDBOX_REASONS = {
     "exit_nonzero": "runtime_error",
     "signal": "runtime_error",
     "timeout": "timeout",
@@ -371,7 +373,7 @@ def _run_test(
         remove_tree(workdir)
     err = res.stderr.decode(errors="replace")
     if res.status != "ok":
-        reason = _REASON[res.status]
+        reason = SANDBOX_REASONS[res.status]
         if (
             test.get("type") == "function"
             and res.status == "exit_nonzero"
