@@ -53,6 +53,7 @@ import argparse
 import json
 import math
 import random
+import secrets
 import shutil
 import socket
 import statistics
@@ -154,10 +155,9 @@ class ModeledTrainer:
         return {"step_time_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
 
 
-def _post(url: str, route: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        url + route, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def _post(url: str, route: str, body: dict, api_key: str) -> dict:
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+    req = urllib.request.Request(url + route, data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
 
@@ -166,8 +166,8 @@ class VersionBroadcaster:
     """A weight update with no weights: pause in place, set the version, wait ``hold_s`` (the
     transfer), resume. Running requests keep going; later tokens carry the new version."""
 
-    def __init__(self, fleet, hold_s: float = 0.0):
-        self.fleet, self.hold_s = fleet, hold_s
+    def __init__(self, fleet, api_key: str, hold_s: float = 0.0):
+        self.fleet, self.api_key, self.hold_s = fleet, api_key, hold_s
 
     def sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -175,7 +175,10 @@ class VersionBroadcaster:
         try:
             for url in self.fleet.update_urls:
                 _post(
-                    url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+                    url,
+                    "/update_weight_version",
+                    {"new_version": str(version), "abort_all_requests": False},
+                    self.api_key,
                 )
             time.sleep(self.hold_s)
         finally:
@@ -275,7 +278,9 @@ def _server_stats(fleet) -> list[dict]:
     return [fleet.server_info(s.url)["internal_states"][0] for s in fleet.servers]
 
 
-def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, real: RealParts | None) -> dict:
+def run_mode(
+    mode: str, w: Workload, fleet, pool, args: argparse.Namespace, real: RealParts | None, api_key: str
+) -> dict:
     """``args.steps`` steps of the loop in ``mode`` from version 0; wall time and busy figures."""
     from megatron_rl.orchestration.loop import Orchestrator
     from megatron_rl.orchestration.rollouts import Rollouts
@@ -288,7 +293,7 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, real
         trainer, broadcaster = real.trainer, real.broadcaster
     else:
         trainer = ModeledTrainer(args.train_ms_per_token / 1e3)
-        broadcaster = VersionBroadcaster(fleet, args.sync_ms / 1e3)
+        broadcaster = VersionBroadcaster(fleet, api_key, args.sync_ms / 1e3)
         broadcaster.sync(0)
     rollouts = Rollouts.from_config(
         cfg,
@@ -361,10 +366,10 @@ def _summary(
 # ---------------------------------------------------------------------- the run
 
 
-def start_servers(folder: Path, w: Workload, root: Path, args: argparse.Namespace) -> list:
-    """``args.servers`` engine processes (tracked by PID, stopped by us). Started from this
-    thread: a server dies with the *thread* that started it (``PR_SET_PDEATHSIG``), so a
-    short-lived starter thread would take it down on exit."""
+def start_servers(folder: Path, w: Workload, root: Path, args: argparse.Namespace, api_key: str) -> list:
+    """``args.servers`` engine processes (tracked by PID, stopped by us), wanting ``api_key``.
+    Started from this thread: a server dies with the *thread* that started it
+    (``PR_SET_PDEATHSIG``), so a short-lived starter thread would take it down on exit."""
     from megatron_rl.generation.engine.launch import EngineProcess
 
     extra = [] if args.real else ["--timing-model", str(w.script_path)]
@@ -379,6 +384,7 @@ def start_servers(folder: Path, w: Workload, root: Path, args: argparse.Namespac
                     threads=1,
                     log_path=root / f"engine-{i}.log",
                     extra_args=extra,
+                    api_key=api_key,
                 ).start()
             )
     except BaseException:
@@ -394,13 +400,16 @@ def run(args: argparse.Namespace, root: Path) -> dict:
 
     w = build_workload(root, args)
     folder = sft_on_script(w, root, args) if args.real else w.init
-    procs = start_servers(folder, w, root, args)
+    api_key = secrets.token_urlsafe(32)  # our servers are never open, not even on loopback
+    procs = start_servers(folder, w, root, args, api_key)
     fleet = real = None
     try:
-        fleet = FleetClient([p.url for p in procs])
+        fleet = FleetClient([p.url for p in procs], api_key=api_key)
         real = RealParts(folder, fleet, run_config("sync", args), args) if args.real else None
         with VerifierPool(args.workers) as pool:
-            results = {mode: run_mode(mode, w, fleet, pool, args, real) for mode in ("sync", "async")}
+            results = {
+                mode: run_mode(mode, w, fleet, pool, args, real, api_key) for mode in ("sync", "async")
+            }
     finally:
         if real is not None:
             real.close()

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import tempfile
 import time
-import urllib.request
 
 import torch
 
@@ -56,8 +56,8 @@ def make_model(folder: str, args: argparse.Namespace) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _busy_s(url: str) -> float:
-    info = json.load(urllib.request.urlopen(f"{url}/get_server_info"))
+def _busy_s(fleet, url: str) -> float:
+    info = fleet.server_info(url)
     return float(info["internal_states"][0]["busy_s"])
 
 
@@ -69,11 +69,11 @@ def engine_run(fleet, url: str, prompts: list[list[int]], max_new: int, tag: str
         GenRequest(request_id=f"{tag}-{i}", input_ids=p, max_new_tokens=max_new, temperature=1.0, seed=i)
         for i, p in enumerate(prompts)
     ]
-    busy = _busy_s(url)
+    busy = _busy_s(fleet, url)
     start = time.perf_counter()
     results = list(fleet.generate(reqs))
     seconds = time.perf_counter() - start
-    busy = _busy_s(url) - busy
+    busy = _busy_s(fleet, url) - busy
     if sorted(len(r.token_ids) for r in results) != [max_new] * len(reqs):
         raise SystemExit("bench generation: the engine stopped a sequence early")
     return seconds, sum(len(r.token_ids) for r in results), busy
@@ -118,8 +118,11 @@ def run(args: argparse.Namespace, folder: str) -> dict:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
     engine_rows, hf_rows = [], []
     max_len = args.prompt_len + args.max_new_tokens
-    with EngineProcess(folder, max_slots=args.prompts, max_len=max_len, threads=args.threads) as server:
-        fleet = FleetClient([server.url])
+    api_key = secrets.token_urlsafe(32)  # our server is never open, not even on loopback
+    with EngineProcess(
+        folder, max_slots=args.prompts, max_len=max_len, threads=args.threads, api_key=api_key
+    ) as server:
+        fleet = FleetClient([server.url], api_key=api_key)
         engine_run(fleet, server.url, warm, 4, "warm")  # untimed
         hf_run(model, warm, 4)  # untimed
         # Alternated, so that a busy spell of a shared machine hits both alike.

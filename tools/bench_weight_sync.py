@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import socket
 import statistics
 import tempfile
@@ -64,23 +65,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, route: str, body: dict) -> dict:
-    req = urllib.request.Request(
-        f"{url}{route}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+def _post(url: str, route: str, body: dict, api_key: str) -> dict:
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+    req = urllib.request.Request(f"{url}{route}", data=json.dumps(body).encode(), headers=headers)
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.load(r)
 
 
 def raw_broadcast(
-    urls: list[str], group, group_name: str, flat: torch.Tensor, pool: ThreadPoolExecutor
+    urls: list[str], group, group_name: str, flat: torch.Tensor, pool: ThreadPoolExecutor, api_key: str
 ) -> float:
     """Seconds for one broadcast of ``flat`` that every server receives and discards."""
     from megatron_rl.generation.update_group import broadcast
 
     start = time.perf_counter()
     futs = [
-        pool.submit(_post, u, "/megatron_rl/receive_raw", {"group_name": group_name, "numel": flat.numel()})
+        pool.submit(
+            _post, u, "/megatron_rl/receive_raw", {"group_name": group_name, "numel": flat.numel()}, api_key
+        )
         for u in urls
     ]
     broadcast(flat, group, src=0)
@@ -89,12 +91,12 @@ def raw_broadcast(
     return time.perf_counter() - start
 
 
-def _servers_hold(urls: list[str], trainer) -> bool:
+def _servers_hold(fleet, urls: list[str], trainer) -> bool:
     """Whether every server's weights are the trainer's HF tensors, bit for bit."""
     from megatron_rl.generation.protocol import tensor_digest
 
     want = {n: tensor_digest(t) for n, t in trainer.hf_tensors()}
-    return all(json.load(urllib.request.urlopen(f"{u}/megatron_rl/weights_digest")) == want for u in urls)
+    return all(fleet.weights_digest(u) == want for u in urls)
 
 
 def run(args: argparse.Namespace, folder: str) -> dict:
@@ -108,12 +110,13 @@ def run(args: argparse.Namespace, folder: str) -> dict:
 
     params = make_model(folder, args)
     trainer = PolicyTrainer(folder, TrainerConfig(), GRPOConfig(), BatchingConfig())
-    servers = [EngineProcess(folder, max_slots=1, max_len=64) for _ in range(args.servers)]
+    api_key = secrets.token_urlsafe(32)  # our servers are never open, not even on loopback
+    servers = [EngineProcess(folder, max_slots=1, max_len=64, api_key=api_key) for _ in range(args.servers)]
     try:
         for s in servers:
             s.start()
         urls = [s.url for s in servers]
-        fleet = FleetClient(urls)
+        fleet = FleetClient(urls, api_key=api_key)
         cfg = WeightSyncConfig(
             backend="gloo", master_port=_free_port(), bucket_mb=args.bucket_mb, group_name="bench_weight_sync"
         )
@@ -124,12 +127,12 @@ def run(args: argparse.Namespace, folder: str) -> dict:
         flat = torch.zeros(nbytes, dtype=torch.uint8)
         syncs, raws = [], []
         with ThreadPoolExecutor(len(urls)) as pool:
-            raw_broadcast(urls, bc.group, cfg.group_name, flat, pool)  # untimed
+            raw_broadcast(urls, bc.group, cfg.group_name, flat, pool, api_key)  # untimed
             # Alternated, so that a busy spell of a shared machine hits both alike.
             for i in range(args.repeats):
                 syncs.append(bc.sync(version=2 + i))
-                raws.append(raw_broadcast(urls, bc.group, cfg.group_name, flat, pool))
-        same = _servers_hold(urls, trainer)
+                raws.append(raw_broadcast(urls, bc.group, cfg.group_name, flat, pool, api_key))
+        same = _servers_hold(fleet, urls, trainer)
         bc.close()
         fleet.close()
     finally:

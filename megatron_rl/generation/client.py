@@ -12,6 +12,22 @@ least-loaded routing. With sglang-router in front of the servers, give the route
 instead; the router balances and the client sees one server (weight updates then go to the
 servers themselves: pass ``update_urls``).
 
+**Two paths that never wait on each other.** Generation requests run on one event loop
+(:mod:`asyncio` + ``aiohttp``, a thread of the client's own): thousands in flight cost a socket
+each, not a thread, as in slime's and AReaL's rollout clients. Control calls (pause, resume,
+begin/end update, update weights, abort, server info) run on a small thread pool of their own
+with their own connections, so a weight update never queues behind generations, whatever the
+number in flight. Completions are handed to the caller's callbacks on a third set of threads, so
+a slow callback (the RL loop scores there) never stalls the event loop.
+
+**Timeouts.** Every call has a connect timeout (``connect_timeout_s``) and a finite read
+timeout: ``request_timeout_s`` for a generation (generous: long reasoning traces are normal) and
+``control_timeout_s`` for control calls. A generation that runs past its timeout is aborted on
+its server (``/abort_request`` with its id) and comes back as a result with
+``finish_reason == "abort"`` and ``meta["timed_out"]``, counted in :attr:`FleetClient.timed_out`:
+the caller re-issues it (the RL loop does, as it does every aborted request) or scores it
+``abort``; it is never silently lost.
+
 **Lost requests.** If a server dies (connection refused, reset, or closed mid-reply), every
 request in flight there fails with :class:`ServerLost`, the server is marked dead and taken out
 of routing, and the loss is recorded in :attr:`FleetClient.lost` as ``(request_id, url)``.
@@ -23,10 +39,16 @@ default) or raises; :meth:`submit` leaves the choice to the caller.
 :meth:`update_weights_async` (every server joins the broadcast that follows), :meth:`end_update`,
 :meth:`resume`; :meth:`init_update_group_async` joins every server to the update group with
 consecutive ranks after the trainer's rank 0.
+
+**API key.** ``api_key`` (default: ``$MEGATRON_RL_API_KEY``; "" for none) goes with every request
+as ``Authorization: Bearer KEY``, the header SGLang's and the built-in engine's ``--api-key``
+want. A server that refuses the key (401) raises :class:`ServerError` from :meth:`refresh`: a
+wrong key is a configuration error, not a dead server.
 """
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import threading
@@ -34,14 +56,20 @@ import urllib.parse
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
+
+import aiohttp
 
 from megatron_rl.generation.api import GenRequest, GenResult
 from megatron_rl.generation.protocol import (
+    API_KEY_ENV,
     ROUTES,
     SGLANG_VERSION,
     ProtocolError,
     abort_payload,
+    api_key_from_env,
+    auth_headers,
+    check_api_key,
     generate_payload,
     init_group_payload,
     parse_generate,
@@ -68,7 +96,9 @@ class ServerError(RuntimeError):
     """The server answered with an error status."""
 
     def __init__(self, url: str, route: str, status: int, body: JsonValue):
-        message = body.get("message") if isinstance(body, dict) else body
+        message = (body.get("message") or body.get("error")) if isinstance(body, dict) else body
+        if status == 401:
+            message = f"{message} (a missing or wrong API key: FleetClient(api_key=...) or ${API_KEY_ENV})"
         super().__init__(f"{url}{route}: HTTP {status}: {message}")
         self.url, self.route, self.status, self.body = url, route, status, body
 
@@ -84,6 +114,30 @@ class ServerState:
     info: dict[str, JsonValue] | None = None
 
 
+# The loop's own short calls: a health probe after a lost connection, the abort of a timed-out
+# request. They use a session of their own, so a full generation connection pool never delays them.
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+_ABORT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
+
+
+def _settle(out: Future[GenResult], task: asyncio.Task[GenResult]) -> None:
+    """Give ``out`` the outcome of ``task`` (on a callback thread: ``out``'s callbacks run here)."""
+    if task.cancelled():  # the client was closed with the request in flight
+        out.set_exception(ServerLost("fleet", None, ConnectionAbortedError("FleetClient closed")))
+    elif (e := task.exception()) is not None:
+        out.set_exception(e)
+    else:
+        out.set_result(task.result())
+
+
+def _parse_json(raw: bytes) -> JsonValue:
+    """A reply's JSON (its text if it is not JSON; ``{}`` if empty)."""
+    try:
+        return json.loads(raw) if raw else {}
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
 def _post_json(
     url: str,
     route: str,
@@ -92,8 +146,10 @@ def _post_json(
     method: str = "POST",
     timeout: float | None = None,
     request_id: str | None = None,
+    api_key: str = "",
 ) -> JsonValue:
-    """``body`` (None: no body) sent as JSON; the answer parsed as JSON (its text if it is not)."""
+    """``body`` (None: no body) sent as JSON, with ``api_key`` ("" for none) as a bearer token;
+    the answer parsed as JSON (its text if it is not)."""
     # Only routes the SGLang contract test has checked (protocol.ROUTES), with their method; our
     # own extensions of the built-in engine live under /megatron_rl/.
     if ROUTES.get(route, "GET" if route.startswith("/megatron_rl/") else None) != method:
@@ -108,6 +164,7 @@ def _post_json(
     try:
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if data is not None else {}
+        headers.update(auth_headers(api_key))
         conn.request(method, parts.path.rstrip("/") + route, body=data, headers=headers)
         resp = conn.getresponse()
         raw = resp.read()
@@ -115,10 +172,7 @@ def _post_json(
         raise ServerLost(url, request_id, e) from e
     finally:
         conn.close()
-    try:
-        payload = json.loads(raw) if raw else {}
-    except ValueError:
-        payload = raw.decode(errors="replace")
+    payload = _parse_json(raw)
     if resp.status != 200:
         raise ServerError(url, route, resp.status, payload)
     return payload
@@ -132,24 +186,98 @@ class FleetClient:
         urls: Iterable[str],
         *,
         update_urls: Iterable[str] | None = None,
-        request_timeout_s: float | None = None,
+        request_timeout_s: float = 3600.0,
+        connect_timeout_s: float = 10.0,
         control_timeout_s: float = 600.0,
         initial_version: int = 0,
-        max_workers: int = 256,
+        max_connections: int = 0,
+        api_key: str | None = None,
     ) -> None:
+        """``max_connections``: generation connections open at once over the whole fleet (each
+        request in flight holds one; 0: no limit). The timeouts are in seconds, finite, > 0."""
+        for name, value in (
+            ("request_timeout_s", request_timeout_s),
+            ("connect_timeout_s", connect_timeout_s),
+            ("control_timeout_s", control_timeout_s),
+        ):
+            if not 0 < value < float("inf"):  # also refuses NaN
+                raise ValueError(f"{name}: must be a finite number of seconds > 0, got {value!r}")
+        if max_connections < 0:
+            raise ValueError(f"max_connections: must be >= 0 (0: no limit), got {max_connections}")
+        # Not an attribute that reprs or logs would show; every request goes through _call.
+        self._api_key = api_key_from_env() if api_key is None else check_api_key(api_key)
         self.servers = [ServerState(u.rstrip("/")) for u in urls]
         if not self.servers:
             raise ValueError("urls: need at least one server")
         self.update_urls = [u.rstrip("/") for u in (update_urls or [s.url for s in self.servers])]
         self.request_timeout_s = request_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self.control_timeout_s = control_timeout_s
         self.initial_version = initial_version
         self.lost: list[tuple[str, str]] = []  # (request_id, server url), in order of loss
+        self.timed_out: list[tuple[str, str]] = []  # (request_id, server url): aborted there
         self._lock = threading.Lock()
         self._update_capacity = 0
         self._update_tp: dict[str, int] = {}
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fleet")
-        self.refresh()
+        self._closed = False
+        # Control calls: a thread each, enough for one call to every server at once (an update
+        # holds one per target while the broadcast runs) with room to spare.
+        n_urls = len({s.url for s in self.servers} | set(self.update_urls))
+        self._control = ThreadPoolExecutor(max_workers=2 * n_urls + 8, thread_name_prefix="fleet-control")
+        # Completions reach the callers' callbacks here, off the event loop.
+        self._deliver = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fleet-callback")
+        self._loop = asyncio.new_event_loop()
+        self._io = threading.Thread(target=self._loop.run_forever, name="fleet-io", daemon=True)
+        self._io.start()
+        self._session, self._aux = asyncio.run_coroutine_threadsafe(
+            self._open_sessions(max_connections), self._loop
+        ).result()
+        self._probes: dict[str, asyncio.Task[bool]] = {}  # touched on the event loop only
+        self._tasks: set[asyncio.Task[GenResult]] = set()  # touched on the event loop only
+        try:
+            self.refresh()
+        except BaseException:
+            self.close()
+            raise
+
+    async def _open_sessions(
+        self, max_connections: int
+    ) -> tuple[aiohttp.ClientSession, aiohttp.ClientSession]:
+        """The generation session, and the loop's own for probes and aborts."""
+        headers = auth_headers(self._api_key)
+        generation = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0),
+            headers=headers,
+            # The read timeout of a generation is its whole duration: tokens come back at the end.
+            timeout=aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s),
+            # SGLang's replies are JSON whatever their Content-Type; parse them ourselves.
+            raise_for_status=False,
+        )
+        aux = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=headers, raise_for_status=False
+        )
+        return generation, aux
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(
+        self,
+        url: str,
+        route: str,
+        body: object,
+        *,
+        method: str = "POST",
+        timeout: float | None = None,
+        request_id: str | None = None,
+    ) -> JsonValue:
+        """:func:`_post_json` with this client's API key."""
+        return _post_json(
+            url, route, body, method=method, timeout=timeout, request_id=request_id, api_key=self._api_key
+        )
 
     # ------------------------------------------------------------------ fleet state
 
@@ -160,11 +288,13 @@ class FleetClient:
         is then that of the update targets behind it."""
         for s in self.servers:
             try:
-                info = _post_json(s.url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
+                info = self._call(s.url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
             except ServerLost:
                 s.alive = False
                 continue
-            except ServerError:
+            except ServerError as e:
+                if e.status == 401:  # it answers, but not to this key: no point routing to it
+                    raise
                 s.alive, s.info = self._answers(s.url), None
                 continue
             s.alive, s.info = True, info
@@ -177,10 +307,13 @@ class FleetClient:
             if u in routed:
                 continue
             try:
-                info = _post_json(u, "/server_info", None, method="GET", timeout=self.control_timeout_s)
+                info = self._call(u, "/server_info", None, method="GET", timeout=self.control_timeout_s)
                 self._update_capacity += int(info.get("max_total_num_tokens") or 0)
                 self._update_tp[u] = int(info.get("tp_size") or 1)
-            except (ServerLost, ServerError):
+            except ServerError as e:
+                if e.status == 401:
+                    raise
+            except ServerLost:
                 pass
 
     def revive(self, url: str) -> bool:
@@ -194,7 +327,7 @@ class FleetClient:
 
     def _answers(self, url: str) -> bool:
         try:
-            _post_json(url, "/health", None, method="GET", timeout=5.0)
+            self._call(url, "/health", None, method="GET", timeout=5.0)
             return True
         except (ServerLost, ServerError):
             return False
@@ -234,35 +367,120 @@ class FleetClient:
         """Send one request (to ``url``, or the least-loaded live server not in ``exclude``).
 
         The future fails with :class:`ServerLost` if its server dies (recorded in :attr:`lost`),
-        or :class:`ServerError` if the server refuses it.
+        or :class:`ServerError` if the server refuses it; a request that runs past
+        ``request_timeout_s`` is aborted there and its result has ``finish_reason == "abort"``.
+        Its callbacks run on the client's callback threads.
         """
+        if self._closed:
+            raise RuntimeError("FleetClient: closed")
         if url is None:
             server = self._pick(exclude)
         else:
-            server = next(s for s in self.servers if s.url == url.rstrip("/"))
+            named = [s for s in self.servers if s.url == url.rstrip("/")]
+            if not named:
+                raise KeyError(f"{url}: not a server of this fleet")
+            server = named[0]
             with self._lock:
                 server.in_flight += 1
-        return self._pool.submit(self._run, server, req)
+        out: Future[GenResult] = Future()
+        out.set_running_or_notify_cancel()  # running from now on: it cannot be cancelled
+        self._loop.call_soon_threadsafe(self._start, server, req, out)
+        return out
 
-    def _run(self, server: ServerState, req: GenRequest) -> GenResult:
+    def _start(self, server: ServerState, req: GenRequest, out: Future[GenResult]) -> None:
+        """On the event loop: run the request; hand its outcome to ``out`` off the loop."""
+        task = self._loop.create_task(self._run(server, req))
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[GenResult]) -> None:
+            self._tasks.discard(t)
+            try:
+                self._deliver.submit(_settle, out, t)
+            except RuntimeError:  # closing: the callback threads are gone, settle it here
+                _settle(out, t)
+
+        task.add_done_callback(done)
+
+    async def _run(self, server: ServerState, req: GenRequest) -> GenResult:
         try:
-            body = _post_json(
-                server.url,
-                "/generate",
-                generate_payload(req),
-                timeout=self.request_timeout_s,
-                request_id=req.request_id,
-            )
-        except ServerLost:
-            alive = self._answers(server.url)  # a reset connection is not always a dead server
-            with self._lock:
-                server.alive = alive
-                self.lost.append((req.request_id, server.url))
-            raise
+            try:
+                async with self._session.post(
+                    server.url + "/generate",
+                    data=json.dumps(generate_payload(req)).encode(),
+                    headers={"Content-Type": "application/json"},
+                ) as resp:
+                    status, raw = resp.status, await resp.read()
+            except aiohttp.ConnectionTimeoutError as e:  # never connected: nothing to abort there
+                await self._lost(server, req, e)
+            except TimeoutError:  # aiohttp's total timeout is asyncio.TimeoutError, i.e. TimeoutError
+                return await self._timed_out(server, req)
+            except (aiohttp.ClientError, OSError) as e:
+                await self._lost(server, req, e)
         finally:
             with self._lock:
                 server.in_flight -= 1
-        return parse_generate(req, body, server=server.url, initial_version=self.initial_version)
+        payload = _parse_json(raw)
+        if status != 200:
+            raise ServerError(server.url, "/generate", status, payload)
+        if not isinstance(payload, dict):
+            raise ProtocolError(f"/generate reply from {server.url} is not a JSON object")
+        return parse_generate(req, payload, server=server.url, initial_version=self.initial_version)
+
+    async def _lost(self, server: ServerState, req: GenRequest, cause: BaseException) -> NoReturn:
+        """Record a request whose server went away and raise :class:`ServerLost`; a reset
+        connection is not always a dead server, so ask it before taking it out of routing."""
+        alive = await self._probe(server)
+        with self._lock:
+            server.alive = server.alive and alive
+            self.lost.append((req.request_id, server.url))
+        raise ServerLost(server.url, req.request_id, cause) from cause
+
+    async def _probe(self, server: ServerState) -> bool:
+        """Whether ``server`` answers ``/health``: one probe at a time per server, shared by
+        every request that lost its connection there (a thousand lost at once ask once)."""
+        if not server.alive:
+            return False
+        probe = self._probes.get(server.url)
+        if probe is None:
+
+            async def ask() -> bool:
+                try:
+                    async with self._aux.get(server.url + "/health", timeout=_PROBE_TIMEOUT) as resp:
+                        await resp.read()
+                        return resp.status == 200
+                except (aiohttp.ClientError, OSError, TimeoutError):
+                    return False
+                finally:
+                    self._probes.pop(server.url, None)
+
+            probe = self._probes[server.url] = self._loop.create_task(ask())
+        return await asyncio.shield(probe)
+
+    async def _timed_out(self, server: ServerState, req: GenRequest) -> GenResult:
+        """Abort a request that ran past ``request_timeout_s`` on its server (best effort: a
+        server that does not answer either is found out by its next request)."""
+        with self._lock:
+            self.timed_out.append((req.request_id, server.url))
+        try:
+            async with self._aux.post(
+                server.url + "/abort_request",
+                data=json.dumps(abort_payload(req.request_id)).encode(),
+                headers={"Content-Type": "application/json"},
+                timeout=_ABORT_TIMEOUT,
+            ) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            pass
+        return GenResult(
+            request_id=req.request_id,
+            prompt_ids=list(req.input_ids),
+            token_ids=[],
+            logprobs=[],
+            versions=[],
+            finish_reason="abort",
+            server=server.url,
+            meta={"timed_out": True, "timeout_s": self.request_timeout_s},
+        )
 
     def generate(self, requests: Iterable[GenRequest], *, resend_lost: bool = True) -> Iterator[GenResult]:
         """Yield a result per request as each finishes; lost requests are re-sent elsewhere
@@ -290,7 +508,9 @@ class FleetClient:
 
     def _broadcast_control(self, route: str, body: object, urls: list[str] | None = None) -> list[JsonValue]:
         urls = urls if urls is not None else [s.url for s in self.alive]
-        futs = [self._pool.submit(_post_json, u, route, body, timeout=self.control_timeout_s) for u in urls]
+        futs = [
+            self._control.submit(self._call, u, route, body, timeout=self.control_timeout_s) for u in urls
+        ]
         return [f.result() for f in futs]
 
     def pause(self, mode: str = "in_place") -> None:
@@ -336,8 +556,8 @@ class FleetClient:
         (rank 0) has joined too, so call this first, then join, then wait on them."""
         world = self.update_world_size()
         return [
-            self._pool.submit(
-                _post_json,
+            self._control.submit(
+                self._call,
                 u,
                 "/init_weights_update_group",
                 init_group_payload(
@@ -357,18 +577,18 @@ class FleetClient:
         """Post one ``/update_weights_from_distributed`` to every update target; they return
         after receiving the broadcast the caller makes next."""
         return [
-            self._pool.submit(
-                _post_json, u, "/update_weights_from_distributed", payload, timeout=self.control_timeout_s
+            self._control.submit(
+                self._call, u, "/update_weights_from_distributed", payload, timeout=self.control_timeout_s
             )
             for u in self.update_urls
         ]
 
     def server_info(self, url: str) -> dict[str, JsonValue]:
-        return _post_json(url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
+        return self._call(url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
 
     def weights_digest(self, url: str) -> dict[str, str]:
         """sha256 per parameter (built-in engine's ``/megatron_rl/weights_digest`` extension)."""
-        return _post_json(
+        return self._call(
             url, "/megatron_rl/weights_digest", None, method="GET", timeout=self.control_timeout_s
         )
 
@@ -376,7 +596,7 @@ class FleetClient:
         """Ask every live update target to leave the group (best effort)."""
         for u in self._live_update_urls():
             try:
-                _post_json(
+                self._call(
                     u,
                     "/destroy_weights_update_group",
                     {"group_name": group_name},
@@ -386,4 +606,21 @@ class FleetClient:
                 pass
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop: requests still in flight fail with :class:`ServerLost` (their servers abort
+        them when the connection closes); control calls under way are not waited for."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._io.join(timeout=30)
+        self._deliver.shutdown(wait=True)  # every future handed out is settled by now
+        self._control.shutdown(wait=False, cancel_futures=True)
+
+    async def _shutdown(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._session.close()
+        await self._aux.close()

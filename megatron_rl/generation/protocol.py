@@ -23,6 +23,12 @@ Routes and payloads (all JSON):
 ``GET  /health``                          200 when the server is up
 ========================================  ==================================================
 
+**API key.** A server started with ``--api-key KEY`` (SGLang's flag; the built-in engine also
+reads ``$MEGATRON_RL_API_KEY``) answers every route but its health checks with 401
+``{"error": "Unauthorized"}`` unless the request carries ``Authorization: Bearer KEY``
+(:func:`auth_headers`). SGLang 0.5.23 has no environment variable for the key; ours keeps it out
+of ``ps``.
+
 **Weight versions.** SGLang versions are strings (initially ``"default"``); each output reports
 ``meta_info["weight_versions"]``, spans ``{"version", "start", "end"}`` over output token
 positions. We always set integer versions (``str(policy_version)``); :func:`versions_per_token`
@@ -38,6 +44,7 @@ tensors' bytes back to back in ``names`` order, each starting at a multiple of i
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -50,11 +57,15 @@ if TYPE_CHECKING:
     from megatron_rl.generation.api import FinishReason
 
 __all__ = [
+    "API_KEY_ENV",
     "ROUTES",
     "SGLANG_VERSION",
     "ProtocolError",
     "abort_payload",
+    "api_key_from_env",
+    "auth_headers",
     "bucket_layout",
+    "check_api_key",
     "dtype_name",
     "generate_payload",
     "init_group_payload",
@@ -86,8 +97,31 @@ ROUTES = {
 }
 
 
+#: The environment variable holding the API key ("" or unset: no key) for ``serve-engine``, the
+#: engine processes we start and :class:`~megatron_rl.generation.client.FleetClient`.
+API_KEY_ENV = "MEGATRON_RL_API_KEY"
+
+
 class ProtocolError(ValueError):
     """A reply that does not have the shape SGLang's API promises."""
+
+
+def api_key_from_env() -> str:
+    """The key in ``$MEGATRON_RL_API_KEY``; "" when it is unset (no key)."""
+    return check_api_key(os.environ.get(API_KEY_ENV, ""))
+
+
+def check_api_key(key: str) -> str:
+    """``key`` if it can travel whole in an ``Authorization`` header (printable ASCII, no
+    spaces), else ``ValueError`` (which does not repeat the key)."""
+    if not all("!" <= c <= "~" for c in key):
+        raise ValueError("api_key: must be printable ASCII without spaces")
+    return key
+
+
+def auth_headers(api_key: str) -> dict[str, str]:
+    """The header SGLang's ``--api-key`` asks for (none when ``api_key`` is "")."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def generate_payload(req: GenRequest) -> dict[str, object]:

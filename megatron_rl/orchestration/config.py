@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config import ConfigFieldError, check_choice, check_range
+from megatron_rl.generation.protocol import api_key_from_env, check_api_key
 
 __all__ = [
     "DataConfig",
@@ -100,15 +101,30 @@ class FleetConfig:
     max_slots: int = 16  # per local server: sequences decoded together
     max_len: int = 2048  # per local server: prompt + completion tokens per slot
     threads: int = 1  # per local server: torch threads
-    request_timeout_s: float = 0.0  # 0: none (long generations are normal)
+    # Seconds a generation may take before it is aborted on its server and re-issued (finite:
+    # a request that never ends would hold its group forever; generous: long traces are normal).
+    request_timeout_s: float = 3600.0
+    # The servers' API key (sent as "Authorization: Bearer KEY", as SGLang's --api-key wants);
+    # "" = $MEGATRON_RL_API_KEY, and if that is unset too: none for urls, a random one for the
+    # local servers (they are never open). Never written to the run directory's config.yaml.
+    api_key: str = ""
 
     def __post_init__(self) -> None:
+        try:
+            check_api_key(self.api_key)
+        except ValueError as e:
+            raise ConfigFieldError("api_key", str(e).removeprefix("api_key: ")) from None
         check_range("local_servers", self.local_servers, low=0)
         check_range("max_slots", self.max_slots, low=1)
         check_range("max_len", self.max_len, low=2)
+        check_range("request_timeout_s", self.request_timeout_s, low=0.0, low_open=True)
         check_range("threads", self.threads, low=1)
         if not self.urls and not self.local_servers:
             raise ConfigFieldError("local_servers", "must be >= 1 when no urls are given")
+
+    def resolved_api_key(self) -> str:
+        """``api_key``, else ``$MEGATRON_RL_API_KEY``; "" when neither is set."""
+        return self.api_key or api_key_from_env()
 
 
 @dataclass(kw_only=True)

@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import time
 from contextlib import ExitStack
@@ -312,6 +313,9 @@ class _Run:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
         snapshot = config_to_dict(self.cfg)
+        fleet = snapshot["fleet"]
+        if fleet["api_key"]:  # a secret: config.yaml says only that the recipe set one
+            fleet["api_key"] = "<set>"
         if self.resume_from is not None:
             _check_resume_config(run_dir / "config.yaml", snapshot)
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(snapshot, sort_keys=False))
@@ -326,7 +330,11 @@ class _Run:
 
         cfg, stack = self.cfg, self.stack
         urls, engines = list(cfg.fleet.urls), []
+        api_key = cfg.fleet.resolved_api_key()
         if not urls:
+            # Local servers are never open: without a key from the recipe or the environment,
+            # this run's own (only this process and its children know it).
+            api_key = api_key or secrets.token_urlsafe(32)
             for i in range(cfg.fleet.local_servers):
                 srv = EngineProcess(
                     cfg.model.hf,
@@ -334,6 +342,7 @@ class _Run:
                     max_len=cfg.fleet.max_len,
                     threads=cfg.fleet.threads,
                     log_path=self.run_dir / "logs" / f"engine-{i}.log",
+                    api_key=api_key,
                 )
                 stack.callback(srv.stop)
                 urls.append(srv.start().url)
@@ -345,7 +354,8 @@ class _Run:
         fleet = FleetClient(
             urls,
             update_urls=cfg.fleet.update_urls or None,
-            request_timeout_s=cfg.fleet.request_timeout_s or None,
+            request_timeout_s=cfg.fleet.request_timeout_s,
+            api_key=api_key,
         )
         stack.callback(fleet.close)
         pool = stack.enter_context(VerifierPool(cfg.reward.workers))

@@ -1,7 +1,8 @@
 """Start built-in engine servers as child processes and stop exactly those (by PID, never by name).
 
-    with EngineProcess(model_folder, max_slots=16, max_len=1024) as server:
-        fleet = FleetClient([server.url])
+    key = secrets.token_urlsafe(32)
+    with EngineProcess(model_folder, max_slots=16, max_len=1024, api_key=key) as server:
+        fleet = FleetClient([server.url], api_key=key)
 
 The server binds a free port (``--port 0``) and reports it through an atomically written port
 file; :meth:`EngineProcess.start` waits until ``/health`` answers. Each server runs in its own
@@ -9,6 +10,9 @@ session, so :meth:`stop` can end its whole process group; a server also dies wit
 (``PR_SET_PDEATHSIG`` on Linux), so a crashed launcher leaves no orphans. Linux ties that signal
 to the *thread* that started the child: start servers from a thread that outlives them (the
 main thread), not from a pool worker that exits.
+
+The API key reaches the child in its environment (``$MEGATRON_RL_API_KEY``), not on its command
+line, where any user on the machine could read it in ``ps``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from megatron_rl.generation.protocol import API_KEY_ENV, api_key_from_env, check_api_key
 
 __all__ = ["EngineProcess"]
 
@@ -48,8 +54,12 @@ class EngineProcess:
         weight_version: int = 0,
         log_path: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
+        api_key: str | None = None,
     ) -> None:
+        """``api_key``: what every route but ``/health`` will want (``Authorization: Bearer``);
+        "" for none; None (default): this process's ``$MEGATRON_RL_API_KEY``, if any."""
         self.model = str(model)
+        self.api_key = api_key_from_env() if api_key is None else check_api_key(api_key)
         self.args = [
             "--max-slots",
             str(max_slots),
@@ -83,6 +93,7 @@ class EngineProcess:
         port_file = Path(tmp) / "port"
         log = open(self.log_path, "ab") if self.log_path else None
         env = dict(os.environ, OMP_NUM_THREADS=self.args[self.args.index("--threads") + 1])
+        env[API_KEY_ENV] = self.api_key  # "" reads as no key
         self.proc = subprocess.Popen(
             [
                 sys.executable,

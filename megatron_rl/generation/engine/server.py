@@ -1,7 +1,7 @@
 """The built-in engine server: SGLang's HTTP API (the subset in ``generation/protocol.py``) over
 the PyTorch :class:`~megatron_rl.generation.engine.Engine`.
 
-    megatron-rl serve-engine --model HF_FOLDER --port 30000 [--max-slots 16 --max-len 2048]
+    MEGATRON_RL_API_KEY=KEY megatron-rl serve-engine --model HF_FOLDER --port 30000 [--max-slots 16]
 
 One thread runs the engine loop (admit, prefill, decode a step, hand finished requests back);
 HTTP requests are served by a thread each (``ThreadingHTTPServer``) and wait on their own
@@ -30,11 +30,20 @@ weight loads, abort) land *between* steps.
   ``POST /megatron_rl/receive_raw`` ``{"group_name": ..., "numel": N}`` receives one ``uint8``
   broadcast of N bytes from rank 0 of that update group and discards it (no session, no lock):
   the bare transport cost that ``tools/bench_weight_sync.py`` compares a weight update against.
+
+**API key**, as SGLang's ``--api-key`` (``sglang/srt/utils/auth.py``, 0.5.23): with a key
+(``--api-key KEY``, or ``$MEGATRON_RL_API_KEY``, which unlike argv does not show in ``ps``) every
+route but ``OPEN_ROUTES`` (the health checks, for probes), and any unknown path, wants
+``Authorization: Bearer KEY``; otherwise the answer is 401 ``{"error": "Unauthorized"}`` and
+nothing else happens: the body is read only to be discarded, never parsed. Without a key the
+server is open, as SGLang's is, and says so in its log when it listens beyond loopback.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -52,7 +61,14 @@ import torch
 from megatron_rl.fileio import atomic_write_text
 from megatron_rl.generation.engine.engine import Engine, EngineConfig, Finished
 from megatron_rl.generation.engine.timing import TimingEngine
-from megatron_rl.generation.protocol import bucket_layout, tensor_digest, unpack_bucket
+from megatron_rl.generation.protocol import (
+    API_KEY_ENV,
+    api_key_from_env,
+    bucket_layout,
+    check_api_key,
+    tensor_digest,
+    unpack_bucket,
+)
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 
 if TYPE_CHECKING:
@@ -63,11 +79,44 @@ if TYPE_CHECKING:
 #: A route's JSON body (an object, checked in do_POST) and what it answers.
 Body = dict[str, "JsonValue"]
 
-__all__ = ["EngineServer", "main"]
+__all__ = ["GET_ROUTES", "OPEN_ROUTES", "POST_ROUTES", "EngineServer", "main"]
 
 log = logging.getLogger("megatron_rl.engine_server")
 
 SERVER_VERSION = "megatron-rl-engine (SGLang 0.5.23 API subset)"
+
+# Every route, by HTTP method: path -> the EngineServer method that answers it. The handler
+# dispatches from these tables alone, so tests/generation/test_auth.py, which reads them, sees
+# every route there is.
+POST_ROUTES: dict[str, str] = {
+    "/generate": "generate",
+    "/pause_generation": "pause",
+    "/continue_generation": "resume",
+    "/abort_request": "abort",
+    "/init_weights_update_group": "init_group",
+    "/destroy_weights_update_group": "destroy_group",
+    "/begin_weight_update": "begin_update",
+    "/end_weight_update": "end_update",
+    "/update_weights_from_distributed": "update_weights",
+    "/update_weight_version": "update_version",
+    "/flush_cache": "flush_cache",
+    "/megatron_rl/receive_raw": "receive_raw",
+}
+GET_ROUTES: dict[str, str] = {
+    "/get_server_info": "server_info",
+    "/server_info": "server_info",
+    "/health": "health",
+    "/health_generate": "health",
+    "/megatron_rl/weights_digest": "weights_digest",
+}
+# Answered without the API key. SGLang exempts the /health*, /ready* and /metrics* prefixes (for
+# probes and scrapers); we name our two health routes exactly, so no new route is open by its name.
+OPEN_ROUTES = frozenset({"/health", "/health_generate"})
+
+# The most bytes of a refused request's body read (and dropped) before its connection closes:
+# closing with unread bytes makes the kernel send a reset, which can reach the client before the
+# 401 does; past this much we close anyway.
+_DISCARD_LIMIT = 16 << 20
 
 
 class _BadRequest(Exception):
@@ -95,9 +144,17 @@ class EngineServer:
     ``start()`` serves from a daemon thread (tests), ``shutdown()`` stops both threads."""
 
     def __init__(
-        self, engine: Engine | TimingEngine, *, host: str = "127.0.0.1", port: int = 0, model_path: str = ""
+        self,
+        engine: Engine | TimingEngine,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_path: str = "",
+        api_key: str = "",
     ) -> None:
+        """``api_key`` "": no key (every route open)."""
         self.engine = engine
+        self._api_key = check_api_key(api_key).encode()
         self.model_path = model_path
         self.cond = threading.Condition()
         # Handlers waiting for the lock (see _between_steps); the engine loop yields to them.
@@ -116,13 +173,30 @@ class EngineServer:
         self.httpd.daemon_threads = True
         bound_host, self.port = self.httpd.server_address[:2]
         # An AF_INET server's host is a str; typeshed allows bytes for other address families.
-        self.host = bound_host.decode() if isinstance(bound_host, bytes) else bound_host
+        self.host = bound_host.decode() if isinstance(bound_host, (bytes, bytearray)) else bound_host
+        if not self._api_key and not _is_loopback(self.host):
+            log.warning(
+                "serving on %s without an API key: whoever reaches it can pause it and replace its "
+                "weights (set --api-key or $%s)",
+                self.url,
+                API_KEY_ENV,
+            )
         self._loop = threading.Thread(target=self._engine_loop, name="engine-loop", daemon=True)
         self._http_thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    def authorized(self, path: str, authorization: str | None) -> bool:
+        """Whether a request for ``path`` with this ``Authorization`` header may be served."""
+        if not self._api_key or path in OPEN_ROUTES:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        # Constant time in the key's bytes; only a length difference shows.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.encode("utf-8", "replace"), self._api_key
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -413,6 +487,9 @@ class EngineServer:
             self.stats["weight_updates"] += 1
         return {"success": True, "message": "Succeeded to update parameter online."}
 
+    def flush_cache(self, body: Body) -> Body:
+        return {"success": True, "message": "no prefix cache to flush"}
+
     def receive_raw(self, body: Body) -> Body:
 
         group = self._groups.get(body.get("group_name", "weight_update_group"))
@@ -462,6 +539,16 @@ class EngineServer:
         with self._between_steps():
             return {n: tensor_digest(p) for n, p in self.engine.model.named_weights().items()}
 
+    def health(self) -> Body:
+        return {}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name, not an address
+        return host == "localhost"
+
 
 def _int_version(v: JsonValue) -> int:
     try:
@@ -486,26 +573,9 @@ _SAMPLING_KEYS = {
 
 def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
     post: dict[str, Callable[[Body], Body | list[Body]]] = {
-        "/generate": server.generate,
-        "/pause_generation": server.pause,
-        "/continue_generation": server.resume,
-        "/abort_request": server.abort,
-        "/init_weights_update_group": server.init_group,
-        "/destroy_weights_update_group": server.destroy_group,
-        "/begin_weight_update": server.begin_update,
-        "/end_weight_update": server.end_update,
-        "/update_weights_from_distributed": server.update_weights,
-        "/update_weight_version": server.update_version,
-        "/flush_cache": lambda body: {"success": True, "message": "no prefix cache to flush"},
-        "/megatron_rl/receive_raw": server.receive_raw,
+        path: getattr(server, name) for path, name in POST_ROUTES.items()
     }
-    get: dict[str, Callable[[], Body]] = {
-        "/get_server_info": server.server_info,
-        "/server_info": server.server_info,
-        "/health": lambda: {},
-        "/health_generate": lambda: {},
-        "/megatron_rl/weights_digest": server.weights_digest,
-    }
+    get: dict[str, Callable[[], Body]] = {path: getattr(server, name) for path, name in GET_ROUTES.items()}
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -515,13 +585,39 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
         ) -> None:  # quiet: one line per request is noise at RL rates
             log.debug("%s %s", self.address_string(), fmt % args)
 
-        def _send(self, status: int, obj: object) -> None:
+        def _send(self, status: int, obj: object, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(obj).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
             self.end_headers()
             self.wfile.write(data)
+
+        def _refused(self) -> bool:
+            """Answer 401 and end the connection unless the request may be served (the API key).
+
+            The body of a refused request is read in chunks and dropped (up to _DISCARD_LIMIT),
+            never parsed; the connection then closes, so it cannot be read as a next request."""
+            if server.authorized(self.path.split("?")[0], self.headers.get("Authorization")):
+                return False
+            try:
+                left = min(int(self.headers.get("Content-Length") or 0), _DISCARD_LIMIT)
+            except ValueError:
+                left = 0
+            while left > 0:
+                chunk = self.rfile.read(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+            self.close_connection = True
+            self._send(
+                HTTPStatus.UNAUTHORIZED,
+                {"error": "Unauthorized"},
+                {"WWW-Authenticate": "Bearer", "Connection": "close"},
+            )
+            return True
 
         def _dispatch(self, fn: Callable[..., object], *args: Body) -> None:
             try:
@@ -536,12 +632,16 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
                 )
 
         def do_GET(self) -> None:
+            if self._refused():
+                return None
             fn = get.get(self.path.split("?")[0])
             if fn is None:
                 return self._send(HTTPStatus.NOT_FOUND, {"message": f"no route {self.path}"})
             self._dispatch(fn)
 
         def do_POST(self) -> None:
+            if self._refused():
+                return None
             fn = post.get(self.path.split("?")[0])
             length = int(self.headers.get("Content-Length") or 0)
             raw = self.rfile.read(length) if length else b""
@@ -570,6 +670,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weight-version", type=int, default=0, help="version of the loaded weights")
     p.add_argument("--port-file", help="write the bound port here (atomic) once serving")
     p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="every route but /health and /health_generate then wants 'Authorization: Bearer KEY' "
+        f"(SGLang's flag); default ${API_KEY_ENV}, which unlike argv does not show in ps; "
+        "neither: no key",
+    )
+    p.add_argument(
         "--timing-model",
         metavar="FILE.json",
         help="no model compute: steps sleep for this cost model and write its token "
@@ -577,6 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
+    try:
+        api_key = check_api_key(args.api_key) if args.api_key is not None else api_key_from_env()
+    except ValueError as e:
+        print(f"serve-engine: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -597,10 +709,16 @@ def main(argv: list[str] | None = None) -> int:
             args.model, EngineConfig(max_slots=args.max_slots, max_len=args.max_len)
         )
     engine.set_version(args.weight_version)
-    server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model)
+    server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model, api_key=api_key)
     if args.port_file:
         atomic_write_text(args.port_file, str(server.port))
-    log.info("serving %s on %s (KV capacity %d tokens)", args.model, server.url, engine.capacity_tokens)
+    log.info(
+        "serving %s on %s (KV capacity %d tokens, %s)",
+        args.model,
+        server.url,
+        engine.capacity_tokens,
+        "API key required" if api_key else "no API key",
+    )
     try:
         server.serve_forever()
     except KeyboardInterrupt:

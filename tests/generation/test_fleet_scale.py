@@ -1,0 +1,130 @@
+"""The fleet client at the scale RL runs it: over a thousand generations in flight against a real
+``serve-engine`` process, a weight update (pause → broadcast → resume) from a real Megatron
+trainer while they run, and a request that outlives its timeout aborted on its server.
+
+No timed assertions: each step runs under a generous hang guard (a test that hangs fails with
+what it was waiting for); the seconds each control call took are printed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from megatron_rl.algorithms.config import GRPOConfig
+from megatron_rl.batching.config import BatchingConfig
+from megatron_rl.generation.api import GenRequest
+from megatron_rl.generation.client import FleetClient
+from megatron_rl.generation.engine.launch import EngineProcess
+from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
+from tests.generation.conftest import free_port, prompt
+
+pytestmark = pytest.mark.distributed  # a real server process and a real update group
+
+IN_FLIGHT = 1200  # more than any thread pool the client used to have (256)
+HANG_GUARD_S = 300.0  # a control call that takes this long is a hang, not a slow machine
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    with EngineProcess(tiny_llama, max_slots=64, max_len=256, api_key="scale-test-key") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def trainer(single_rank, tiny_llama):
+    from megatron_rl.training.config import OptimConfig, TrainerConfig
+    from megatron_rl.training.trainer import PolicyTrainer
+
+    yield PolicyTrainer(tiny_llama, TrainerConfig(optim=OptimConfig(lr=1e-3)), GRPOConfig(), BatchingConfig())
+
+
+def _guarded(what: str, fn, *args):
+    """``fn(*args)`` on a thread; fail naming ``what`` if it does not return within the guard."""
+    box: dict[str, object] = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
+            box["error"] = e
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(HANG_GUARD_S)
+    assert not t.is_alive(), f"{what} did not return in {HANG_GUARD_S:.0f} s: a hang"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box.get("value"), time.monotonic() - t0
+
+
+def _request(i: int, max_new_tokens: int) -> GenRequest:
+    return GenRequest(
+        request_id=f"scale-{i}",
+        input_ids=prompt(4 + i % 8, i),
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        seed=i,
+    )
+
+
+def test_a_weight_update_lands_while_over_a_thousand_generations_are_in_flight(server, trainer):
+    fleet = FleetClient([server.url], api_key="scale-test-key")
+    bc = WeightBroadcaster(
+        trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo", master_port=free_port(), bucket_mb=0.05)
+    )
+    try:
+        bc.connect()
+        futures = [fleet.submit(_request(i, 48)) for i in range(IN_FLIGHT)]
+        # Every request reaches the server before the update: the engine admits 64 at a time, so
+        # the rest wait in its queue, each holding an open connection.
+        deadline = time.monotonic() + HANG_GUARD_S
+        while True:
+            state = fleet.server_info(server.url)["internal_states"][0]
+            if state["num_running_reqs"] + state["num_waiting_reqs"] >= IN_FLIGHT - 64:
+                break
+            assert time.monotonic() < deadline, f"requests never reached the server: {state}"
+            time.sleep(0.05)
+        in_flight_at_update = fleet.in_flight()
+        assert in_flight_at_update >= 1000
+
+        timings = {}
+        _, timings["pause+update+resume"] = _guarded("sync", bc.sync, 1)
+        # A second update, to see the control path again with the queue still long.
+        _, timings["pause"] = _guarded("pause", fleet.pause, "in_place")
+        _, timings["resume"] = _guarded("resume", fleet.resume)
+        print(f"\n{in_flight_at_update} in flight at the update; seconds: {timings}")
+
+        results, _ = _guarded("the generations", lambda: [f.result() for f in futures])
+    finally:
+        bc.close()
+        fleet.close()
+    # Every request ended, each exactly once, with all its tokens.
+    assert sorted(r.request_id for r in results) == sorted(f"scale-{i}" for i in range(IN_FLIGHT))
+    assert Counter(r.finish_reason for r in results) == {"length": IN_FLIGHT}
+    assert all(len(r.token_ids) == 48 == len(r.logprobs) == len(r.versions) for r in results)
+    # Requests running at the update carry tokens of both versions; later ones only the new one.
+    spans = Counter(tuple(sorted(set(r.versions))) for r in results)
+    assert spans[(0, 1)] > 0 and spans[(1,)] > 0, spans
+    assert not fleet.lost and not fleet.timed_out
+
+
+def test_a_request_past_its_timeout_is_aborted_on_its_server_and_returned_as_abort(server):
+    fleet = FleetClient([server.url], api_key="scale-test-key", request_timeout_s=1.0)
+    try:
+        fleet.pause("in_place")  # nothing runs: the requests must outlive their timeout
+        futures = [fleet.submit(_request(10_000 + i, 32)) for i in range(8)]
+        results, _ = _guarded("timed-out requests", lambda: [f.result() for f in futures])
+        assert [r.finish_reason for r in results] == ["abort"] * 8
+        assert all(r.meta["timed_out"] and not r.token_ids for r in results)
+        assert sorted(fleet.timed_out) == sorted((f"scale-{10_000 + i}", server.url) for i in range(8))
+        # They were aborted there, not left queued behind the pause.
+        state = fleet.server_info(server.url)["internal_states"][0]
+        assert state["num_running_reqs"] + state["num_waiting_reqs"] == 0, state
+    finally:
+        fleet.resume()
+        fleet.close()
