@@ -37,6 +37,9 @@ class LoopConfig:
     top_p: float = 1.0  # nucleus sampling (temperature is algorithm.temperature)
     expected_length: int = 0  # completion tokens assumed for KV sizing before any finishes; 0 = l_max/2
     seed: int = 0  # prompt order and per-request sampling seeds
+    # Stop with a diagnosis when this many batches' worth of groups in a row are all dropped
+    # (no batch could ever fill; rollouts.NoProgressError); 0 = wait forever.
+    max_dropped_batches: int = 8
 
     def __post_init__(self) -> None:
         check_range("group_size", self.group_size, low=2)
@@ -59,6 +62,7 @@ class LoopConfig:
         check_range("max_steps", self.max_steps, low=0)
         check_range("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         check_range("expected_length", self.expected_length, low=0)
+        check_range("max_dropped_batches", self.max_dropped_batches, low=0)
 
     @property
     def minibatch(self) -> int:
@@ -73,6 +77,10 @@ class LoopConfig:
         if self.max_staleness >= 0:
             return self.max_staleness
         return max(1, 2 * -(-self.async_cap() // self.n_batch))
+
+    def stall_groups(self) -> int:
+        """Groups dropped in a row that stop the run (0: never); see ``max_dropped_batches``."""
+        return self.max_dropped_batches * self.n_batch // self.group_size
 
     def queue_capacity(self) -> int:
         return self.queue_groups or self.n_batch // self.group_size

@@ -14,7 +14,14 @@ verifier pool and the prompt sampler:
 - a completion lost with its server (:class:`~megatron_rl.generation.client.ServerLost`) is
   re-sent to another live server at once; the loss is counted. A completion that comes back
   aborted (``weight_sync.pause_mode: abort``, ``/abort_request``) is re-sent too: a cut-off
-  sample is never scored or trained.
+  sample is never scored or trained. A request that ran past the fleet's ``request_timeout_s``
+  (aborted by the client on its server) is re-sent once, to another server where there is one;
+  if it times out again it is scored as it stands (no tokens: no reward), so a request that can
+  never finish costs its group, not the run.
+- **No progress.** If ``stall_groups`` groups in a row are all dropped (every group's rewards
+  equal: problems that cannot be solved or cannot fail, a broken reward, answers missing), no
+  batch can ever fill: :meth:`Rollouts.check` raises :class:`NoProgressError` with the drop
+  reasons and the verifiers' reasons of those groups, instead of the loop waiting forever.
 
 Every group issued and not yet trained or dropped is *pending*: a kept group stays pending until
 its consumer calls :meth:`Rollouts.retire` (trained) or :meth:`Rollouts.reissue` (sent back to
@@ -66,7 +73,14 @@ if TYPE_CHECKING:
     from megatron_rl.orchestration.sampler import PromptSampler
     from megatron_rl.rewards.compose import RewardInput
 
-__all__ = ["Fleet", "GroupRecord", "Rollouts", "ScoringPool", "request_seed"]
+__all__ = [
+    "Fleet",
+    "GroupRecord",
+    "NoProgressError",
+    "Rollouts",
+    "ScoringPool",
+    "request_seed",
+]
 
 
 class Fleet(Protocol):
@@ -107,6 +121,10 @@ def request_seed(run_seed: int, prompt_id: str, epoch: int, sample: int) -> int:
     return int.from_bytes(h.digest(), "little") >> 1
 
 
+class NoProgressError(RuntimeError):
+    """Every group for a long stretch was dropped: no batch can fill (see the module docstring)."""
+
+
 @dataclass(kw_only=True)
 class GroupRecord:
     """One prompt's G samples on their way through generation and scoring."""
@@ -120,6 +138,7 @@ class GroupRecord:
     results: list[GenResult | None]
     scored: list[ScoredCompletion | None]
     lost: int = 0  # completions re-sent after their server died
+    timed_out: list[int] = field(default_factory=list)  # per sample: runs past the timeout
     kept: bool | None = None  # None until all G are scored
     drop_reason: str = ""
     done_at: float = 0.0
@@ -190,13 +209,17 @@ class Rollouts:
         seed: int,
         system_prompt: str,
         filter_tolerance: float = 0.0,
+        stall_groups: int = 0,
         version: Callable[[], int] = lambda: 0,
     ):
+        """``stall_groups``: this many groups dropped in a row stop the run (0: never)."""
         self.fleet, self.pool, self.sampler, self.tok = fleet, pool, sampler, tokenizer
         self.reward, self.group_size = reward, group_size
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.seed, self.system_prompt = seed, system_prompt
         self.filter_tolerance = filter_tolerance
+        self.stall_groups = stall_groups
+        self._dropped_in_a_row: list[GroupRecord] = []  # since the last kept group
         self.version = version
         self.eos = tokenizer.eos_token_id
         self._lock = threading.RLock()  # re-entrant: wait_until's predicates read the properties
@@ -242,6 +265,7 @@ class Rollouts:
             seed=cfg.loop.seed,
             system_prompt=system_prompt,
             filter_tolerance=cfg.algorithm.filter_tolerance,
+            stall_groups=cfg.loop.stall_groups(),
             version=version,
         )
 
@@ -324,8 +348,11 @@ class Rollouts:
         """Raise the first error a callback met (a refused request, no live server)."""
         with self._lock:
             first = self._errors[0] if self._errors else None
+            stalled = list(self._dropped_in_a_row) if self.stall_groups else []
         if first is not None:
             raise RuntimeError(f"rollouts failed: {first}") from first
+        if stalled and len(stalled) >= self.stall_groups:
+            raise NoProgressError(_no_progress(stalled))
 
     # ------------------------------------------------------------------ consuming
 
@@ -445,7 +472,18 @@ class Rollouts:
         except BaseException as e:  # noqa: BLE001 - a refused request stops the run, with why
             self.fail(e)
             return
-        if result.finish_reason == "abort":  # cut off (abort pause, /abort_request): send again
+        timed_out = bool(result.meta.get("timed_out"))
+        if timed_out:
+            with self._lock:
+                if not rec.timed_out:
+                    rec.timed_out = [0] * self.group_size
+                rec.timed_out[i] += 1
+                again = rec.timed_out[i] == 1
+                self._stats["requests_timed_out"] += 1
+            if again:  # once more, elsewhere if there is another server
+                self._submit(rec, i, exclude | {result.server})
+                return
+        elif result.finish_reason == "abort":  # cut off (abort pause, /abort_request): send again
             with self._lock:
                 self._stats["requests_aborted"] += 1
             self._submit(rec, i, exclude)
@@ -539,8 +577,25 @@ class Rollouts:
                 self.sampler.mark_solved(rec.problem.id)
             if rec.kept:
                 self._completed.put(rec)
+                self._dropped_in_a_row.clear()
             else:
                 rec.drop_reason = next(r for r, n in report.dropped.items() if n)
                 self._dropped.append(rec)
+                self._dropped_in_a_row.append(rec)
+                del self._dropped_in_a_row[: -max(self.stall_groups, 1)]
                 self._forget(rec)
             self._cond.notify_all()
+
+
+def _no_progress(groups: list[GroupRecord]) -> str:
+    """Why the last ``groups`` (all dropped) mean no batch can fill, for the error message."""
+    drops = Counter(g.drop_reason for g in groups)
+    reasons = Counter(s.reason for g in groups for s in g.all_scored())
+    rewards = Counter(round(s.reward, 3) + 0.0 for g in groups for s in g.all_scored())  # no -0.0
+    fmt = lambda c: ", ".join(f"{'-' if k == '' else k}: {n}" for k, n in c.most_common(5))
+    return (
+        f"no progress: the last {len(groups)} groups were all dropped ({fmt(drops)}); their "
+        f"samples' verifier reasons: {fmt(reasons)}; rewards: {fmt(rewards)}. Every group's "
+        "rewards are equal, so no batch can fill: check the data (missing or wrong answers), the "
+        "reward, and the sampling temperature (loop.max_dropped_batches sets when this stops a run)"
+    )

@@ -48,7 +48,7 @@ from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.orchestration.loop import Orchestrator
 from megatron_rl.orchestration.recipe import load_config
-from megatron_rl.orchestration.rollouts import Rollouts
+from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
 from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.rewards.pool import VerifierPool
 from megatron_rl.rewards.template import SYSTEM_PROMPT
@@ -659,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 2
+    except NoProgressError as e:  # the run cannot go on: why, and where it stopped
+        print(f"megatron-rl train: stopped: {e}", file=sys.stderr)
+        return 1
     if summary:
         print(json.dumps(summary))
     return 0

@@ -167,9 +167,11 @@ def test_time_limit_finishes_like_the_end_and_a_rerun_resumes(tmp_path, policy):
 def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy):
     path = recipe(tmp_path, policy, loop={"max_steps": 4}, weight_sync={"timeout_s": 60.0})
     run = tmp_path / "run"
+    key = "loop-test-key"  # the run's servers want it; the test reads their state with it
     proc = subprocess.Popen(
         train_cmd(path),
         cwd=ROOT,
+        env={**os.environ, "MEGATRON_RL_API_KEY": key},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -181,7 +183,10 @@ def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy
         victim = engines[0]
 
         def running() -> bool:
-            info = json.load(urllib.request.urlopen(f"{victim['url']}/server_info"))
+            req = urllib.request.Request(
+                f"{victim['url']}/server_info", headers={"Authorization": f"Bearer {key}"}
+            )
+            info = json.load(urllib.request.urlopen(req, timeout=30))
             return info["internal_states"][0]["num_running_reqs"] > 0
 
         wait_for(running, 120, "requests on the victim server", proc)
@@ -200,3 +205,16 @@ def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy
         (e["prompt_id"], e["epoch"]) for e in read_jsonl(run / "ledger.jsonl") if e["event"] == "trained"
     ]
     assert len(trained) == len(set(trained))
+
+
+def test_a_run_whose_every_group_is_dropped_stops_with_a_diagnosis(tmp_path, policy):
+    """A reward that gives every sample the same score (all weights 0): every group is dropped,
+    no batch can fill. The run stops after loop.max_dropped_batches batches' worth of groups
+    (2 x 16 / 4 = 8) with exit status 1 and the reasons, instead of waiting forever."""
+    zero = {"format_reward": 0.0, "correct_reward": 0.0, "language_reward": 0.0, "length_penalty": 0.0}
+    path = recipe(tmp_path, policy, reward=zero, loop={"max_dropped_batches": 2})
+    proc = subprocess.run(train_cmd(path), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "stopped: no progress: the last 8 groups were all dropped" in proc.stderr
+    assert "rewards: 0.0: 32." in proc.stderr and "Traceback" not in proc.stderr
+    assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == []  # no step was trained

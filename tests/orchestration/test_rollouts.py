@@ -28,7 +28,7 @@ from megatron_rl.generation.engine.timing import TimingConfig, TimingEngine
 from megatron_rl.orchestration.config import LoopConfig
 from megatron_rl.orchestration.loop import staleness_stats
 from megatron_rl.orchestration.recipe import RunConfig
-from megatron_rl.orchestration.rollouts import GroupRecord, Rollouts, request_seed
+from megatron_rl.orchestration.rollouts import GroupRecord, NoProgressError, Rollouts, request_seed
 from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.quickstart.tokenizer import (
     QUICKSTART_SYSTEM_PROMPT,
@@ -96,13 +96,22 @@ class _Clock:
 
 
 @contextmanager
-def timing_fleet(tok, script, *, servers: int = 2, slots: int = 8, at_step: dict | None = None):
+def timing_fleet(
+    tok,
+    script,
+    *,
+    servers: int = 2,
+    slots: int = 8,
+    at_step: dict | None = None,
+    decode_s: float = 0.002,
+    request_timeout_s: float = 3600.0,
+):
     """``(FleetClient, [TimingEngine])`` over in-process engine servers."""
     engines, started = [], []
     try:
         for _ in range(servers):
             e = TimingEngine(
-                TimingConfig(decode_s=0.002, script=script),
+                TimingConfig(decode_s=decode_s, script=script),
                 EngineConfig(max_slots=slots, max_len=MAX_LEN),
                 eos_token_ids=[tok.eos_token_id],
                 vocab_size=len(tok),
@@ -110,7 +119,7 @@ def timing_fleet(tok, script, *, servers: int = 2, slots: int = 8, at_step: dict
             )
             engines.append(e)
             started.append(EngineServer(e).start())
-        fleet = FleetClient([s.url for s in started])
+        fleet = FleetClient([s.url for s in started], request_timeout_s=request_timeout_s)
         try:
             yield fleet, engines
         finally:
@@ -120,10 +129,14 @@ def timing_fleet(tok, script, *, servers: int = 2, slots: int = 8, at_step: dict
             s.shutdown()
 
 
-def make_rollouts(fleet, pool, tok, sampler=None, version=lambda: 0) -> Rollouts:
+def make_rollouts(
+    fleet, pool, tok, sampler=None, version=lambda: 0, max_dropped_batches=8, language_reward=0.1
+) -> Rollouts:
     cfg = RunConfig(
-        loop=LoopConfig(group_size=G, n_batch=4 * G, n_async=8 * G, seed=SEED),
-        reward=RewardConfig(l_max=L_MAX, l_cache=L_MAX // 4, workers=1),
+        loop=LoopConfig(
+            group_size=G, n_batch=4 * G, n_async=8 * G, seed=SEED, max_dropped_batches=max_dropped_batches
+        ),
+        reward=RewardConfig(l_max=L_MAX, l_cache=L_MAX // 4, workers=1, language_reward=language_reward),
         algorithm=GRPOConfig(),
     )
     return Rollouts.from_config(
@@ -355,3 +368,45 @@ def _wait(predicate, timeout_s: float = 30.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_every_group_dropped_stops_with_a_diagnosis_instead_of_waiting(tok, script, pool):
+    """Problems no sample can solve (the answer is 7; the script answers 4 or 5; no language
+    bonus, which the tiny tokenizer's text earns unevenly): every group's rewards are equal, so
+    no batch can ever fill. After one batch's worth of groups dropped in a
+    row (loop.max_dropped_batches: 1, n_batch / G = 4 groups) check() raises with the reasons."""
+    unsolvable = [
+        Problem(id=f"u{i}", problem=f"What is 3 + 4? ({i})", task="math", answer="7") for i in range(8)
+    ]
+    with timing_fleet(tok, script) as (fleet, _):
+        r = make_rollouts(
+            fleet, pool, tok, PromptSampler(unsolvable, seed=SEED), max_dropped_batches=1, language_reward=0.0
+        )
+        recs = [r.issue_group() for _ in range(3)]
+        settle(r, recs)  # three dropped: not yet a stall
+        assert [x.kept for x in recs] == [False] * 3
+        recs.append(r.issue_group())
+        with pytest.raises(NoProgressError) as e:
+            settle(r, recs)
+        msg = str(e.value)
+        assert "last 4 groups were all dropped" in msg and "all_wrong: 4" in msg
+        assert "wrong_answer" in msg  # the verifier's reason for the samples
+
+
+def test_a_request_past_its_timeout_is_sent_once_more_then_scored_as_it_stands(tok, script, pool):
+    """Decoding at 0.2 s a token, no sample finishes within the fleet's 0.3 s timeout: each is
+    aborted on its server, re-sent once (to the other server), aborted again, then scored with
+    no tokens (no reward): the group ends, nothing hangs and nothing is lost."""
+    with timing_fleet(tok, script, decode_s=0.2, request_timeout_s=0.3) as (fleet, _):
+        r = make_rollouts(fleet, pool, tok)
+        recs = [r.issue_group() for _ in range(2)]
+        settle(r, recs)
+        st = r.snapshot_stats()
+        assert st["requests_timed_out"] == 2 * 2 * G and st["completions"] == 2 * G
+        for rec in recs:
+            assert rec.timed_out == [2] * G and not rec.kept  # every sample: no tokens, same reward
+            assert all(s.completion.token_ids == [] for s in rec.all_scored())
+        servers = Counter(url for _, url in fleet.timed_out)
+        assert sorted(servers.values()) == [2 * G, 2 * G]  # the second try went to the other one
+        state = [fleet.server_info(u)["internal_states"][0] for u in fleet.update_urls]
+        assert all(x["num_running_reqs"] + x["num_waiting_reqs"] == 0 for x in state), state
