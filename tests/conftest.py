@@ -1,8 +1,11 @@
-"""Test set-up: ``gpu`` and ``sglang`` tests skip cleanly, with the reason, where they cannot run."""
+"""Test set-up: ``gpu`` and ``sglang`` tests skip cleanly, with the reason, where they cannot run;
+``fault`` tests are checked for their kind and, with ``$MEGATRON_RL_FAULT_REPORT`` set to a
+path, each one's kind and outcome are written there (``tools/fault_report.py`` reads it)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -17,10 +20,19 @@ def _sglang_reason() -> str | None:
     return None
 
 
+#: What a fault test exercises: a bad input refused at the door, a hostile client or program, a
+#: process killed, stuck or a file corrupted, a non-finite number, load at the scale of real use.
+FAULT_KINDS = ("input", "abuse", "crash", "numeric", "load")
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_reason = None if torch.cuda.is_available() else "gpu: no CUDA device on this machine"
     sglang_reason = _sglang_reason()
     for item in items:
+        for mark in item.iter_markers("fault"):
+            if len(mark.args) != 1 or mark.args[0] not in FAULT_KINDS:
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.fault(kind), kind one of {FAULT_KINDS}")
+            item.user_properties.append(("fault", mark.args[0]))
         if gpu_reason and "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=gpu_reason))
         if sglang_reason and "sglang" in item.keywords:
@@ -31,3 +43,14 @@ def pytest_collection_modifyitems(config, items):
 def _quiet_threads():
     # Two cores here: keep intra-op threads from oversubscribing when tests spawn ranks.
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_runtest_logreport(report):
+    """With ``$MEGATRON_RL_FAULT_REPORT``: one JSON line per fault test (kind, outcome)."""
+    path = os.environ.get("MEGATRON_RL_FAULT_REPORT")
+    kinds = [v for k, v in report.user_properties if k == "fault"]
+    if not path or not kinds:
+        return
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": report.nodeid, "kind": kinds[0], "outcome": report.outcome}) + "\n")

@@ -20,6 +20,7 @@ from megatron_rl.fileio import (
 )
 
 
+@pytest.mark.fault("crash")
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
     out = tmp_path / "f.json"
     atomic_write_json(out, {"a": 1})
@@ -43,6 +44,7 @@ def test_atomic_path_keeps_the_suffix_for_format_sniffing_writers(tmp_path):
     assert (tmp_path / "sub" / "plot.png").read_bytes() == b"png"
 
 
+@pytest.mark.fault("crash")
 def test_atomic_output_dir_replaces_whole_or_not_at_all(tmp_path):
     out = tmp_path / "model"
     with atomic_output_dir(out) as tmp:
@@ -60,6 +62,7 @@ def test_atomic_output_dir_replaces_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+@pytest.mark.fault("input")
 def test_every_kind_of_bad_line_is_named_by_file_and_line(tmp_path):
     f = tmp_path / "in.jsonl"
     f.write_bytes(b'{"ok": 1}\n\n{not json\n\xff\xfe\n[1, 2]\n{"ok": 2}\n')
@@ -74,6 +77,7 @@ def test_every_kind_of_bad_line_is_named_by_file_and_line(tmp_path):
         read_jsonl(tmp_path / "missing.jsonl")
 
 
+@pytest.mark.fault("crash")
 def test_a_line_cut_by_a_crash_is_ignored_only_at_the_end(tmp_path):
     f = tmp_path / "m.jsonl"
     f.write_text('{"step": 1}\n{"step": 2')  # the writer died mid-line

@@ -189,6 +189,7 @@ def test_eval_cli_writes_json_markdown_and_plots(answering_folder, tmp_path, cap
     assert "eval: 3 problems x 8 samples: pass@1" in capsys.readouterr().out
 
 
+@pytest.mark.fault("input")
 def test_eval_cli_bad_input(answering_folder, tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"problem": "x", "answer": "1"}\n{"problem": 3}\n')

@@ -115,6 +115,7 @@ def _attacks(hf_weights: dict[str, torch.Tensor], digest_names: list[str]) -> di
     }
 
 
+@pytest.mark.fault("abuse")
 @pytest.mark.distributed
 def test_every_route_but_health_answers_401_without_the_key(server, hf_weights):
     assert OPEN_ROUTES == {"/health", "/health_generate"} and OPEN_ROUTES <= set(GET_ROUTES)
@@ -144,6 +145,7 @@ def test_health_stays_open_and_the_key_opens_generate(server):
     assert _call(server.url, "GET", "/no_such_route", None, f"Bearer {KEY}")[0] == 404
 
 
+@pytest.mark.fault("abuse")
 @pytest.mark.distributed
 def test_refused_control_requests_change_nothing(server, hf_weights):
     before = _ok(server.url, "GET", "/megatron_rl/weights_digest")
@@ -186,6 +188,7 @@ def test_refused_control_requests_change_nothing(server, hf_weights):
     assert isinstance(out, dict) and len(out["output_ids"]) == 4
 
 
+@pytest.mark.fault("abuse")
 @pytest.mark.distributed
 def test_the_key_travels_in_the_environment_not_argv(server):
     if not Path(f"/proc/{server.pid}/cmdline").exists():
@@ -240,6 +243,7 @@ def test_the_client_with_the_key_works_end_to_end(server, hf_weights):
         fleet.close()
 
 
+@pytest.mark.fault("input")
 @pytest.mark.distributed
 def test_the_api_key_flag_works_and_a_bad_key_is_refused_at_start(tiny_llama, tmp_path):
     timing = tmp_path / "timing.json"

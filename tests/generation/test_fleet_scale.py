@@ -72,6 +72,7 @@ def _request(i: int, max_new_tokens: int) -> GenRequest:
     )
 
 
+@pytest.mark.fault("load")
 def test_a_weight_update_lands_while_over_a_thousand_generations_are_in_flight(server, trainer):
     fleet = FleetClient([server.url], api_key="scale-test-key")
     bc = WeightBroadcaster(
@@ -113,6 +114,7 @@ def test_a_weight_update_lands_while_over_a_thousand_generations_are_in_flight(s
     assert not fleet.lost and not fleet.timed_out
 
 
+@pytest.mark.fault("crash")
 def test_a_request_past_its_timeout_is_aborted_on_its_server_and_returned_as_abort(server):
     fleet = FleetClient([server.url], api_key="scale-test-key", request_timeout_s=1.0)
     try:

@@ -102,6 +102,7 @@ def test_generate_over_http_matches_the_in_process_engine(server, tiny_llama):
     fleet.close()
 
 
+@pytest.mark.fault("input")
 def test_bad_requests_get_a_clear_error(server):
     status, body = _post(server.url, "/generate", {"text": "hello"})
     assert status == 400 and "input_ids" in body["message"]
@@ -166,6 +167,7 @@ def test_update_in_flight_keeps_the_kv_cache_and_versions_the_tokens(synced, tra
     }
 
 
+@pytest.mark.fault("load")
 def test_no_request_lost_or_duplicated_across_updates(synced, trainer, server):
     fleet, bc = synced
     reqs = [
@@ -228,6 +230,7 @@ def test_server_logprobs_agree_with_the_trainer(synced, trainer, server):
     assert all(v == [4] * 24 for v in (r.versions for r in results))
 
 
+@pytest.mark.fault("crash")
 def test_a_killed_server_reports_its_requests_and_they_finish_elsewhere(tiny_llama):
     with (
         EngineProcess(tiny_llama, max_slots=4, max_len=512) as a,

@@ -69,6 +69,7 @@ def _trained_keys(run) -> list[tuple[int, str, int]]:
     )
 
 
+@pytest.mark.fault("crash")
 def test_kill_9_at_random_points_then_resume_gives_the_same_run(tmp_path, policy):
     # Sync mode, one engine slot: generation is a pure function of weights and seeds, so the
     # interrupted run must reproduce the uninterrupted one exactly (fp32 CPU).
@@ -164,6 +165,7 @@ def test_time_limit_finishes_like_the_end_and_a_rerun_resumes(tmp_path, policy):
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
 
 
+@pytest.mark.fault("crash")
 def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy):
     path = recipe(tmp_path, policy, loop={"max_steps": 4}, weight_sync={"timeout_s": 60.0})
     run = tmp_path / "run"
@@ -207,6 +209,7 @@ def test_killing_an_engine_server_mid_run_reissues_its_requests(tmp_path, policy
     assert len(trained) == len(set(trained))
 
 
+@pytest.mark.fault("input")
 def test_a_run_whose_every_group_is_dropped_stops_with_a_diagnosis(tmp_path, policy):
     """A reward that gives every sample the same score (all weights 0): every group is dropped,
     no batch can fill. The run stops after loop.max_dropped_batches batches' worth of groups

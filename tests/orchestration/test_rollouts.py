@@ -370,6 +370,7 @@ def _wait(predicate, timeout_s: float = 30.0) -> bool:
     return False
 
 
+@pytest.mark.fault("input")
 def test_every_group_dropped_stops_with_a_diagnosis_instead_of_waiting(tok, script, pool):
     """Problems no sample can solve (the answer is 7; the script answers 4 or 5; no language
     bonus, which the tiny tokenizer's text earns unevenly): every group's rewards are equal, so
@@ -393,6 +394,7 @@ def test_every_group_dropped_stops_with_a_diagnosis_instead_of_waiting(tok, scri
         assert "wrong_answer" in msg  # the verifier's reason for the samples
 
 
+@pytest.mark.fault("crash")
 def test_a_request_past_its_timeout_is_sent_once_more_then_scored_as_it_stands(tok, script, pool):
     """Decoding at 0.2 s a token, no sample finishes within the fleet's 0.3 s timeout: each is
     aborted on its server, re-sent once (to the other server), aborted again, then scored with

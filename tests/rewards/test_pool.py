@@ -51,6 +51,7 @@ def test_results_in_input_order(pool):
     assert pool.map(square, [(i,) for i in range(50)]) == [i * i for i in range(50)]
 
 
+@pytest.mark.fault("crash")
 def test_stuck_workers_are_killed_and_replaced(pool):
     t0 = time.monotonic()
     results = pool.map(sleep_forever, [(0,), (1,)], timeout_s=1.0)
@@ -62,6 +63,7 @@ def test_stuck_workers_are_killed_and_replaced(pool):
     assert pool.map(square, [(3,), (4,)]) == [9, 16]  # replacements work
 
 
+@pytest.mark.fault("crash")
 def test_crashes_score_failed_and_never_reach_the_caller(pool):
     results = pool.map(exit_hard, [(3,)]) + pool.map(segfault, [(0,)])
     assert [r.reason for r in results] == ["worker_crash", "worker_crash"]
@@ -69,6 +71,7 @@ def test_crashes_score_failed_and_never_reach_the_caller(pool):
     assert pool.map(square, [(5,)]) == [25]
 
 
+@pytest.mark.fault("crash")
 def test_verifier_exception_keeps_the_worker(pool):
     before = set(pool.map(pid_of_worker, [(i,) for i in range(6)]))
     r = pool.map(raise_value_error, [("boom",)])[0]
@@ -122,6 +125,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.fault("crash")
 def test_workers_that_cannot_start_break_the_pool_instead_of_spinning(tmp_path):
     # The forkserver (and its preload) is per process, so this runs in a fresh interpreter.
     # Every process forked from that server dies at once, as with a broken start-up.

@@ -401,6 +401,7 @@ def _json(res: sandbox.SandboxResult):
     return json.loads(res.stdout.decode().strip().splitlines()[-1])
 
 
+@pytest.mark.fault("abuse")
 @pytest.mark.parametrize("name", ALL_NAMES)
 def test_hostile_program_is_contained_with_the_right_status(suite, name):
     res = suite.results[name]
@@ -411,6 +412,7 @@ def test_hostile_program_is_contained_with_the_right_status(suite, name):
         assert len(res.stdout) <= LIMITS["output_limit_bytes"]
 
 
+@pytest.mark.fault("abuse")
 def test_writes_land_only_in_the_workdir_and_private_tmpfs(suite):
     written = _json(suite.results["write_outside"])
     assert written["./own-file"] == "written"
@@ -432,12 +434,14 @@ def test_environment_is_clean(suite):
     assert suite.token not in suite.results["env_secrets"].stdout.decode()
 
 
+@pytest.mark.fault("abuse")
 def test_network_is_unreachable_even_on_loopback(suite):
     result = _json(suite.results["network"])
     assert "connected" not in result.values(), result
     assert not suite.listener_reached
 
 
+@pytest.mark.fault("abuse")
 def test_program_cannot_kill_its_supervisors_or_gain_privileges(suite):
     killed = _json(suite.results["kill_parent"])
     if IS_ROOT:  # the program runs as a leased uid; its parent (the namespace's init) as root
@@ -448,6 +452,7 @@ def test_program_cannot_kill_its_supervisors_or_gain_privileges(suite):
         assert UID_BASE <= priv["uid"] < UID_BASE + UID_COUNT
 
 
+@pytest.mark.fault("abuse")
 def test_host_secrets_and_repo_are_out_of_reach(suite):
     seen = _json(suite.results["read_secrets"])
     assert seen[suite.secret_file] in ("FileNotFoundError", "PermissionError")
@@ -461,11 +466,13 @@ def test_host_secrets_and_repo_are_out_of_reach(suite):
     assert "sibling.txt" not in suite.results["delete_parent"].stdout.decode().splitlines()[-1]
 
 
+@pytest.mark.fault("abuse")
 def test_program_sees_only_its_own_processes(suite):
     pids = _json(suite.results["proc_view"])
     assert len(pids) <= 4, pids  # init (+ launcher) and the program itself
 
 
+@pytest.mark.fault("abuse")
 def test_nothing_survives_the_suite(suite):
     assert suite.results["daemon"].stdout.decode().strip() == "daemon started"
     assert os.path.exists(os.path.join(suite.workdirs["daemon"], "started"))
@@ -550,6 +557,7 @@ def test_concurrent_sandboxes_get_distinct_uids(tmp_path):
     assert len(set(uids)) == 4 and all(UID_BASE <= u < UID_BASE + UID_COUNT for u in uids)
 
 
+@pytest.mark.fault("input")
 def test_bad_requests_are_sandbox_errors(tmp_path):
     res = run_sandboxed(["/bin/true"], stdin=b"", workdir=str(tmp_path / "missing"), timeout_s=1.0, **LIMITS)
     assert res.status == "sandbox_error" and "does not exist" in res.detail
