@@ -2,7 +2,8 @@
 
 For a prompt with G completions and rewards r_1..r_G the group step gives
 ``A_i = r_i - mean_group(r)`` (no division by the group std). The minibatch step then
-standardises over every completion of the minibatch: ``A <- (A - mean(A)) / (std(A) + eps)``.
+standardises over every completion of the minibatch: ``A <- (A - mean(A)) / max(std(A), eps)``
+(the paper's ``(A - mean) / std`` exactly whenever ``std > eps``; ``eps`` only guards 0).
 Two ablations are selectable: the original GRPO ``(r - mu) / sigma`` per group, and no minibatch
 normalisation at all.
 
@@ -71,9 +72,10 @@ def group_advantages(
 def minibatch_normalize(
     advantages: torch.Tensor, *, eps: float = 1e-6, mask: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Standardise ``[N]`` advantages over the minibatch: ``(A - mean) / (std + eps)``.
+    """Standardise ``[N]`` advantages over the minibatch: ``(A - mean) / max(std, eps)``.
 
-    ``std`` is the population std (so the result has std exactly 1 up to ``eps``). Entries where
+    ``std`` is the population std, so the result has std exactly 1 whenever ``std > eps``
+    (``std + eps`` would bias every batch by ~``eps / std``). Entries where
     ``mask`` is False (for example completions of dropped groups) neither enter the statistics nor
     receive a value: they come back as 0.
     """
@@ -85,7 +87,7 @@ def minibatch_normalize(
     kept = torch.where(mask, advantages, torch.zeros_like(advantages))
     mean = kept.sum() / n
     var = torch.where(mask, (advantages - mean) ** 2, torch.zeros_like(advantages)).sum() / n
-    out = (advantages - mean) / (var.sqrt() + eps)
+    out = (advantages - mean) / var.sqrt().clamp_min(eps)
     return torch.where(mask, out, torch.zeros_like(out))
 
 

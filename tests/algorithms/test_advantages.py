@@ -64,3 +64,15 @@ def test_minibatch_normalised_advantages_have_mean_0_std_1(groups):
     # Centring is per group: each group's centred advantages sum to zero.
     for i in range(len(groups)):
         assert abs(float(centred[ids == i].sum())) < 1e-9
+
+
+def test_minibatch_standardisation_is_the_papers_formula_exactly_at_the_default_eps():
+    """(A - mean) / std, not / (std + eps): the default eps changes nothing on a real batch and
+    only guards a batch whose advantages are all equal (which then gives zeros, not NaN)."""
+    g = torch.Generator().manual_seed(0)
+    adv = torch.randn(256, generator=g, dtype=torch.float64) * 0.05
+    paper = (adv - adv.mean()) / adv.std(unbiased=False)
+    # Equal to rounding (1e-12 relative); "/ (std + eps)" would be off by eps / std = 2e-5.
+    torch.testing.assert_close(minibatch_normalize(adv), paper, rtol=1e-12, atol=0.0)
+    flat = minibatch_normalize(torch.full((16,), 0.3, dtype=torch.float64))
+    assert torch.isfinite(flat).all() and torch.equal(flat, torch.zeros(16, dtype=torch.float64))
