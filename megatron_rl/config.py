@@ -15,6 +15,7 @@ imports nothing of megatron_rl.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -65,7 +66,14 @@ def check_range(
     low_open: bool = False,
     high_open: bool = False,
 ) -> None:
-    """Raise :class:`ConfigFieldError` unless ``value`` lies in the given (half-)open range."""
+    """Raise :class:`ConfigFieldError` unless ``value`` lies in the given (half-)open range.
+
+    NaN and +-inf are refused whatever the range: every comparison with NaN is False, so NaN
+    would pass any bound, and an infinite learning rate or clip is a typo (YAML's ``.inf``), not
+    a setting. A field meaning "no limit" says so with its own value (0 or None), not with inf.
+    """
+    if not isinstance(value, int) and not math.isfinite(value):  # ints are always finite
+        raise ConfigFieldError(name, f"must be a finite number, got {value!r}")
     too_low = low is not None and (value <= low if low_open else value < low)
     too_high = high is not None and (value >= high if high_open else value > high)
     if too_low or too_high:

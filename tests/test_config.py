@@ -1,7 +1,7 @@
 import pytest
 
 from megatron_rl.algorithms.config import GRPOConfig
-from megatron_rl.config import ConfigError, config_to_dict, parse_overrides
+from megatron_rl.config import ConfigError, ConfigFieldError, check_range, config_to_dict, parse_overrides
 from megatron_rl.orchestration.recipe import RunConfig, load_config
 
 
@@ -124,3 +124,63 @@ def test_paths_are_checked_when_asked_and_name_their_line(tmp_path):
     ):
         load_config(p, paths=True)
     assert load_config(p, [f"data.eval={data}"], paths=True).data.eval == str(data)
+
+
+@pytest.mark.fault("input")
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan"])
+def test_non_finite_numbers_are_refused_at_load_naming_the_field(tmp_path, value):
+    p = write(tmp_path, f"trainer:\n  optim:\n    warmup_steps: 2\n    lr: {value}\n")
+    with pytest.raises(ConfigError, match=r"recipe.yaml:4: trainer.optim.lr: must be a finite number"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=r"algorithm.eps_high: must be a finite number"):
+        load_config(None, [f"algorithm.eps_high={value}"])
+
+
+@pytest.mark.fault("input")
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(lr=0.0), "lr"),
+        (dict(lr=float("inf")), "lr"),
+        (dict(min_lr=-1e-7), "min_lr"),
+        (dict(min_lr=float("nan")), "min_lr"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(adam_beta1=1.0), "adam_beta1"),
+        (dict(adam_beta2=-0.1), "adam_beta2"),
+        (dict(adam_eps=0.0), "adam_eps"),
+        (dict(clip_grad=0.0), "clip_grad"),
+        (dict(clip_grad=float("inf")), "clip_grad"),
+        (dict(warmup_steps=-1), "warmup_steps"),
+    ],
+)
+def test_optim_fields_are_range_checked(kwargs, field):
+    from megatron_rl.training.config import OptimConfig
+
+    with pytest.raises(ConfigFieldError, match=rf"^{field}: must be"):
+        OptimConfig(**kwargs)
+
+
+@pytest.mark.fault("input")
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_nonfinite_steps=0), "max_nonfinite_steps"),
+        (dict(cpu_threads=-1), "cpu_threads"),
+        (dict(seed=-1), "seed"),
+    ],
+)
+def test_trainer_fields_are_range_checked(kwargs, field):
+    from megatron_rl.training.config import TrainerConfig
+
+    with pytest.raises(ConfigFieldError, match=rf"^{field}: must be"):
+        TrainerConfig(**kwargs)
+    assert TrainerConfig().max_nonfinite_steps == 3
+
+
+def test_check_range_refuses_nan_and_inf_whatever_the_bounds():
+    for value in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ConfigFieldError, match="x: must be a finite number"):
+            check_range("x", value)
+    check_range("x", 10**400)  # a huge int is still a number in range (no float overflow)
+    with pytest.raises(ConfigFieldError, match=r"eps_high: must be a finite number"):
+        GRPOConfig(eps_high=float("inf"))

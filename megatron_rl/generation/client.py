@@ -79,7 +79,7 @@ from megatron_rl.generation.protocol import (
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
 
-__all__ = ["FleetClient", "ServerError", "ServerLost", "ServerState"]
+__all__ = ["ClientClosed", "FleetClient", "ServerError", "ServerLost", "ServerState"]
 
 
 class ServerLost(ConnectionError):
@@ -90,6 +90,10 @@ class ServerLost(ConnectionError):
             f"{url}: lost{' request ' + request_id if request_id else ''} ({type(cause).__name__}: {cause})"
         )
         self.url, self.request_id, self.cause = url, request_id, cause
+
+
+class ClientClosed(RuntimeError):
+    """:meth:`FleetClient.submit` after :meth:`FleetClient.close`."""
 
 
 class ServerError(RuntimeError):
@@ -372,7 +376,7 @@ class FleetClient:
         Its callbacks run on the client's callback threads.
         """
         if self._closed:
-            raise RuntimeError("FleetClient: closed")
+            raise ClientClosed("FleetClient: closed")
         if url is None:
             server = self._pick(exclude)
         else:

@@ -152,7 +152,13 @@ class RunDirConfig:
     checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
     keep_last: int = 2  # checkpoints kept
     save_samples: bool = True  # samples.jsonl (every scored completion, for SFT traces later)
-    tensorboard: bool = True  # also write TensorBoard events when tensorboard is installed
+    # Where metrics, the resolved config and the plots go besides metrics.jsonl (always
+    # written): any of jsonl, tensorboard, wandb, mlflow (orchestration/trackers.py).
+    trackers: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str = "megatron-rl"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: RUN/wandb, no network
+    mlflow_uri: str = ""  # tracking URI; "" = the file store RUN/mlruns
+    mlflow_experiment: str = "megatron-rl"
     eval_every: int = 0  # held-out pass@1 every this many steps (0: before and after only)
     eval_samples: int = 0  # held-out problems evaluated (0: all)
     eval_k: int = 1  # samples per held-out problem (pass@1 is their mean)
@@ -167,6 +173,9 @@ class RunDirConfig:
         check_range("keep_last", self.keep_last, low=1)
         check_range("eval_every", self.eval_every, low=0)
         check_range("eval_k", self.eval_k, low=1)
+        check_choice("wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+        for name in self.trackers:
+            check_choice("trackers", name, ("jsonl", "tensorboard", "wandb", "mlflow"))
 
 
 @dataclass(kw_only=True)

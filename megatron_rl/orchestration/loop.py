@@ -106,6 +106,10 @@ def train_stats(stats_list: list[dict[str, float]]) -> dict[str, float]:
                 float(sum(vals) / len(vals)) if not key.endswith("_max") else float(max(vals))
             )
     out["train/optimizer_steps"] = float(len([s for s in stats_list if not s.get("skipped")]))
+    # Optimizer steps skipped for a non-finite loss or gradient norm: in this step, and in the run.
+    out["train/skipped_steps"] = float(sum(bool(s.get("skipped")) for s in stats_list))
+    if any("nonfinite_steps" in s for s in stats_list):
+        out["train/nonfinite_steps"] = float(max(s.get("nonfinite_steps", 0) for s in stats_list))
     return out
 
 

@@ -56,7 +56,7 @@ from megatron_rl.algorithms.filtering import filter_groups
 from megatron_rl.data.problems import Problem, reward_input
 from megatron_rl.data.sampling import decode_completion, render_prompt
 from megatron_rl.generation.api import GenRequest
-from megatron_rl.generation.client import ServerLost
+from megatron_rl.generation.client import ClientClosed, ServerLost
 from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, prepare_verifiers, score
 from megatron_rl.rewards.pool import PoolTaskError
 from megatron_rl.rewards.result import RewardResult
@@ -451,7 +451,7 @@ class Rollouts:
     def _submit(self, rec: GroupRecord, i: int, exclude: frozenset[str] = frozenset()) -> None:
         try:
             fut = self.fleet.submit(self._request(rec, i), exclude=set(exclude))
-        except ServerLost as e:  # no live server at all
+        except (ServerLost, ClientClosed) as e:  # no live server at all, or the run is stopping
             self.fail(e)
             return
         fut.add_done_callback(lambda f: self._on_generated(rec, i, f, exclude))

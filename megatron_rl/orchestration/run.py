@@ -50,16 +50,21 @@ from megatron_rl.orchestration.loop import Orchestrator
 from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
 from megatron_rl.orchestration.sampler import PromptSampler
+from megatron_rl.orchestration.trackers import Tracker, open_trackers
 from megatron_rl.rewards.pool import VerifierPool
 from megatron_rl.rewards.template import SYSTEM_PROMPT
-from megatron_rl.training.checkpoint import latest_checkpoint
+from megatron_rl.training.checkpoint import (
+    CheckpointCorruptError,
+    NonFiniteError,
+    checkpoint_dir_name,
+    latest_checkpoint,
+)
 from megatron_rl.training.trainer import PolicyTrainer
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster
 
 # JsonValue and YamlValue are Any: a record read back from JSON (eval.jsonl, the checkpoint's
 # extra state) or YAML (config.yaml) has no static shape; the code reading a field checks it.
 if TYPE_CHECKING:
-    from torch.utils.tensorboard import SummaryWriter
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rl.config import YamlValue
@@ -266,6 +271,7 @@ class _Run:
         self.sampler: PromptSampler | None = None
         self.rollouts: Rollouts | None = None
         self.eval_problems: list[Problem] | None = None
+        self.trackers: list[Tracker] = []  # rank 0's (run.trackers), opened with the run directory
 
         self.tok: PreTrainedTokenizerBase = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
         self.trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
@@ -278,7 +284,10 @@ class _Run:
         # The checkpoint's extra state (sampler, curriculum, history), as saved by _checkpoint.
         self.extra: dict[str, JsonValue] = {}
         if self.resume_from is not None:
-            self.extra = self.trainer.load_checkpoint(self.resume_from)
+            # From the root: the newest checkpoint whose files match its manifest (a corrupt one
+            # is reported and passed over for the one before it).
+            self.extra = self.trainer.load_checkpoint(self.ckpt_root)
+            self.resume_from = self.ckpt_root / checkpoint_dir_name(int(self.trainer.step))
         else:
             self.trainer.load_hf(cfg.model.hf)
         # Recent metrics, for metric-triggered curriculum stages.
@@ -319,6 +328,19 @@ class _Run:
         if self.resume_from is not None:
             _check_resume_config(run_dir / "config.yaml", snapshot)
         atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(snapshot, sort_keys=False))
+        r = self.cfg.run
+        self.trackers = open_trackers(
+            [t for t in r.trackers if t != "jsonl"],
+            run_dir,
+            run_name=run_dir.resolve().name,
+            wandb_project=r.wandb_project,
+            wandb_mode=r.wandb_mode,
+            mlflow_uri=r.mlflow_uri,
+            mlflow_experiment=r.mlflow_experiment,
+        )
+        for t in self.trackers:
+            self.stack.callback(t.close)
+            t.config(snapshot)
         for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
             truncate_jsonl(run_dir / name, lambda r: r.get("step") is None or r["step"] <= step0)
         if (run_dir / "eval.jsonl").exists():
@@ -417,9 +439,6 @@ class _Run:
             dynamic_ncols=True,
         )
         self.stack.callback(bar.close)
-        tb = _tensorboard(self.run_dir / "tb") if rank0 and cfg.run.tensorboard else None
-        if tb is not None:
-            self.stack.callback(tb.close)
         steps_here = 0
         limit_s = 60.0 * cfg.run.time_limit_min
         while trainer.step < cfg.loop.max_steps:
@@ -439,10 +458,11 @@ class _Run:
                     self._checkpoint()
                 break
             self._advance_curriculum()
+            before = int(trainer.step)
             result = self.orch.step()
             steps_here += 1
             if rank0:
-                self._record(result, tb)
+                self._record(result)
                 bar.update(1)
                 m = result.metrics
                 bar.set_postfix(
@@ -451,8 +471,10 @@ class _Run:
                     len=f"{m.get('length/mean', 0):.0f}",
                     stale=f"{m.get('staleness/mean', 0):.1f}",
                 )
-            due = cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0
-            if due or trainer.step >= cfg.loop.max_steps:
+            # A step whose optimizer steps were all skipped (non-finite) leaves nothing new to save.
+            moved = trainer.step > before
+            due = moved and cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0
+            if due or (moved and trainer.step >= cfg.loop.max_steps):
                 self._checkpoint()
             if (
                 rank0
@@ -479,17 +501,16 @@ class _Run:
             if self.rank0:
                 print(f"[curriculum] step {self.trainer.step}: entering {name}", file=sys.stderr)
 
-    def _record(self, result: StepResult, tb: SummaryWriter | None) -> None:
-        """Rank 0: metrics.jsonl (+ TensorBoard), samples.jsonl and ledger.jsonl of a step."""
+    def _record(self, result: StepResult) -> None:
+        """Rank 0: metrics.jsonl (+ the trackers), samples.jsonl and ledger.jsonl of a step."""
         m = result.metrics
         m["curriculum/stage"] = float(self.curriculum.index)
         m["time/elapsed_s"] = time.monotonic() - self.t_start
         self.history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
         self.history = self.history[-50:]
         append_jsonl(self.run_dir / "metrics.jsonl", [m])
-        if tb is not None:
-            for k, v in m.items():
-                tb.add_scalar(k, v, int(m["step"]))
+        for t in self.trackers:
+            t.log(m, int(m["step"]))
         _write_samples(self.run_dir, self.cfg, result, self.orch)
 
     def evaluate(self, label: str) -> None:
@@ -531,6 +552,9 @@ class _Run:
             if (run_dir / "metrics.jsonl").exists()
             else []
         )
+        for t in self.trackers:
+            for path in plots:
+                t.artifact(path)
 
         def pass_at_1(label: str) -> float | None:  # the latest evaluation of that label
             return next((e["pass@1"] for e in reversed(evals) if e["label"] == label), None)
@@ -576,17 +600,6 @@ def _check_resume_config(path: Path, new: dict[str, YamlValue]) -> None:
         )
     if changed:
         print(f"[resume] recipe fields changed since the checkpoint: {', '.join(changed)}", file=sys.stderr)
-
-
-def _tensorboard(folder: Path) -> SummaryWriter | None:
-    """A TensorBoard writer when tensorboard is installed (pip install 'megatron-rl[tensorboard]')."""
-    try:
-        from torch.utils.tensorboard import (
-            SummaryWriter,  # lazy: optional: TensorBoard logs only when it is installed
-        )
-    except ImportError:
-        return None
-    return SummaryWriter(str(folder))
 
 
 def _write_samples(run_dir: Path, cfg: RunConfig, result: StepResult, orch: Orchestrator) -> None:
@@ -659,8 +672,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 2
-    except NoProgressError as e:  # the run cannot go on: why, and where it stopped
+    except (NoProgressError, NonFiniteError) as e:  # the run cannot go on: why, where it stopped
         print(f"megatron-rl train: stopped: {e}", file=sys.stderr)
+        return 1
+    except CheckpointCorruptError as e:  # nothing intact to resume from: never start over silently
+        print(
+            f"megatron-rl train: {e}\n(move the checkpoints aside, or run.resume: never, to start over)",
+            file=sys.stderr,
+        )
         return 1
     if summary:
         print(json.dumps(summary))

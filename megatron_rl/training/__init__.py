@@ -1,7 +1,11 @@
 """The trainer side: Megatron-Core policy built from an HF config, its parallel layout and process
 groups, and the CPU adaptation that lets all of it run over gloo without a GPU.
 
-Modules (imported directly; this package imports nothing heavy):
+The errors a caller of the trainer handles are exported here: ``NonFiniteError`` (NaN/inf loss or
+gradient norm too many steps in a row, or weights given to a save), ``CheckpointError`` and its
+``CheckpointCorruptError`` (a checkpoint that fails its manifest), ``CheckpointMismatchError``.
+
+Modules (imported directly; importing this package costs torch, not megatron-core):
 
 - ``parallel``: ``ParallelConfig``, ``init_parallel``, ``destroy_parallel``, ``process_groups``.
 - ``model``: ``transformer_config_from_hf``, ``build_gpt_model``, ``build_model_chunks``,
@@ -10,5 +14,15 @@ Modules (imported directly; this package imports nothing heavy):
 - ``config``: ``TrainerConfig``, ``OptimConfig``.
 - ``steps``: forward steps and loss closures handed to Megatron's pipeline schedule.
 - ``trainer``: ``PolicyTrainer`` (``rl_step``, ``sft_step``, ``compute_logprobs``).
-- ``checkpoint``: ``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint`` (atomic, exact resume).
+- ``checkpoint``: ``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint`` (atomic, exact
+  resume, verified against a manifest).
 """
+
+from megatron_rl.training.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    NonFiniteError,
+)
+
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "NonFiniteError"]

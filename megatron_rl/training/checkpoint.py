@@ -11,8 +11,9 @@ Layout on disk (``root`` is the folder given to :func:`save_checkpoint`)::
     root/
       latest                     "step_00000012\\n", replaced atomically after each save
       step_00000012/             a complete checkpoint (the rename below is what makes it one)
-        complete                 JSON marker: step, layout (TP/PP/DP/world/chunks), time, versions,
-                                 what is inside (optimizer kind and format, scheduler, seed)
+        complete                 JSON marker: format, step, layout (TP/PP/DP/world/chunks), time,
+                                 versions, what is inside (optimizer kind and format, scheduler, seed)
+        manifest.json            size and sha256 of every other file, the marker included
         dist/                    model + optimizer, megatron.core.dist_checkpointing (torch_dist):
                                  every tensor under its global name and shape, any TP/PP reads it
         rng/rank_00000.pt        RNG states of each rank (python, numpy, torch CPU/CUDA, Megatron's
@@ -21,14 +22,33 @@ Layout on disk (``root`` is the folder given to :func:`save_checkpoint`)::
         extra.json               the caller's ``extra`` dict (rank 0's)
       step_00000012.tmp-3f9a1c/  a save in progress or a crashed one: never loaded, swept later
 
-Write protocol: every rank writes into ``step_N.tmp-<random>/``; all ranks report success; rank 0
-writes ``complete`` into it, renames it to ``step_N`` (one atomic rename, so ``step_N`` never
-exists without its marker), replaces ``latest`` (tmp file + ``os.replace``), and only then deletes
-checkpoints beyond ``keep_last`` and leftovers of crashed saves. :func:`latest_checkpoint` trusts
-``latest`` only if it names a complete checkpoint, else it takes the complete one with the highest
-step. All ranks must see the same filesystem at ``root`` (a shared or parallel filesystem on a
-cluster): rank 0 renames what the other ranks wrote, and every rank reads the marker. One job
-writes a given root at a time.
+Write protocol: every rank writes into ``step_N.tmp-<random>/``; all ranks report success (a
+barrier); each rank digests the files it wrote (``dist/__R_*.distcp``, ``rng/rank_R.pt``; rank 0
+everything else), rank 0 gathers the digests, writes ``complete``, checks that the digests cover
+every file it sees with the size it sees, writes ``manifest.json`` (atomically, last), renames
+the folder to ``step_N`` (one atomic rename, so ``step_N`` never exists without its marker and
+manifest), replaces ``latest`` (tmp file + ``os.replace``), and only then deletes checkpoints
+beyond ``keep_last`` and leftovers of crashed saves. All ranks must see the same filesystem at
+``root`` (a shared or parallel filesystem on a cluster): rank 0 renames what the other ranks
+wrote, and a file only its writer can see fails the save. One job writes a given root at a time.
+Weights that are NaN or inf are refused before anything is written (:class:`NonFiniteError`).
+
+Trust on load: :func:`load_checkpoint` checks every file against the manifest (present, size,
+sha256; the ranks share the hashing) before reading any of it, and raises
+:class:`CheckpointCorruptError` naming the file. Given a root, it tries the checkpoint ``latest``
+names, then the complete ones below its step, newest first, logging a warning for each one that
+fails; it raises only if none is intact. :func:`latest_checkpoint` makes the same choice with a
+cheap check (every file present with its size: no hashing) and never raises on a bad ``latest``
+(not UTF-8, empty, garbage, naming a missing folder: a warning, then a scan). ``keep_last``
+counts only checkpoints that pass the cheap check, and deletes only those older than the oldest
+one it keeps, so the newest intact checkpoint is never deleted. The manifest protects against
+torn and partial writes, truncated copies and bit rot, not against a deliberate edit (it is not
+signed). Hashing costs one read of the checkpoint at save and one at load.
+
+Checkpoints from before manifests (marker ``format`` 1) are accepted with a warning that their
+files cannot be verified: refusing them would strand runs written by earlier versions, and they
+are no less trustworthy than they were. A checkpoint of format 2 or later without a manifest
+(deleted, or lost in a copy) is corrupt.
 
 What resumes exactly:
 
@@ -93,8 +113,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DISTRIBUTED_OPTIMIZER_ON_CPU",
+    "CheckpointCorruptError",
     "CheckpointError",
     "CheckpointMismatchError",
+    "NonFiniteError",
     "checkpoint_dir_name",
     "latest_checkpoint",
     "list_checkpoints",
@@ -105,12 +127,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-FORMAT_VERSION = 1
-MARKER, LATEST = "complete", "latest"
+FORMAT_VERSION = 2  # 2: with manifest.json; 1: before manifests (loaded unverified, see above)
+MARKER, LATEST, MANIFEST = "complete", "latest", "manifest.json"
 DIST_DIR, RNG_DIR = "dist", "rng"
 SCHEDULER_FILE, EXTRA_FILE = "scheduler.json", "extra.json"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _LEFTOVER_DIR = re.compile(r"step_\d{8,}\.(tmp|trash)-[0-9a-f]+")
+# Files named after the rank that wrote them: torch_dist's data files and the RNG states.
+_RANK_FILE = {DIST_DIR: re.compile(r"__(\d+)_\d+\.distcp"), RNG_DIR: re.compile(r"rank_(\d+)\.pt")}
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 DISTRIBUTED_OPTIMIZER_ON_CPU = (
     "Megatron's distributed optimizer does not resume on CPU with megatron-core 0.16.1: the format "
@@ -128,6 +153,17 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit the model/optimizer it is loaded into (names the tensor)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's files do not match its manifest (missing, truncated, altered: names the
+    file), or its marker or manifest is unreadable; under a root, no checkpoint was intact."""
+
+
+class NonFiniteError(RuntimeError):
+    """NaN or inf where training cannot go on: the trainer's loss or gradient norm for
+    ``TrainerConfig.max_nonfinite_steps`` steps in a row, or weights given to save_checkpoint.
+    Defined here, beside the save that raises it, because the trainer imports this module."""
 
 
 # -- finding checkpoints ------------------------------------------------------------------------
@@ -162,41 +198,234 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     """The checkpoint to resume from under ``root``, or None if there is no complete one.
 
-    ``root/latest`` is followed if it names a complete checkpoint; if it is missing, or names a
-    folder that is gone or has no marker, the complete checkpoint with the highest step is taken.
+    Not collective, and cheap: the first of :func:`_candidates` whose files are all present with
+    their manifest's sizes (no hashing; :func:`load_checkpoint` hashes). A bad ``latest`` or a
+    checkpoint that fails the check is logged and passed over. Raises CheckpointCorruptError if
+    there are complete checkpoints but none passes (resuming must not silently start over).
     """
     root = Path(root)
-    try:
-        name = (root / LATEST).read_text().strip()
-    except OSError:  # no root, no `latest`, or something unreadable there: scan instead
-        name = ""
-    if _STEP_DIR.fullmatch(name) and _is_complete(root / name):
-        return root / name
-    found = list_checkpoints(root)
-    if name and found:
-        log.warning(
-            "checkpoint: %s/latest names %r, which is not a complete checkpoint; using %s",
-            root,
-            name,
-            found[-1][1].name,
-        )
-    return found[-1][1] if found else None
+    if not list_checkpoints(root):
+        return None
+    problems: list[str] = []
+    for ckpt in _candidates(root):
+        problem = _structure_problem(ckpt)
+        if problem is None:
+            if problems:
+                log.warning("checkpoint: using %s instead", ckpt)
+            return ckpt
+        log.warning("checkpoint: %s is not intact, passed over: %s", ckpt, problem)
+        problems.append(problem)
+    raise CheckpointCorruptError(f"no intact checkpoint under {root}: {'; '.join(problems)}")
 
 
-def _resolve(path: Path) -> Path:
-    """``path`` itself if it is a complete checkpoint, else the latest one under it as a root."""
+def _candidates(path: Path) -> list[Path]:
+    """The checkpoints to try for ``path``, best first: ``[path]`` for a complete checkpoint;
+    for a root, the one ``latest`` names, then the complete ones below its step, newest first
+    (all complete ones, newest first, when ``latest`` is missing or unusable). Checkpoints above
+    the step ``latest`` names belong to a run that was since resumed from earlier: never tried.
+
+    Raises CheckpointError for an incomplete checkpoint folder, FileNotFoundError for a root
+    without a complete checkpoint.
+    """
     if _is_complete(path):
-        return path
+        return [path]
     if (path / DIST_DIR).exists() or _STEP_DIR.fullmatch(path.name) or _LEFTOVER_DIR.fullmatch(path.name):
         raise CheckpointError(
             f"{path} is an incomplete checkpoint (no '{MARKER}' marker: its "
             "save did not finish); load the root folder to get the latest "
             "complete one"
         )
-    found = latest_checkpoint(path)
-    if found is None:
+    found = list_checkpoints(path)
+    if not found:
         raise FileNotFoundError(f"no complete checkpoint under {path}")
-    return found
+    name = _read_latest(path)
+    steps = {p.name: s for s, p in found}
+    if name in steps:
+        return [path / name] + [p for s, p in reversed(found) if s < steps[name]]
+    return [p for _, p in reversed(found)]
+
+
+def _read_latest(root: Path) -> str | None:
+    """The checkpoint ``root/latest`` names, if it names a complete one; else None, with a
+    warning saying why unless there is no ``latest`` at all. Never raises."""
+    try:
+        with (root / LATEST).open("rb") as f:
+            raw = f.read(256)  # a checkpoint name is 14 bytes; anything longer is garbage anyway
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        log.warning(
+            "checkpoint: cannot read %s/%s (%s); scanning for the newest checkpoint", root, LATEST, err
+        )
+        return None
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or not _STEP_DIR.fullmatch(name):
+        log.warning(
+            "checkpoint: %s/%s holds %r, not a checkpoint name; scanning for the newest checkpoint",
+            root,
+            LATEST,
+            raw[:40],
+        )
+        return None
+    if not _is_complete(root / name):
+        log.warning(
+            "checkpoint: %s/%s names %s, which is missing or incomplete; scanning for the newest checkpoint",
+            root,
+            LATEST,
+            name,
+        )
+        return None
+    return name
+
+
+# -- manifests ----------------------------------------------------------------------------------
+
+
+def _files(folder: Path) -> list[str]:
+    """Every file under ``folder`` but the manifest, as sorted '/'-separated relative paths."""
+    out = []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            rel = (Path(dirpath) / name).relative_to(folder).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def _owner(rel: str, world_size: int) -> int:
+    """The rank that digests file ``rel`` at save: the one whose number its name carries
+    (``dist/__R_*.distcp``, ``rng/rank_R.pt``: the rank that wrote it, with its data still in
+    that rank's page cache), else rank 0, which wrote the rest."""
+    folder, _, name = rel.rpartition("/")
+    pattern = _RANK_FILE.get(folder)
+    match = pattern.fullmatch(name) if pattern else None
+    rank = int(match.group(1)) if match else 0
+    return rank if rank < world_size else 0
+
+
+def _digest(path: Path) -> dict[str, JsonValue]:
+    """``{"size": bytes, "sha256": hex}`` of a file, from one read of it."""
+    with path.open("rb") as f:
+        sha = hashlib.file_digest(f, "sha256").hexdigest()
+        return {"size": f.tell(), "sha256": sha}
+
+
+def _read_json(path: Path) -> dict[str, JsonValue]:
+    try:
+        value = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"{path} is missing") from None
+    except ValueError as err:  # not UTF-8, not JSON
+        raise CheckpointCorruptError(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise CheckpointCorruptError(f"{path} holds {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _read_manifest(ckpt: Path) -> dict[str, dict[str, JsonValue]] | None:
+    """The manifest's ``{file: {"size", "sha256"}}``, or None for a checkpoint from before
+    manifests (format 1). Raises CheckpointCorruptError naming the file when the marker
+    or the manifest is unreadable or malformed, or a format-2 checkpoint has no manifest."""
+    marker = _read_json(ckpt / MARKER)
+    if not (ckpt / MANIFEST).exists() and marker.get("format") == 1:
+        return None
+    files = _read_json(ckpt / MANIFEST).get("files")
+    if not isinstance(files, dict) or MARKER not in files:
+        raise CheckpointCorruptError(f"{ckpt / MANIFEST} does not list the checkpoint's files")
+    for rel, entry in files.items():
+        parts = Path(rel).parts
+        well_formed = (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("sha256"), str)
+            and _SHA256.fullmatch(entry["sha256"])
+        )
+        if not well_formed or not parts or Path(rel).is_absolute() or ".." in parts:
+            raise CheckpointCorruptError(f"{ckpt / MANIFEST}: malformed entry {rel!r}: {entry!r}")
+    return files
+
+
+def _check_files(
+    ckpt: Path, files: dict[str, dict[str, JsonValue]], names: list[str], *, digest: bool
+) -> None:
+    """Raise CheckpointCorruptError naming the first of ``names`` that is missing, has another
+    size than the manifest's, or (``digest``) another sha256."""
+    for rel in names:
+        want, path = files[rel], ckpt / rel
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{path} is missing (listed in {MANIFEST})") from None
+        if size != want["size"]:
+            raise CheckpointCorruptError(
+                f"{path} has {size} bytes, {MANIFEST} says {want['size']} (truncated or rewritten)"
+            )
+        if digest and (got := _digest(path)["sha256"]) != want["sha256"]:
+            raise CheckpointCorruptError(
+                f"{path} is corrupt: sha256 {got[:16]}..., {MANIFEST} says {want['sha256'][:16]}..."
+            )
+
+
+def _structure_problem(ckpt: Path) -> str | None:
+    """Why ``ckpt`` is not intact by the cheap check (marker and manifest readable, every file
+    present with its size), or None. Not collective; reads no file's contents."""
+    try:
+        files = _read_manifest(ckpt)
+        if files is not None:
+            _check_files(ckpt, files, sorted(files), digest=False)
+    except CheckpointCorruptError as err:
+        return str(err)
+    except OSError as err:
+        return f"{ckpt} cannot be read: {err}"
+    return None
+
+
+def _verify(ckpt: Path) -> str | None:
+    """Collective: why ``ckpt`` is not intact (a file missing, resized or altered), or None; the
+    same answer on every rank. The ranks share the hashing: the largest files first, each to
+    the rank with the fewest bytes so far (the same split on every rank)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = None
+    try:
+        files = _read_manifest(ckpt)
+        if files is None and rank == 0:
+            log.warning("checkpoint %s predates manifests (format 1): its files are not verified", ckpt)
+        if files is not None:
+            load, mine = [0] * world, []
+            for rel in sorted(files, key=lambda r: (-files[r]["size"], r)):
+                least = load.index(min(load))
+                load[least] += files[rel]["size"]
+                if least == rank:
+                    mine.append(rel)
+            _check_files(ckpt, files, mine, digest=True)
+    except CheckpointCorruptError as err:
+        problem = str(err)
+    except Exception as err:  # noqa: BLE001 -- reported to every rank: none may skip the gather
+        problem = f"{ckpt} cannot be read: {type(err).__name__}: {err}"
+    problems = _problems(problem)
+    return problems[0][1] if problems else None
+
+
+def _choose(path: Path) -> Path:
+    """Collective: the checkpoint :func:`load_checkpoint` reads for ``path``, verified (module
+    docstring); a corrupt one under a root is logged and the next candidate tried."""
+    candidates = [Path(p) for p in _on_rank0(lambda: [str(c) for c in _candidates(path)])]
+    problems: list[str] = []
+    for ckpt in candidates:
+        problem = _verify(ckpt)
+        if problem is None:
+            if problems and dist.get_rank() == 0:
+                log.warning("checkpoint: resuming from %s instead", ckpt)
+            return ckpt
+        if dist.get_rank() == 0:
+            log.warning("checkpoint: %s is not intact, passed over: %s", ckpt, problem)
+        problems.append(problem)
+    if len(candidates) == 1 and candidates[0] == path:
+        raise CheckpointCorruptError(problems[0])
+    raise CheckpointCorruptError(f"no intact checkpoint under {path}: {'; '.join(problems)}")
 
 
 # -- collectives that never leave a rank waiting ------------------------------------------------
@@ -230,14 +459,19 @@ def _on_rank0(fn: Callable[[], T]) -> T:
     return value
 
 
+def _problems(problem: str | None) -> list[tuple[int, str]]:
+    """Every rank's ``problem`` that is not None, as ``(rank, problem)``, on every rank."""
+    gathered: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    return [(rank, p) for rank, p in enumerate(gathered) if p]
+
+
 def _agree(
     problem: str | None, error_type: type[Exception] = CheckpointError, local: BaseException | None = None
 ) -> None:
     """Raise on every rank if any rank has a ``problem``: this rank's own exception ``local``
     where it has one, else ``error_type`` quoting the first rank's problem."""
-    gathered: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, problem)
-    bad = [(rank, p) for rank, p in enumerate(gathered) if p]
+    bad = _problems(problem)
     if not bad:
         return
     if local is not None:
@@ -454,13 +688,15 @@ def save_checkpoint(
     only); ``scheduler`` an ``OptimizerParamScheduler`` or None. ``extra`` must be JSON-
     serialisable; rank 0's is stored. ``seed`` (the run's) is recorded for reseeding at another
     layout. After the new checkpoint is complete and ``latest`` names it, complete checkpoints
-    with lower steps beyond the newest ``keep_last`` (None: keep all) are deleted, along with
-    leftovers of crashed saves (best effort: a failed deletion is logged). Saving a step that
-    already exists replaces it.
+    with lower steps beyond the newest ``keep_last`` intact ones (None: keep all) are deleted,
+    along with leftovers of crashed saves (best effort: a failed deletion is logged; see
+    :func:`_prune`). Saving a step that already exists replaces it.
 
-    Raises ValueError for bad arguments; TypeError if ``extra`` is not JSON-serialisable (on
-    every rank, before anything is written); if a rank fails to write its part, its own error
-    there and CheckpointError on the others, with nothing marked complete.
+    Raises ValueError for bad arguments; NonFiniteError (naming a parameter) if any rank's
+    weights hold NaN or inf, and TypeError if ``extra`` is not JSON-serialisable, both on every
+    rank before anything is written; if a rank fails to write its part, its own error there and
+    CheckpointError on the others, with nothing marked complete; CheckpointError if a file one
+    rank wrote is not visible to rank 0 (``root`` not on a shared filesystem).
     """
     if step < 0 or int(step) != step:
         raise ValueError(f"step: must be an integer >= 0, got {step!r}")
@@ -469,6 +705,7 @@ def save_checkpoint(
     rng = _capture_rng()  # first, so nothing below can advance a generator before it is saved
     root, rank = Path(root), dist.get_rank()
     chunks = unwrap_chunks(model_chunks)
+    _agree(_nonfinite_weights(chunks, root, step), NonFiniteError)
     layout = _layout(chunks)
     kind = _optimizer_kind(optimizer)
     # Before the first step there is no state to save; loading then resets the optimizer
@@ -492,6 +729,13 @@ def save_checkpoint(
         torch.save({"layout": asdict(layout), "rank": rank, **rng}, _rng_file(tmp, rank))
         if rank == 0 and scheduler is not None:
             atomic_write_json(tmp / SCHEDULER_FILE, scheduler.state_dict())
+    # Every rank has written all it writes (the agreement above is a barrier); each digests its own.
+    world = dist.get_world_size()
+    with _all_or_none(f"digesting {tmp}"):
+        mine = {rel: _digest(tmp / rel) for rel in _files(tmp) if _owner(rel, world) == rank}
+    gathered: list[dict[str, dict[str, JsonValue]]] | None = [{} for _ in range(world)] if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    digests = {rel: d for part in gathered or [] for rel, d in part.items()}
     marker = {
         "format": FORMAT_VERSION,
         "step": int(step),
@@ -509,7 +753,27 @@ def save_checkpoint(
             "scheduler": scheduler is not None,
         },
     }
-    return Path(_on_rank0(lambda: str(_finalize(root, tmp, marker, keep_last))))
+    return Path(_on_rank0(lambda: str(_finalize(root, tmp, marker, digests, keep_last))))
+
+
+def _nonfinite_weights(chunks: list[GPTModel], root: Path, step: int) -> str | None:
+    """What is wrong with this rank's weights if any is NaN or inf (a checkpoint of them could
+    not be trained from), else None."""
+    named = [
+        (f"{i}." * (len(chunks) > 1) + n, p) for i, c in enumerate(chunks) for n, p in c.named_parameters()
+    ]
+    if not named:
+        return None
+    # One flag per tensor, one device-to-host copy for all of them.
+    finite = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+    bad = [name for (name, _), ok in zip(named, finite) if not ok]
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+    return (
+        f"parameter {bad[0]!r} holds NaN or inf{more}; refusing to save step {step} "
+        f"under {root} (nothing was written)"
+    )
 
 
 def _start(root: Path, step: int, extra: dict[str, object] | None) -> Path:
@@ -523,9 +787,32 @@ def _start(root: Path, step: int, extra: dict[str, object] | None) -> Path:
     return tmp
 
 
-def _finalize(root: Path, tmp: Path, marker: dict[str, JsonValue], keep_last: int | None) -> Path:
-    """Rank 0: marker, rename into place, ``latest``, then pruning (in that order)."""
+def _finalize(
+    root: Path,
+    tmp: Path,
+    marker: dict[str, JsonValue],
+    digests: dict[str, dict[str, JsonValue]],
+    keep_last: int | None,
+) -> Path:
+    """Rank 0: marker, manifest, rename into place, ``latest``, then pruning (in that order)."""
     atomic_write_json(tmp / MARKER, marker)
+    files = {**digests, MARKER: _digest(tmp / MARKER)}
+    seen = set(_files(tmp))
+    problems = [f"{rel}: digested by its rank but not visible on rank 0" for rel in sorted(set(files) - seen)]
+    problems += [f"{rel}: digested by no rank" for rel in sorted(seen - set(files))]
+    problems += [
+        f"{rel}: changed after it was digested"
+        for rel in sorted(seen & set(files))
+        if (tmp / rel).stat().st_size != files[rel]["size"]
+    ]
+    if problems:
+        raise CheckpointError(
+            f"saving {tmp}: {problems[0]} (+{len(problems) - 1} more); all ranks must see the "
+            "same filesystem at the checkpoint root, and nothing else may write there"
+        )
+    # "format" here is the manifest's own layout, apart from the marker's checkpoint format.
+    manifest = {"format": 1, "algorithm": "sha256", "step": marker["step"], "files": files}
+    atomic_write_json(tmp / MANIFEST, manifest)  # last: a folder with a manifest is whole
     final = root / checkpoint_dir_name(marker["step"])
     old = None
     if final.exists():  # re-saving a step: move the old one aside, delete it once replaced
@@ -550,16 +837,28 @@ def _trash_name(path: Path) -> Path:
 def _prune(root: Path, new: Path, step: int, keep_last: int | None) -> None:
     """Delete older complete checkpoints beyond ``keep_last`` and leftovers of crashed saves.
 
-    A checkpoint is first renamed to ``*.trash-*`` (one atomic step that also takes its marker
-    away), then deleted: an interrupted deletion leaves a leftover, never a broken "complete" one.
-    Checkpoints with a higher step than the new one (a run resumed from an earlier step) are kept.
+    Only intact checkpoints (:func:`_structure_problem`, the cheap check) count: the new one
+    (just digested and checked: the newest intact one) and the ``keep_last - 1`` newest intact
+    ones below it are kept, and so is everything between them; only checkpoints older than the
+    oldest kept one are deleted. So a broken checkpoint never pushes an intact one out, and one
+    that merely looks broken (a flaky read) is not deleted for it. A checkpoint is first renamed
+    to ``*.trash-*`` (one atomic step that also takes its marker away), then deleted: an
+    interrupted deletion leaves a leftover, never a broken "complete" one. Checkpoints with a
+    higher step than the new one (a run resumed from an earlier step) are kept.
     """
     if keep_last is not None:
-        older = [path for s, path in list_checkpoints(root) if s < step and path != new]
-        for path in older[: max(0, len(older) - (keep_last - 1))]:
-            trash = _trash_name(path)
-            path.rename(trash)
-            shutil.rmtree(trash)
+        older = [(s, path) for s, path in list_checkpoints(root) if s < step and path != new]
+        intact = [s for s, path in older if _structure_problem(path) is None]
+        cutoff = -1  # keep_last > 1 and no intact older checkpoint yet: keep them all for now
+        if keep_last == 1:
+            cutoff = step
+        elif intact:
+            cutoff = intact[max(0, len(intact) - (keep_last - 1))]
+        for s, path in older:
+            if s < cutoff:
+                trash = _trash_name(path)
+                path.rename(trash)
+                shutil.rmtree(trash)
     for entry in root.iterdir():
         if _LEFTOVER_DIR.fullmatch(entry.name) and entry.is_dir():
             shutil.rmtree(entry)
@@ -579,7 +878,9 @@ def load_checkpoint(
     """Load a checkpoint into ``model_chunks``, ``optimizer``, ``scheduler``; ``(step, extra)``.
 
     Collective over the default process group. ``path`` is a checkpoint folder or a root (then
-    :func:`latest_checkpoint` of it, as rank 0 sees it). Any TP/PP/DP layout loads a checkpoint
+    the newest intact checkpoint of :func:`_candidates`, as rank 0 sees it). Every file is
+    checked against the manifest first (module docstring): a corrupt checkpoint under a root is
+    logged and passed over for the previous one. Any TP/PP/DP layout loads a checkpoint
     written at any other, as long as the padded vocabulary and architecture agree. RNG states are
     restored exactly at the same layout and reseeded otherwise (module docstring). With
     ``strict=False`` model tensors missing from the checkpoint keep their current values; shape
@@ -589,12 +890,14 @@ def load_checkpoint(
     must then be told (``optimizer.reload_model_params()``; a Float16 optimizer keeps fp32
     copies of the old weights otherwise), or be built after it.
 
-    Raises FileNotFoundError (no complete checkpoint under a root), CheckpointError (incomplete
-    checkpoint, unsupported optimizer format, scheduler/optimizer state absent), and
+    Raises FileNotFoundError (no complete checkpoint under a root), CheckpointCorruptError (the
+    folder given is corrupt, naming the file, or no checkpoint under the root is intact),
+    CheckpointError (incomplete checkpoint, unsupported optimizer format, scheduler/optimizer
+    state absent), and
     CheckpointMismatchError naming the checkpoint and the tensor when shapes or names do not fit.
     All of them are raised on every rank before any collective that could hang.
     """
-    ckpt = Path(_on_rank0(lambda: str(_resolve(Path(path)))))
+    ckpt = _choose(Path(path))
     with _all_or_none(f"reading {ckpt / MARKER}"):
         marker = json.loads((ckpt / MARKER).read_text())
     chunks = unwrap_chunks(model_chunks)

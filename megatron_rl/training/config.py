@@ -63,11 +63,16 @@ class TrainerConfig:
     # torch intra-op threads of a CPU trainer (0: torch's default). On a small machine shared
     # with engine servers and verifiers, 1 avoids OpenMP threads spinning on busy cores.
     cpu_threads: int = 0
+    # Optimizer steps in a row whose loss or gradient norm is NaN/inf that are skipped (weights,
+    # optimizer state and LR schedule left as they were) before the trainer raises NonFiniteError.
+    max_nonfinite_steps: int = 3
 
     def __post_init__(self):
         check_choice("distributed_optimizer", self.distributed_optimizer, ("auto", "on", "off"))
         check_choice("precision", self.precision, ("auto", "bf16", "fp32"))
         check_range("seed", self.seed, low=0)
+        check_range("cpu_threads", self.cpu_threads, low=0)
+        check_range("max_nonfinite_steps", self.max_nonfinite_steps, low=1)
 
     def use_distributed_optimizer(self) -> bool:
         """``distributed_optimizer`` with ``auto`` resolved on this machine."""

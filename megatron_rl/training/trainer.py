@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
+import math
 import os
 import time
 import warnings
@@ -43,7 +45,7 @@ from megatron_rl.batching.dp import assign_data_parallel
 from megatron_rl.hf.arch import load_hf_config, padded_vocab_size
 from megatron_rl.hf.files import HFWeights, write_hf_folder
 from megatron_rl.hf.layout import HFConverter
-from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.training.checkpoint import NonFiniteError, load_checkpoint, save_checkpoint
 from megatron_rl.training.chunks import iter_model_hf, load_hf_into_chunk
 from megatron_rl.training.config import TrainerConfig
 from megatron_rl.training.model import build_gpt_model, have_transformer_engine, transformer_config_from_hf
@@ -71,6 +73,8 @@ if TYPE_CHECKING:
     from megatron_rl.hf.arch import HFConfigLike
 
 __all__ = ["PolicyTrainer"]
+
+log = logging.getLogger(__name__)
 
 # Per-replica collation figures reduced with the loss metrics (names kept apart from theirs).
 _STAT_KEYS = ("microbatches", "batch_tokens", "slot_tokens")
@@ -199,6 +203,8 @@ class PolicyTrainer:
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
         # This rank holds its replica's loss metrics: last pipeline stage, first TP rank.
         self._reports = self.pgs.pp.rank() == self.pgs.pp.size() - 1 and self.pgs.tp.rank() == 0
+        self.nonfinite_steps = 0  # steps skipped for a NaN/inf loss or grad norm, in all
+        self._nonfinite_in_a_row = 0  # ... since the last step taken
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -367,8 +373,10 @@ class PolicyTrainer:
         )
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, JsonValue]:
-        """Resume from a checkpoint folder, or the latest complete one under a root, written at
-        any TP/PP; returns its ``extra``. The step comes back with the scheduler."""
+        """Resume from a checkpoint folder, or the newest intact one under a root (a corrupt one
+        is logged and passed over for the one before it), written at any TP/PP; returns its
+        ``extra``. The step comes back with the scheduler. Raises CheckpointCorruptError when the
+        folder given, or every checkpoint under the root, fails its manifest."""
 
         _, extra = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         return extra
@@ -448,8 +456,16 @@ class PolicyTrainer:
         ``microbatches`` (over all replicas), ``padding_fraction``, ``step_time_s``,
         ``tokens_per_s`` (prompt + completion tokens of the minibatch per second), ``step``,
         ``update_successful`` (0 only when Megatron skips an update on overflow: fp16 loss
-        scaling, not used here) and ``skipped`` (0). An empty batch (every group filtered) takes
-        no step and returns ``{"skipped": 1.0, "lr": ..., "step": ...}``.
+        scaling, not used here), ``skipped`` (0) and ``nonfinite_steps`` (steps skipped so far for
+        a non-finite loss or gradient norm). An empty batch (every group filtered) takes no step
+        and returns ``{"skipped": 1.0, "lr": ..., "step": ...}``.
+
+        A step whose loss or gradient norm is NaN or inf, on any rank, is skipped on every rank:
+        weights, optimizer state and LR schedule stay as they were and the gradients are zeroed.
+        Its metrics are the finite ones of the step with ``skipped`` 1, ``nonfinite_loss`` and
+        ``nonfinite_grad_norm`` (1 for the value that was not finite), ``nonfinite_steps`` and
+        ``nonfinite_in_a_row``. The ``TrainerConfig.max_nonfinite_steps``-th skip in a row raises
+        :class:`~megatron_rl.training.checkpoint.NonFiniteError` instead (state as before it).
         """
         return self._train_step(batch, "grpo")
 
@@ -464,6 +480,12 @@ class PolicyTrainer:
             return {"skipped": 1.0, "lr": self.lr, "step": float(self.step)}
         start = time.perf_counter()
         metrics = self.forward_backward(batch, mode)
+        # Decided before the scheduler or the optimizer moves, so that a skipped step leaves both
+        # exactly as they were.
+        bad_loss, bad_norm, norm = self._nonfinite(metrics["loss"])
+        if bad_loss or bad_norm:
+            return self._skip(metrics, bad_loss, bad_norm, norm, time.perf_counter() - start)
+        self._nonfinite_in_a_row = 0
         self.scheduler.step(1)  # the lr of this step (warm-up counts from step 1)
         ok, grad_norm, _ = self.optimizer.step()
         elapsed = time.perf_counter() - start
@@ -475,8 +497,69 @@ class PolicyTrainer:
             tokens_per_s=sum(batch.lengths) / elapsed,
             step=float(self.step),
             skipped=0.0,
+            nonfinite_steps=float(self.nonfinite_steps),
         )
         return metrics
+
+    def _nonfinite(self, loss: float) -> tuple[bool, bool, float]:
+        """Whether the minibatch loss and the gradient norm are non-finite on any rank (agreed by
+        one MAX all-reduce over the world, so that no rank steps while another skips), and this
+        rank's gradient norm. The loss is already the same on every rank; the norm is computed
+        here, before ``optimizer.step()`` computes it again, because the step clips and updates
+        right after computing it. ``prepare_grads`` points the optimizer's main params at the
+        reduced grads; ``step()`` repeats that harmlessly (no grad scaler: bf16 and fp32 only)."""
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        flags = torch.tensor(
+            [not math.isfinite(loss), not math.isfinite(norm)], dtype=torch.float32, device=self.device
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad_loss, bad_norm = (bool(f) for f in flags.tolist())
+        return bad_loss, bad_norm, norm
+
+    def _skip(
+        self, metrics: dict[str, float], bad_loss: bool, bad_norm: bool, norm: float, elapsed: float
+    ) -> dict[str, float]:
+        """Drop this step's gradients and count it; raise NonFiniteError at the limit."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.nonfinite_steps += 1
+        self._nonfinite_in_a_row += 1
+        what = " and ".join(
+            f"{name} is {value}"
+            for name, value, bad in (("loss", metrics["loss"], bad_loss), ("grad norm", norm, bad_norm))
+            if bad
+        )
+        limit = self.cfg.max_nonfinite_steps
+        if self._nonfinite_in_a_row >= limit:
+            raise NonFiniteError(
+                f"step {self.step + 1}: {what}; that is {self._nonfinite_in_a_row} steps in a row with "
+                f"a non-finite loss or gradient norm (trainer.max_nonfinite_steps = {limit}). "
+                f"Nothing was updated: the weights are those after step {self.step}"
+            )
+        log.warning(
+            "trainer: step %d: %s; skipped (%d in a row, %d allowed)",
+            self.step + 1,
+            what,
+            self._nonfinite_in_a_row,
+            limit - 1,
+        )
+        out = {k: v for k, v in metrics.items() if math.isfinite(v)}
+        if not bad_norm:  # then finite on every rank, and the same: the grads are DP-reduced
+            out["grad_norm"] = norm
+        out.update(
+            lr=self.lr,
+            update_successful=0.0,
+            step_time_s=elapsed,
+            step=float(self.step),
+            skipped=1.0,
+            nonfinite_loss=float(bad_loss),
+            nonfinite_grad_norm=float(bad_norm),
+            nonfinite_steps=float(self.nonfinite_steps),
+            nonfinite_in_a_row=float(self._nonfinite_in_a_row),
+        )
+        return out
 
     def forward_backward(
         self, batch: TrainBatch, mode: LossMode = "grpo", *, batching: BatchingConfig | None = None

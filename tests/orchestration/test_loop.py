@@ -221,3 +221,52 @@ def test_a_run_whose_every_group_is_dropped_stops_with_a_diagnosis(tmp_path, pol
     assert "stopped: no progress: the last 8 groups were all dropped" in proc.stderr
     assert "rewards: 0.0: 32." in proc.stderr and "Traceback" not in proc.stderr
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == []  # no step was trained
+
+
+# Injected into the run's own process: from policy step 2 on, every sequence's advantage is NaN,
+# so the loss is NaN (a fault the trainer must catch, whatever produced it).
+_NAN_FROM_STEP_2 = """
+import dataclasses, math, sys
+from megatron_rl.training.trainer import PolicyTrainer
+from megatron_rl.orchestration.run import main
+rl_step = PolicyTrainer.rl_step
+def poisoned(self, batch):
+    if self.step >= 2:
+        batch = dataclasses.replace(
+            batch, sequences=[dataclasses.replace(s, advantage=math.nan) for s in batch.sequences]
+        )
+    return rl_step(self, batch)
+PolicyTrainer.rl_step = poisoned
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.fault("numeric")
+def test_nan_mid_run_skips_steps_then_stops_cleanly_with_a_finite_latest(tmp_path, policy):
+    """A NaN loss from policy step 2 on: each such step is skipped (no weight, optimizer or
+    scheduler change; metrics say so), the third in a row (trainer.max_nonfinite_steps: 3) stops
+    the run with exit status 1 and a clear message, and ``latest`` is the last good checkpoint,
+    which a plain run resumes from and trains on."""
+    import sys
+
+    from megatron_rl.training.checkpoint import checkpoint_dir_name, latest_checkpoint
+
+    path = recipe(tmp_path, policy, loop={"max_steps": 6})
+    cmd = [sys.executable, "-c", _NAN_FROM_STEP_2, str(path), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "megatron-rl train: stopped:" in proc.stderr and "non-finite" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    run = tmp_path / "run"
+    metrics = read_jsonl(run / "metrics.jsonl")
+    # Steps 1 and 2 train; the next two attempts are skipped and recorded; the third stops.
+    assert [(m["step"], m["train/skipped_steps"]) for m in metrics] == [(1, 0), (2, 0), (2, 1), (2, 1)]
+    assert metrics[-1]["train/nonfinite_steps"] == 2.0
+    assert latest_checkpoint(run / "checkpoints") == run / "checkpoints" / checkpoint_dir_name(2)
+    # The last good checkpoint resumes (every file checked against its manifest) and trains on.
+    proc = subprocess.run(
+        train_cmd(path, "loop.max_steps=3"), cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["resumed_from"].endswith(checkpoint_dir_name(2)) and summary["steps"] == 3
