@@ -70,6 +70,29 @@ def test_train_checks_the_whole_recipe_before_it_starts_anything(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.fault("input")
+@pytest.mark.parametrize(
+    ("record", "field"),
+    [
+        ({"id": "b", "problem": "2 + 2?", "task": "math"}, "answer"),
+        ({"id": "b", "problem": "2 + 2?", "answer": "  "}, "answer"),
+        ({"id": "b", "problem": "Echo.", "task": "code", "tests": []}, "tests"),
+    ],
+)
+def test_train_refuses_a_problem_it_could_never_score_naming_file_and_line(tmp_path, record, field):
+    """A math problem without an answer (or a code problem without tests) would be drawn, its
+    group never scored; `train` refuses it at load, before any server or trainer starts."""
+    data = tmp_path / "train.jsonl"
+    good = {"id": "a", "problem": "1 + 1?", "answer": "2"}
+    data.write_text("\n".join(json.dumps(r) for r in (good, good | {"id": "c"}, record)) + "\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  hf: {tmp_path}\ndata:\n  train: {data}\nrun:\n  dir: {tmp_path / 'run'}\n")
+    proc = run("train", str(recipe), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"{data}:3: {field}:" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_train_needs_a_model(tmp_path):
     proc = run("train", "examples/ablation_original_grpo.yaml", check=False)
     assert proc.returncode == 2 and "model.hf: required" in proc.stderr

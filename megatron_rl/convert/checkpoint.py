@@ -76,6 +76,7 @@ __all__ = [
     "META_FILE",
     "MODEL_DIR",
     "McoreCheckpoint",
+    "check_output_dir",
     "check_same_architecture",
     "hf_to_mcore",
     "mcore_to_hf",
@@ -215,6 +216,24 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1, dty
     )
 
 
+def check_output_dir(out_dir: str | os.PathLike, **inputs: str | os.PathLike | None) -> None:
+    """Refuse an output folder that is one of the ``inputs`` folders, lies inside one, or holds
+    one (``--overwrite`` would delete the input first); ValueError naming both (symlinks
+    resolved). ``inputs``: option name (``hf_dir`` for ``--hf``) -> path, or None."""
+    out = Path(out_dir).resolve()
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        src = Path(path).resolve()
+        flag = "--" + name.removesuffix("_dir").replace("_", "-")
+        if out == src or out.is_relative_to(src) or src.is_relative_to(out):
+            where = "is" if out == src else "lies inside" if out.is_relative_to(src) else "holds"
+            raise ValueError(
+                f"--out {out_dir} {where} the input {flag} {path}: writing there would destroy the "
+                "input; choose an output folder outside it"
+            )
+
+
 def hf_to_mcore(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -233,6 +252,7 @@ def hf_to_mcore(
     initialised group (``torchrun``) every rank must call this. Returns ``out_dir``.
     """
     out = Path(out_dir).absolute()
+    check_output_dir(out, hf_dir=hf_dir)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; remove it or pass --overwrite")
     plan_hf_to_mcore(hf_dir, tensor_parallel=tensor_parallel, dtype=dtype)  # fail early, here
@@ -528,6 +548,7 @@ def mcore_to_hf(
     the exported config.json and side files, after checking it describes the same architecture
     as the stored config. Streams layer by layer; returns ``out_dir``.
     """
+    check_output_dir(out_dir, mcore_dir=mcore_dir, hf_config=hf_config)
     out_dtype, shard_bytes = parse_dtype(dtype), parse_size(max_shard_size)
     with _process_group():
         ckpt = McoreCheckpoint(mcore_dir)

@@ -226,13 +226,19 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[tuple[str, JsonValue]
         yield from _jsonl(p)
 
 
-def read_problems(path: str | os.PathLike[str], *, limit: int | None = None) -> list[Problem]:
+def read_problems(
+    path: str | os.PathLike[str], *, limit: int | None = None, scorable: bool = False
+) -> list[Problem]:
     """All problems of ``path`` (see the module docstring); raises :class:`DataError` on the first
-    malformed record or a repeated id."""
+    malformed record or a repeated id, and with ``scorable`` (training, evaluation) on the first
+    that the reward cannot score (:func:`check_scorable`: a math problem without an answer, a code
+    problem without tests), naming its file and line: its group could never be scored."""
     out: list[Problem] = []
     seen: dict[str, str] = {}
     for where, obj in read_records(path):
         p = problem_from_json(obj, where)
+        if scorable:
+            check_scorable(p, where)
         if p.id in seen:
             raise _fail(where, "id", f"{p.id!r} already used at {seen[p.id]}")
         seen[p.id] = where

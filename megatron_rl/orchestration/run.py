@@ -240,8 +240,12 @@ def run_training(
         raise ValueError("model.hf: required (an HF folder with config.json, weights, tokenizer)")
     if not cfg.data.train:
         raise ValueError("data.train: required (a JSONL of problems)")
+    # Every problem is checked before anything starts (a math problem without an answer is a
+    # file:line error here, not a group that can never be scored an hour in).
+    problems = read_problems(cfg.data.train, scorable=True)
+    eval_problems = read_problems(cfg.data.eval, scorable=True) if cfg.data.eval else None
     with ExitStack() as stack:  # unwinds in reverse: orchestrator, broadcaster, pool, servers
-        run = _Run(cfg, stack, progress=progress)
+        run = _Run(cfg, stack, progress=progress, problems=problems, eval_problems=eval_problems)
         run.train(stop_after)
         return run.finish()
 
@@ -255,10 +259,19 @@ class _Run:
     started is registered on ``stack`` so that an exception anywhere stops it.
     """
 
-    def __init__(self, cfg: RunConfig, stack: ExitStack, *, progress: bool) -> None:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        stack: ExitStack,
+        *,
+        progress: bool,
+        problems: list[Problem],
+        eval_problems: list[Problem] | None,
+    ) -> None:
         """Set the run up, in order: trainer (and its checkpoint), run directory and services on
         rank 0, weight broadcaster, rollouts, orchestrator."""
         self.cfg, self.stack, self.progress = cfg, stack, progress
+        self.problems = problems  # the training set, checked scorable (rank 0 samples from it)
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.t_start = time.monotonic()
@@ -309,8 +322,8 @@ class _Run:
         )
         stack.callback(self.orch.stop)
         self.curriculum.apply(self.curriculum.index, self.orch, self.sampler)  # re-bind to orch
-        if self.rank0 and cfg.data.eval:
-            self.eval_problems = read_problems(cfg.data.eval)
+        if self.rank0 and eval_problems is not None:
+            self.eval_problems = eval_problems
             if cfg.run.eval_samples:
                 self.eval_problems = self.eval_problems[: cfg.run.eval_samples]
 
@@ -381,7 +394,7 @@ class _Run:
         )
         stack.callback(fleet.close)
         pool = stack.enter_context(VerifierPool(cfg.reward.workers))
-        sampler = PromptSampler(read_problems(cfg.data.train), seed=cfg.loop.seed, shuffle=cfg.data.shuffle)
+        sampler = PromptSampler(self.problems, seed=cfg.loop.seed, shuffle=cfg.data.shuffle)
         for k in ("min_difficulty", "max_difficulty", "drop_solved"):
             setattr(sampler, k, getattr(cfg.data, k))
         self.curriculum.apply(0, None, sampler)

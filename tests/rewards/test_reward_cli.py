@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 THINK = "<think>We add the two numbers together, which gives the total.</think>"
 LINES = [
@@ -76,6 +78,7 @@ def test_scores_in_input_order_with_parts_and_reasons(tmp_path):
     assert "mean reward" in proc.stderr
 
 
+@pytest.mark.fault("input")
 def test_bad_line_is_an_error_naming_the_line(tmp_path):
     raw = json.dumps(LINES[0]) + "\n" + json.dumps({"problem": "x", "completion": "y"}) + "\n{not json\n"
     proc, out = run(tmp_path, None, raw=raw)
@@ -84,6 +87,7 @@ def test_bad_line_is_an_error_naming_the_line(tmp_path):
     assert not list(tmp_path.glob(".out.jsonl.tmp*"))
 
 
+@pytest.mark.fault("input")
 def test_skip_bad_reports_each_bad_line_and_writes_exactly_the_good_ones(tmp_path):
     good = [LINES[0], {**LINES[1], "group_id": "g2"}, LINES[0]]
     raw = (
@@ -118,6 +122,7 @@ def test_skip_bad_reports_each_bad_line_and_writes_exactly_the_good_ones(tmp_pat
     assert "5 bad lines skipped" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.fault("input")
 def test_unwritable_output_is_one_clear_line(tmp_path):
     (tmp_path / "ro").write_text("a file, so no folder can be made under it (root ignores modes)")
     inp = tmp_path / "in.jsonl"
