@@ -7,10 +7,16 @@ hosts, a ``PrefixStore`` named after the group, and ``_new_process_group_helper`
 same way is what lets our broadcaster talk to real SGLang servers and to the built-in engine
 alike: rank 0 is the trainer, a server with ``rank_offset`` r and ``tp`` workers takes ranks
 ``r .. r + tp - 1``. Backends: ``nccl`` on GPUs, ``gloo`` on CPU.
+
+One difference: rank 0's store listens on ``master_address`` only. torch's ``TCPStore`` server
+binds every interface (``::``) whatever host it is given, which opens the rendezvous (and with it
+a seat in the group that broadcasts the weights) to anyone who can reach the trainer's host; here
+rank 0 binds the listening socket itself and hands it to the store (``master_listen_fd``).
 """
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
 
@@ -56,6 +62,7 @@ def init_update_group(
         is_master=rank == 0,
         timeout=timeout,
         wait_for_workers=False,
+        master_listen_fd=_listen_fd(master_address, int(master_port)) if rank == 0 else None,
     )
     store = PrefixStore(group_name, tcp_store)
     pg, _ = _new_process_group_helper(
@@ -72,6 +79,27 @@ def init_update_group(
     # Group ranks are the ranks given here (no default world to translate from).
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def _listen_fd(host: str, port: int) -> int:
+    """A TCP socket listening on ``host:port`` only (its first address), as a bare descriptor.
+
+    The store owns the descriptor from here on: its libuv server closes it when the store goes
+    (with the group), so the Python socket object lets go of it (``detach``) instead of closing.
+    """
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise RuntimeError(f"master_address: cannot listen on {host}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"master_address: cannot listen on {host}:{port}: {e}") from None
+    return sock.detach()
 
 
 def destroy_update_group(group: dist.ProcessGroup) -> None:

@@ -16,9 +16,11 @@ A request admitted in a step thus gains two tokens in that step, every other run
 **Log-probs.** Each token's ``logprob`` is ``log_softmax(logits / temperature)`` over the *full*
 vocabulary at the sampled token: exactly what the trainer recomputes
 (:func:`megatron_rl.algorithms.logprobs.token_logprobs` with the same temperature). It is *not* the
-log-prob under the top-p-truncated, renormalised distribution the token was drawn from; with
-``top_p < 1`` the two differ by ``log(kept mass)``, and a token outside the nucleus is never drawn.
-Greedy requests (``temperature=0``) report ``log_softmax(logits)`` (temperature 1).
+log-prob under the top-k / top-p-truncated, renormalised distribution the token was drawn from;
+with ``top_k`` or ``top_p < 1`` the two differ by ``log(kept mass)``, and a token outside the kept
+set is never drawn. Greedy requests (``temperature`` below SGLang's floor ``SAMPLING_EPS``, 0
+included) report ``log_softmax(logits)`` (temperature 1), as SGLang, which samples them as
+``temperature=1, top_k=1``.
 
 **Versions.** :meth:`Engine.set_version` sets the weight version; every token records the
 version in force when it was sampled.
@@ -30,6 +32,7 @@ sequence in place (its later tokens then carry the new version).
 
 from __future__ import annotations
 
+import math
 import os
 from abc import ABC, abstractmethod
 from collections import deque
@@ -42,7 +45,24 @@ import torch
 from megatron_rl.generation.engine.model import Decoder, KVCache
 from megatron_rl.types import FinishReason
 
-__all__ = ["Engine", "EngineConfig", "Finished", "SlotEngine", "sample_token", "sample_tokens"]
+__all__ = [
+    "SAMPLING_EPS",
+    "TOP_K_OFF",
+    "Engine",
+    "EngineConfig",
+    "Finished",
+    "SlotEngine",
+    "sample_token",
+    "sample_tokens",
+]
+
+# SGLang's temperature floor (``_SAMPLING_EPS``, sglang/srt/sampling/sampling_params.py, 0.5.23):
+# a temperature in [0, 1e-6) decodes greedily. Below it logits / T overflows float32 for ordinary
+# logits (|l| ~ 10 -> 1e7 and beyond), and the soft-max turns into NaN or one-hot noise.
+SAMPLING_EPS = 1e-6
+# ``top_k`` -1: no cut, the whole vocabulary (SGLang maps -1 and null to its ``TOP_K_ALL``, 2^30,
+# and refuses 0 and other values below 1; so does check_request).
+TOP_K_OFF = -1
 
 
 @dataclass(kw_only=True)
@@ -78,6 +98,7 @@ class _Request:
     max_new_tokens: int
     temperature: float
     top_p: float
+    top_k: int  # TOP_K_OFF: no cut
     stop: frozenset[int]
     generator: torch.Generator
     slot: int = -1
@@ -104,6 +125,7 @@ def check_request(
     top_p: float,
     vocab_size: int | None,
     max_len: int,
+    top_k: int = TOP_K_OFF,
 ) -> list[int]:
     """The prompt as ints; ``ValueError`` naming the field for a request no engine can run."""
     ids = [int(t) for t in input_ids]
@@ -113,22 +135,29 @@ def check_request(
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     if len(ids) + max_new_tokens > max_len:
         raise ValueError(f"max_new_tokens: prompt ({len(ids)}) + {max_new_tokens} exceeds max_len {max_len}")
-    if temperature < 0:
-        raise ValueError(f"temperature: must be >= 0, got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature: must be a finite number >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p: must be in (0, 1], got {top_p}")
+    if top_k != TOP_K_OFF and top_k < 1:
+        raise ValueError(f"top_k: must be -1 (the whole vocabulary) or >= 1, got {top_k}")
     return ids
 
 
 def sample_token(
-    logits: torch.Tensor, *, temperature: float, top_p: float, generator: torch.Generator
+    logits: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator,
+    top_k: int = TOP_K_OFF,
 ) -> tuple[int, float]:
     """Draw one token from ``logits [V]``; return ``(token, log_softmax(logits / T)[token])``.
 
     One row of :func:`sample_tokens` (see there).
     """
     (tok,), (lp,) = sample_tokens(
-        logits[None], temperatures=[temperature], top_ps=[top_p], generators=[generator]
+        logits[None], temperatures=[temperature], top_ps=[top_p], generators=[generator], top_ks=[top_k]
     )
     return tok, lp
 
@@ -139,33 +168,44 @@ def sample_tokens(
     temperatures: Sequence[float],
     top_ps: Sequence[float],
     generators: Sequence[torch.Generator],
+    top_ks: Sequence[int] | None = None,
 ) -> tuple[list[int], list[float]]:
     """Draw one token per row of ``logits [B, V]``; return tokens and their
     ``log_softmax(logits / T)`` (full vocabulary).
 
-    ``T == 0``: argmax, log-prob at temperature 1. Otherwise the token is drawn from the smallest
-    set of most likely tokens whose mass reaches ``top_p`` (renormalised) by inverting the CDF at
-    one uniform number drawn from the row's own generator, so a seeded request draws the same
-    tokens whatever else shares its batch. The soft-max, top-p and CDF work is batched; only the
-    uniform draws are per row.
+    ``T < SAMPLING_EPS`` (0 included): argmax, log-prob at temperature 1. Otherwise the token is
+    drawn from the most likely tokens that pass both cuts, renormalised: the ``top_k`` most likely
+    (``top_ks``, default every row ``TOP_K_OFF``: no cut) and the smallest set whose mass reaches
+    ``top_p``, the mass counted over the whole distribution (SGLang's order: both cuts on one
+    sort, neither renormalised before the other). The draw inverts the CDF at one uniform number
+    from the row's own generator, so a seeded request draws the same tokens whatever else shares
+    its batch. The soft-max, cuts and CDF work is batched; only the uniform draws are per row.
     """
     logits = logits.float()
+    ks = [TOP_K_OFF] * len(temperatures) if top_ks is None else list(top_ks)
+    greedy = [t < SAMPLING_EPS for t in temperatures]
     temp = torch.tensor(
-        [t if t > 0 else 1.0 for t in temperatures], dtype=torch.float32, device=logits.device
+        [1.0 if g else t for t, g in zip(temperatures, greedy)], dtype=torch.float32, device=logits.device
     )
     logp = torch.log_softmax(logits / temp[:, None], -1)
     tokens = torch.argmax(logits, -1)
-    sampled = [i for i, t in enumerate(temperatures) if t > 0]
+    sampled = [i for i, g in enumerate(greedy) if not g]
     if sampled:
+        vocab = logits.shape[-1]
         rows = torch.tensor(sampled, device=logits.device)
         probs = logp[rows].exp()
-        nucleus = [i for i, r in enumerate(sampled) if top_ps[r] < 1.0]
-        if nucleus:
-            sub = torch.tensor(nucleus, device=logits.device)
+        cut = [i for i, r in enumerate(sampled) if top_ps[r] < 1.0 or 0 < ks[r] < vocab]
+        if cut:
+            sub = torch.tensor(cut, device=logits.device)
             sorted_p, order = torch.sort(probs[sub], dim=-1, descending=True)
-            tp = torch.tensor([top_ps[sampled[i]] for i in nucleus], dtype=probs.dtype, device=probs.device)
-            # Keep a token if the mass strictly before it is below top_p: the first is always kept.
+            tp = torch.tensor([top_ps[sampled[i]] for i in cut], dtype=probs.dtype, device=probs.device)
+            k = torch.tensor(
+                [ks[sampled[i]] if ks[sampled[i]] > 0 else vocab for i in cut], device=probs.device
+            )
+            # Keep a token if the mass strictly before it is below top_p (the first is always
+            # kept) and fewer than k tokens rank above it.
             keep = (torch.cumsum(sorted_p, -1) - sorted_p) < tp[:, None]
+            keep &= torch.arange(vocab, device=probs.device)[None, :] < k[:, None]
             probs[sub] = torch.zeros_like(sorted_p).scatter_(-1, order, sorted_p * keep)
         cdf = torch.cumsum(probs, -1)
         u = (
@@ -366,8 +406,10 @@ class Engine(SlotEngine[_Request]):
         top_p: float = 1.0,
         seed: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        top_k: int = TOP_K_OFF,
     ) -> None:
-        """Queue a prompt ``input_ids`` (token ids). ``temperature=0`` decodes greedily.
+        """Queue a prompt ``input_ids`` (token ids). ``temperature=0`` (or below
+        ``SAMPLING_EPS``) decodes greedily; ``top_k`` -1 keeps the whole vocabulary.
 
         Raises ``ValueError`` for a request that cannot run: duplicate id, empty prompt, prompt
         plus ``max_new_tokens`` beyond ``max_len``, ids outside the vocabulary, bad sampling values.
@@ -380,6 +422,7 @@ class Engine(SlotEngine[_Request]):
             top_p=top_p,
             vocab_size=self.model.cfg.vocab_size,
             max_len=self.config.max_len,
+            top_k=top_k,
         )
         gen = torch.Generator(device=self.cache.k.device)
         if seed is None:
@@ -393,6 +436,7 @@ class Engine(SlotEngine[_Request]):
                 max_new_tokens=max_new_tokens,
                 temperature=float(temperature),
                 top_p=float(top_p),
+                top_k=int(top_k),
                 stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids,
                 generator=gen,
             )
@@ -439,6 +483,7 @@ class Engine(SlotEngine[_Request]):
             temperatures=[r.temperature for r in reqs],
             top_ps=[r.top_p for r in reqs],
             generators=[r.generator for r in reqs],
+            top_ks=[r.top_k for r in reqs],
         )
         for req, token, logprob in zip(reqs, tokens, logprobs):
             req.token_ids.append(token)

@@ -10,7 +10,12 @@ weight loads, abort) land *between* steps.
 
 - ``/generate``: token ids in (``input_ids``, one list or a batch of lists), ``output_ids`` with
   ``meta_info.output_token_logprobs`` and ``weight_versions`` spans out. Text prompts are refused
-  (the server has no tokenizer); ``stream`` is refused.
+  (the server has no tokenizer); ``stream`` is refused. ``sampling_params`` are read as SGLang
+  0.5.23 reads them and checked as strictly: a key that is not SGLang's, a wrong type or range, a
+  parameter we do not implement at other than its "off" value, or ``n`` other than 1 is a 400
+  naming the field. ``top_k`` -1 is no cut; a temperature below 1e-6 is greedy. A batch is
+  checked whole and queued all or nothing. A client that disconnects while it waits has its
+  requests aborted.
 - ``/pause_generation`` ``in_place``: the loop stops after the step in progress; running requests
   keep their slots and KV cache. ``abort``: every request ends (``finish_reason`` abort) and the
   loop stops. ``retract`` is refused (it recomputes prefixes, which we never want).
@@ -18,9 +23,10 @@ weight loads, abort) land *between* steps.
 - ``/init_weights_update_group``: joins the update group (``generation/update_group.py``) as rank
   ``rank_offset`` (one worker per server). ``/begin_weight_update`` ... ``/end_weight_update``
   bracket the updates, as SGLang 0.5.23 requires. ``/update_weights_from_distributed``: receives
-  one bucket (``flattened_bucket``) or one broadcast per tensor, then copies the tensors into the
-  model's HF-named parameters under the engine lock and, with ``weight_version``, sets the version
-  that later tokens record. The receive does not hold the lock: decoding goes on while bytes
+  one bucket (``flattened_bucket``) or one broadcast per tensor into fresh buffers, checks every
+  tensor (name, shape, dtype, finite), and only then copies them into the model's HF-named
+  parameters under the engine lock and, with ``weight_version``, sets the version that later
+  tokens record: all or nothing, a 400 naming the first bad tensor otherwise. The receive does not hold the lock: decoding goes on while bytes
   arrive unless the caller paused first. ``flush_cache`` has nothing to flush (no prefix cache;
   running requests keep their KV cache either way).
 - ``/get_server_info``: ``max_total_num_tokens`` (KV capacity), ``max_running_requests``,
@@ -37,6 +43,10 @@ route but ``OPEN_ROUTES`` (the health checks, for probes), and any unknown path,
 ``Authorization: Bearer KEY``; otherwise the answer is 401 ``{"error": "Unauthorized"}`` and
 nothing else happens: the body is read only to be discarded, never parsed. Without a key the
 server is open, as SGLang's is, and says so in its log when it listens beyond loopback.
+
+**Hygiene.** A body past ``--max-body-mb`` is answered 413 without being read; a bad
+``Content-Length`` 400, a chunked body 411. Every error is JSON (``message``, ``error.message``);
+an unexpected exception is a 500 ``internal error: <type>``, its traceback in the log only.
 """
 
 from __future__ import annotations
@@ -46,12 +56,16 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
+import select
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
@@ -59,7 +73,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl.fileio import atomic_write_text
-from megatron_rl.generation.engine.engine import Engine, EngineConfig, Finished
+from megatron_rl.generation.engine.engine import TOP_K_OFF, Engine, EngineConfig, Finished
 from megatron_rl.generation.engine.timing import TimingEngine
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
@@ -117,6 +131,11 @@ OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 # closing with unread bytes makes the kernel send a reset, which can reach the client before the
 # 401 does; past this much we close anyway.
 _DISCARD_LIMIT = 16 << 20
+# The longest a refused connection is drained after its answer (_refuse_unread).
+_LINGER_S = 2.0
+# How often a handler waiting for its generation looks whether its client is still connected:
+# a disconnect is noticed within this, at one poll() per waiting request per interval.
+_POLL_S = 0.2
 
 
 class _BadRequest(Exception):
@@ -139,6 +158,51 @@ class _Waiter:
         return self.result
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    """A thread per connection, none of which holds up the process's exit."""
+
+    # An RL fleet opens a connection per in-flight sample, a thousand and more at once: the
+    # default backlog of 5 would refuse some, which a client must read as a dead server. The
+    # kernel caps it at net.core.somaxconn (4096 on current kernels).
+    request_queue_size = 4096
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        """A connection's unhandled exception: to the log (never to the client), quietly for a
+        client that hung up."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("connection from %s: %r", client_address, exc)
+        else:
+            log.exception("connection from %s failed", client_address)
+
+
+class _ClientGone(Exception):
+    """The client closed its connection while its request waited: nothing to answer."""
+
+
+@dataclass(kw_only=True)
+class _Sampling:
+    """One request's sampling parameters, checked (see :func:`_sampling`)."""
+
+    max_new_tokens: int | None  # None: up to the context length
+    temperature: float
+    top_p: float
+    top_k: int  # TOP_K_OFF: no cut
+    seed: int | None
+    stop_token_ids: list[int]
+
+
+@dataclass
+class _Job:
+    """One prompt of a ``/generate`` body, checked; ``where`` is its ``[i]`` in a batch."""
+
+    rid: str
+    prompt: list[int]
+    sampling: _Sampling
+    where: str
+
+
 class EngineServer:
     """An :class:`Engine` behind SGLang-shaped HTTP routes. ``serve_forever`` blocks;
     ``start()`` serves from a daemon thread (tests), ``shutdown()`` stops both threads."""
@@ -151,10 +215,15 @@ class EngineServer:
         port: int = 0,
         model_path: str = "",
         api_key: str = "",
+        max_body_mb: float = 64.0,
     ) -> None:
-        """``api_key`` "": no key (every route open)."""
+        """``api_key`` "": no key (every route open). ``max_body_mb``: the largest request body
+        read; a larger one is answered 413 unread."""
+        if not max_body_mb > 0:
+            raise ValueError(f"max_body_mb: must be > 0, got {max_body_mb}")
         self.engine = engine
         self._api_key = check_api_key(api_key).encode()
+        self.max_body_bytes = int(max_body_mb * 2**20)
         self.model_path = model_path
         self.cond = threading.Condition()
         # Handlers waiting for the lock (see _between_steps); the engine loop yields to them.
@@ -165,12 +234,15 @@ class EngineServer:
         self._session = False
         self._stop = False
         self._rid_counter = 0
-        self.stats = {"steps": 0, "busy_s": 0.0, "generated_tokens": 0, "weight_updates": 0}
-        # A deep listen backlog: an RL fleet opens hundreds of connections at once, and the
-        # default of 5 would refuse some (which a client must read as a dead server).
-        ThreadingHTTPServer.request_queue_size = 1024
-        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
-        self.httpd.daemon_threads = True
+        self.stats = {
+            "steps": 0,
+            "busy_s": 0.0,
+            "generated_tokens": 0,
+            "weight_updates": 0,
+            "aborted_requests": 0,  # by any cause: abort routes, pause(abort), a failed step, a client gone
+            "client_disconnects": 0,  # requests aborted because their client closed the connection
+        }
+        self.httpd = _HTTPServer((host, port), _make_handler(self))
         bound_host, self.port = self.httpd.server_address[:2]
         # An AF_INET server's host is a str; typeshed allows bytes for other address families.
         self.host = bound_host.decode() if isinstance(bound_host, (bytes, bytearray)) else bound_host
@@ -269,6 +341,7 @@ class EngineServer:
     def _deliver(self, finished: list[Finished]) -> None:
         for f in finished:
             self.stats["generated_tokens"] += len(f.token_ids)
+            self.stats["aborted_requests"] += f.finish_reason == "abort"
             w = self._waiters.pop(f.request_id, None)
             if w is not None:
                 w.result = f
@@ -276,7 +349,22 @@ class EngineServer:
 
     # ------------------------------------------------------------------ routes
 
-    def generate(self, body: Body) -> Body | list[Body]:
+    def generate(self, body: Body, client_gone: Callable[[], bool] = lambda: False) -> Body | list[Body]:
+        """``/generate``: every prompt and its sampling parameters are checked before any is
+        queued, and they are queued all or none (a batch with one bad prompt queues nothing).
+        ``client_gone`` is polled while waiting: a client that left has its requests aborted."""
+        batch, jobs = self._generate_jobs(body)
+        waiters = self._enqueue(jobs)
+        for w in waiters:
+            while not w.event.wait(_POLL_S):
+                if client_gone():
+                    self._abandon([job.rid for job in jobs])
+                    raise _ClientGone
+        out = [self._reply(w.finished()) for w in waiters]
+        return out if batch else out[0]
+
+    def _generate_jobs(self, body: Body) -> tuple[bool, list[_Job]]:
+        """Whether ``body`` is a batch, and its requests, checked (``_BadRequest`` naming the field)."""
         if body.get("text") is not None or body.get("input_ids") is None:
             raise _BadRequest(
                 "input_ids: required (the built-in engine has no tokenizer; send token ids, not text)"
@@ -284,52 +372,84 @@ class EngineServer:
         if body.get("stream"):
             raise _BadRequest("stream: not supported by the built-in engine")
         ids = body["input_ids"]
-        batch = bool(ids) and isinstance(ids[0], list)
+        if not isinstance(ids, list) or not ids:
+            raise _BadRequest("input_ids: must be a non-empty list of token ids, or a list of such lists")
+        batch = isinstance(ids[0], list)
         prompts = ids if batch else [ids]
         rids = body.get("rid")
-        if rids is None:
-            rids = [self._next_rid() for _ in prompts]
-        elif not batch:
-            rids = [rids]
-        params = body.get("sampling_params") or {}
+        if rids is not None and batch != isinstance(rids, list):
+            raise _BadRequest("rid: one string per prompt (a list for a batch, a string for one prompt)")
+        rid_list = rids if isinstance(rids, list) else [rids] * len(prompts)
+        params = body.get("sampling_params")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(rids) != len(prompts) or len(params_list) != len(prompts):
-            raise _BadRequest("rid / sampling_params: need one per prompt")
+        if len(rid_list) != len(prompts) or len(params_list) != len(prompts):
+            raise _BadRequest(f"rid / sampling_params: need one per prompt ({len(prompts)})")
+        jobs: list[_Job] = []
+        for i, (rid, prompt, sp) in enumerate(zip(rid_list, prompts, params_list)):
+            where = f"[{i}]" if batch else ""
+            if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
+                raise _BadRequest(f"input_ids{where}: must be a list of token ids (integers)")
+            if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+                raise _BadRequest(f"rid{where}: must be a string, got {rid!r}")
+            sampling = _sampling(sp, f"sampling_params{where}")
+            jobs.append(_Job(str(rid) if rid is not None else "", prompt, sampling, where))
+        named = [j.rid for j in jobs if j.rid]
+        if len(set(named)) != len(named):
+            raise _BadRequest("rid: the same id twice in one batch")
+        for job in jobs:
+            job.rid = job.rid or self._next_rid()
+        return batch, jobs
+
+    def _enqueue(self, jobs: list[_Job]) -> list[_Waiter]:
+        """Queue every job in one lock section, or none: the engine's own checks (prompt ids in
+        the vocabulary, prompt + max_new_tokens within max_len) refusing one undo the others
+        before the engine loop can step them."""
         waiters = []
         with self._between_steps():
-            for rid, prompt, sp in zip(rids, prompts, params_list):
-                rid = str(rid)
-                if rid in self._waiters:
-                    raise _BadRequest(f"rid: {rid!r} is already in flight")
-                unknown = set(sp) - _SAMPLING_KEYS
-                if unknown:
-                    raise _BadRequest(
-                        f"sampling_params: not supported by the built-in engine: {sorted(unknown)}"
-                    )
-                if sp.get("stop"):
-                    raise _BadRequest(
-                        "sampling_params.stop: stop strings need a tokenizer; use stop_token_ids"
-                    )
-                try:
+            for job in jobs:
+                if job.rid in self._waiters:
+                    raise _BadRequest(f"rid: {job.rid!r} is already in flight")
+            added: list[str] = []
+            try:
+                for job in jobs:
+                    sp = job.sampling
+                    # The timing engine writes scripted tokens: no distribution for top_k to cut.
+                    kwargs = {"top_k": sp.top_k} if isinstance(self.engine, Engine) else {}
+                    limit = sp.max_new_tokens  # null: up to the context length, as SGLang
                     self.engine.add_request(
-                        rid,
-                        prompt,
-                        max_new_tokens=int(sp.get("max_new_tokens", 128)),
-                        temperature=float(sp.get("temperature", 1.0)),
-                        top_p=float(sp.get("top_p", 1.0)),
-                        seed=sp.get("sampling_seed"),
-                        stop_token_ids=sp.get("stop_token_ids") or (),
+                        job.rid,
+                        job.prompt,
+                        max_new_tokens=limit or self.engine.config.max_len - len(job.prompt),
+                        temperature=sp.temperature,
+                        top_p=sp.top_p,
+                        seed=sp.seed,
+                        stop_token_ids=sp.stop_token_ids,
+                        **kwargs,
                     )
-                except (ValueError, TypeError) as e:
-                    raise _BadRequest(str(e)) from None
+                    added.append(job.rid)
+            except (ValueError, TypeError) as e:
+                for rid in added:
+                    self.engine.abort(rid)
+                raise _BadRequest(f"prompt{job.where}: {e}" if job.where else str(e)) from None
+            for job in jobs:
                 w = _Waiter()
-                self._waiters[rid] = w
+                self._waiters[job.rid] = w
                 waiters.append(w)
             self.cond.notify_all()
-        for w in waiters:
-            w.event.wait()
-        out = [self._reply(w.finished()) for w in waiters]
-        return out if batch else out[0]
+        return waiters
+
+    def _abandon(self, rids: list[str]) -> None:
+        """Abort what is still queued or running of a request whose client went away."""
+        with self._between_steps():
+            aborted = [f for f in (self.engine.abort(rid) for rid in rids if rid in self._waiters) if f]
+            self.stats["client_disconnects"] += len(aborted)
+            self._deliver(aborted)
+            for rid in rids:
+                self._waiters.pop(rid, None)
+        if aborted:
+            log.info(
+                "client left: aborted %d request(s) %s", len(aborted), [f.request_id for f in aborted][:4]
+            )
 
     def _next_rid(self) -> str:
         with self._between_steps():
@@ -419,7 +539,7 @@ class EngineServer:
             )
         except KeyError as e:
             raise _BadRequest(f"{e.args[0]}: required") from None
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:
             raise _BadRequest(f"Failed to initialize custom process group: {e}") from None
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
@@ -442,48 +562,52 @@ class EngineServer:
         return {"success": True, "message": "weight-update session closed"}
 
     def update_weights(self, body: Body) -> Body:
+        """All or nothing: the whole broadcast is received into fresh buffers, then every tensor
+        is checked (a parameter of this model, named once, its shape, a floating dtype, finite
+        values in the parameter's dtype), and only then copied in, in one section between
+        steps. A bad tensor: 400 naming the first, weights and weight version untouched.
 
+        The body itself is checked before anything is received (a broadcast of unknown size
+        cannot be received); past that the server takes part in the broadcast whatever the
+        tensors turn out to be, so the sender, which broadcasts regardless, is never left waiting.
+        """
         if not self._session:
             raise _BadRequest(
                 "update_weights_from_distributed must run between "
                 "begin_weight_update() and end_weight_update()"
             )
-        try:
-            names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-        except KeyError as e:
-            raise _BadRequest(f"{e.args[0]}: required") from None
+        names, dtypes, shapes, flattened = _update_spec(body)
+        version = None if body.get("weight_version") is None else _int_version(body["weight_version"])
         group = self._groups.get(body.get("group_name", "weight_update_group"))
         if group is None:
             raise _BadRequest("group_name: call /init_weights_update_group first")
-        params = self.engine.model.named_weights()
-        bad = [n for n in names if n not in params]
-        if bad:  # the sender broadcasts regardless: receive, then refuse (keeps the group in step)
-            log.error("update_weights_from_distributed: unknown names %s", bad[:4])
         device = self.engine.cache.k.device
-        if body.get("load_format") == "flattened_bucket":
-            _, total = bucket_layout(dtypes, shapes)
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
-            broadcast(flat, group, src=0)
-            tensors = unpack_bucket(names, dtypes, shapes, flat)
-        elif body.get("load_format") is None:
-            tensors = []
-            for n, d, s in zip(names, dtypes, shapes):
-                t = torch.empty(s, dtype=getattr(torch, d), device=device)
-                broadcast(t, group, src=0)
-                tensors.append((n, t))
-        else:
-            raise _BadRequest(f"load_format: {body['load_format']!r} is not supported")
-        if bad:
-            raise _BadRequest(f"names: not parameters of this model: {bad[:8]}")
+        try:
+            if flattened:
+                _, total = bucket_layout(dtypes, shapes)
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
+                broadcast(flat, group, src=0)
+                received = unpack_bucket(names, dtypes, shapes, flat)
+            else:
+                received = []
+                for n, d, shape in zip(names, dtypes, shapes):
+                    t = torch.empty(shape, dtype=getattr(torch, d), device=device)
+                    broadcast(t, group, src=0)
+                    received.append((n, t))
+        except RuntimeError as e:  # the group broke (a peer died): nothing was applied
+            raise _BadRequest(f"group_name: the broadcast failed: {str(e)[:300]}", 500) from None
+        params = self.engine.model.named_weights()
+        tensors, errors = _checked_update(received, params)
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            log.error("update_weights_from_distributed refused: %s%s", errors[0], more)
+            raise _BadRequest(f"{errors[0]}{more}; nothing was applied")
         with self._between_steps():
             with torch.no_grad():
                 for n, t in tensors:
-                    p = params[n]
-                    if tuple(t.shape) != tuple(p.shape):
-                        raise _BadRequest(f"{n}: shape {list(t.shape)}, the model has {list(p.shape)}")
-                    p.copy_(t)
-            if body.get("weight_version") is not None:
-                self.engine.set_version(_int_version(body["weight_version"]))
+                    params[n].copy_(t)
+            if version is not None:
+                self.engine.set_version(version)
             self.stats["weight_updates"] += 1
         return {"success": True, "message": "Succeeded to update parameter online."}
 
@@ -505,10 +629,13 @@ class EngineServer:
         return {"success": True, "message": f"received {numel} bytes"}
 
     def update_version(self, body: Body) -> Body:
+        if body.get("new_version") is None:
+            raise _BadRequest("new_version: required")
+        version = _int_version(body["new_version"], "new_version")
         with self._between_steps():
             if body.get("abort_all_requests", True):
                 self._abort_all()
-            self.engine.set_version(_int_version(body["new_version"]))
+            self.engine.set_version(version)
         return {"success": True, "message": "updated", "new_version": body["new_version"]}
 
     def server_info(self) -> Body:
@@ -531,6 +658,8 @@ class EngineServer:
                         "generated_tokens": self.stats["generated_tokens"],
                         "prefill_tokens": e.prefill_tokens,
                         "weight_updates": self.stats["weight_updates"],
+                        "aborted_requests": self.stats["aborted_requests"],
+                        "client_disconnects": self.stats["client_disconnects"],
                     }
                 ],
             }
@@ -550,25 +679,190 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _int_version(v: JsonValue) -> int:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        raise _BadRequest(f"weight_version: the built-in engine takes integer versions, got {v!r}") from None
+def _int_version(v: JsonValue, field: str = "weight_version") -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):  # SGLang's versions are strings; ours are their integers
+        try:
+            return int(v)
+        except ValueError:
+            pass
+    raise _BadRequest(f"{field}: the built-in engine takes integer versions, got {v!r}")
 
 
-_SAMPLING_KEYS = {
-    "temperature",
-    "top_p",
-    "max_new_tokens",
-    "stop_token_ids",
-    "sampling_seed",
-    "skip_special_tokens",
-    "no_stop_trim",
-    "stop",
-    "top_k",
-    "n",
+# SGLang 0.5.23's sampling parameters (``SamplingParams``, sglang/srt/sampling/sampling_params.py)
+# that the built-in engine does not implement, each at the value that switches it off: accepted at
+# that value (or null, SGLang's "default"), refused at any other. A key in neither this table nor
+# _sampling's is not an SGLang parameter at all: refused as unknown, not silently ignored.
+_SAMPLING_OFF: dict[str, JsonValue] = {
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "ignore_eos": False,
+    "stop": None,  # stop strings need a tokenizer (SGLang refuses them without one too)
+    "stop_regex": None,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
+    "logit_bias": None,
+    "stream_interval": None,
 }
+# Token ids in and out: these change only how SGLang detokenises, which we never do.
+_SAMPLING_TEXT_FLAGS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
+_SAMPLING_KEYS = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "n", "sampling_seed", "stop_token_ids"}
+    | set(_SAMPLING_TEXT_FLAGS)
+    | set(_SAMPLING_OFF)
+)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not the token id 1
+
+
+def _is_off(v: JsonValue, off: JsonValue) -> bool:
+    """Whether a parameter's value ``v`` is its switched-off ``off`` (null and empty count)."""
+    if v is None or (isinstance(v, (str, list, dict)) and not v):
+        return True
+    if isinstance(off, bool):
+        return v is off
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == off
+
+
+def _number(sp: dict[str, JsonValue], key: str, default: float, where: str) -> float:
+    v = sp.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _BadRequest(f"{where}.{key}: must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _sampling(sp: JsonValue, where: str) -> _Sampling:
+    """The checked sampling parameters of one request, as SGLang 0.5.23 reads and verifies them
+    (null: the default); ``_BadRequest`` naming the first bad field otherwise."""
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise _BadRequest(f"{where}: must be an object, got {type(sp).__name__}")
+    unknown = sorted(set(sp) - _SAMPLING_KEYS)
+    if unknown:
+        raise _BadRequest(f"{where}.{unknown[0]}: not a sampling parameter (SGLang 0.5.23)")
+    for key, off in _SAMPLING_OFF.items():
+        if not _is_off(sp.get(key), off):
+            raise _BadRequest(f"{where}.{key}: not supported by the built-in engine (only {off!r})")
+    for key in _SAMPLING_TEXT_FLAGS:
+        if sp.get(key) is not None and not isinstance(sp[key], bool):
+            raise _BadRequest(f"{where}.{key}: must be true or false, got {sp[key]!r}")
+    n = sp.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise _BadRequest(
+            f"{where}.n: must be 1, got {n!r}: the built-in engine draws one sample per request; "
+            "send one request per sample (as the fleet client does, each with its own rid and seed)"
+        )
+    max_new = sp.get("max_new_tokens", 128)  # absent: SGLang's default; null: no limit
+    if max_new is not None and (not _is_int(max_new) or max_new < 1):
+        raise _BadRequest(
+            f"{where}.max_new_tokens: must be an integer >= 1 (or null: up to the context length), "
+            f"got {max_new!r}; the built-in engine returns no prompt log-probs, so 0 would answer nothing"
+        )
+    temperature = _number(sp, "temperature", 1.0, where)
+    if temperature < 0:
+        raise _BadRequest(f"{where}.temperature: must be >= 0, got {temperature}")
+    top_p = _number(sp, "top_p", 1.0, where)
+    if not 0.0 < top_p <= 1.0:
+        raise _BadRequest(f"{where}.top_p: must be in (0, 1], got {top_p}")
+    top_k = sp.get("top_k")
+    top_k = TOP_K_OFF if top_k is None else top_k
+    if not _is_int(top_k) or (top_k != TOP_K_OFF and top_k < 1):
+        raise _BadRequest(f"{where}.top_k: must be -1 (no cut) or an integer >= 1, got {top_k!r}")
+    seed = sp.get("sampling_seed")
+    if seed is not None and not _is_int(seed):
+        raise _BadRequest(f"{where}.sampling_seed: must be an integer, got {seed!r}")
+    stops = sp.get("stop_token_ids") or []
+    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
+        raise _BadRequest(f"{where}.stop_token_ids: must be a list of token ids, got {stops!r}")
+    return _Sampling(
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=seed,
+        stop_token_ids=stops,
+    )
+
+
+def _update_spec(body: Body) -> tuple[list[str], list[str], list[list[int]], bool]:
+    """``names, dtypes, shapes, flattened`` of an ``/update_weights_from_distributed`` body,
+    checked before anything is received; ``_BadRequest`` naming the field otherwise."""
+    try:
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    except KeyError as e:
+        raise _BadRequest(f"{e.args[0]}: required") from None
+    for key, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+        if not isinstance(v, list) or not v:
+            raise _BadRequest(f"{key}: must be a non-empty list")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise _BadRequest(
+            f"names / dtypes / shapes: one each per tensor, got {len(names)} / {len(dtypes)} / {len(shapes)}"
+        )
+    for i, (n, d, shape) in enumerate(zip(names, dtypes, shapes)):
+        if not isinstance(n, str) or not n:
+            raise _BadRequest(f"names[{i}]: must be a parameter name, got {n!r}")
+        if not isinstance(d, str) or not isinstance(getattr(torch, d, None), torch.dtype):
+            raise _BadRequest(f"dtypes[{i}]: not a torch dtype: {d!r} ({n})")
+        if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
+            raise _BadRequest(f"shapes[{i}]: must be a list of sizes >= 0, got {shape!r} ({n})")
+    load_format = body.get("load_format")
+    if load_format not in (None, "flattened_bucket"):
+        raise _BadRequest(f"load_format: {load_format!r} is not supported (null or flattened_bucket)")
+    if load_format is not None:
+        try:
+            bucket_layout(dtypes, shapes)
+        except ValueError as e:
+            raise _BadRequest(str(e)) from None
+    return names, dtypes, shapes, load_format is not None
+
+
+def _checked_update(
+    received: list[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor]
+) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """The received tensors in their parameters' dtypes, and what is wrong with them, in order.
+
+    A floating tensor is cast to its parameter's dtype (as SGLang's loaders ``copy_`` it: the
+    trainer's fp32 norms go into a bf16 engine), and the cast value must be finite: an fp32 value
+    past float16's range is as bad as a NaN.
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    errors: list[str] = []
+    seen: set[str] = set()
+    for n, t in received:
+        p = params.get(n)
+        if p is None:
+            errors.append(f"{n}: not a parameter of this model")
+        elif n in seen:
+            errors.append(f"{n}: sent twice in one update")
+        elif tuple(t.shape) != tuple(p.shape):
+            errors.append(f"{n}: shape {list(t.shape)}, the model has {list(p.shape)}")
+        elif not t.is_floating_point():
+            errors.append(f"{n}: dtype {t.dtype} is not floating point (the parameter is {p.dtype})")
+        else:
+            v = t if t.dtype == p.dtype else t.to(p.dtype)
+            bad = int((~torch.isfinite(v)).sum())
+            if bad:
+                errors.append(f"{n}: {bad} of {v.numel()} values are NaN or infinite in {p.dtype}")
+            out.append((n, v))
+        seen.add(n)
+    return out, errors
+
+
+def _error_body(message: str) -> Body:
+    """Every error's JSON (SGLang's ``message`` and ``error.message``; never a traceback)."""
+    return {"success": False, "message": message, "error": {"message": message}}
 
 
 def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
@@ -579,6 +873,7 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        _peer_sent_more = False  # the client sent bytes past its request: stop watching for EOF
 
         def log_message(
             self, fmt: str, *args: object
@@ -593,7 +888,18 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """The stdlib's own refusals (a bad request line, a header too long, a method with
+            no handler) as JSON, not its HTML page; the connection then closes. A request line
+            too broken to name its version still gets a status line (the stdlib would take it
+            for HTTP/0.9 and send the body bare)."""
+            self.close_connection = True
+            if self.request_version == "HTTP/0.9":
+                self.request_version = self.protocol_version
+            self._send(code, _error_body(message or HTTPStatus(code).phrase), {"Connection": "close"})
 
         def _refused(self) -> bool:
             """Answer 401 and end the connection unless the request may be served (the API key).
@@ -619,43 +925,127 @@ def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
             )
             return True
 
-        def _dispatch(self, fn: Callable[..., object], *args: Body) -> None:
+        def _refuse_unread(self, status: int, message: str) -> None:
+            """Answer an error without reading the body, then close: the write side first, then
+            a bounded drain of what the client still sends (a lingering close), so that its
+            kernel has our answer before a reset for unread bytes could overtake it."""
+            self.close_connection = True
+            self._send(status, _error_body(message), {"Connection": "close"})
+            sock = self.connection
             try:
-                self._send(HTTPStatus.OK, fn(*args))
-            except _BadRequest as e:
-                self._send(e.status, {"success": False, "message": str(e), "error": {"message": str(e)}})
-            except Exception as e:
-                log.exception("%s failed", self.path)
-                self._send(
-                    HTTPStatus.INTERNAL_SERVER_ERROR,
-                    {"success": False, "message": f"{type(e).__name__}: {e}"},
+                sock.shutdown(socket.SHUT_WR)
+                deadline, left = time.monotonic() + _LINGER_S, _DISCARD_LIMIT
+                while left > 0 and (wait := deadline - time.monotonic()) > 0:
+                    sock.settimeout(wait)
+                    chunk = sock.recv(min(left, 1 << 16))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except OSError:  # the client went first, or the drain timed out: nothing more to do
+                pass
+
+        def _body(self) -> bytes | None:
+            """The request body, at most ``server.max_body_bytes``; None once refused."""
+            if self.headers.get("Transfer-Encoding"):
+                self._refuse_unread(
+                    HTTPStatus.LENGTH_REQUIRED, "Transfer-Encoding: not supported; send Content-Length"
                 )
+                return None
+            values = self.headers.get_all("Content-Length") or []
+            if len(set(values)) > 1 or not all(v.strip().isdigit() for v in values):  # isdigit: no sign
+                self._refuse_unread(
+                    HTTPStatus.BAD_REQUEST, f"Content-Length: must be one integer >= 0, got {values}"
+                )
+                return None
+            length = int(values[0]) if values else 0
+            if length > server.max_body_bytes:
+                self._refuse_unread(
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                    f"Content-Length: {length} bytes, more than this server's --max-body-mb "
+                    f"({server.max_body_bytes} bytes)",
+                )
+                return None
+            return self.rfile.read(length) if length else b""
+
+        def _client_gone(self) -> bool:
+            """Whether the client closed its connection (EOF or reset), without blocking or
+            consuming a byte. ``poll``, not ``select``: a server with a thousand connections has
+            descriptors past select's 1024. A client that half-closes its side after sending
+            reads as gone, as it does to SGLang's uvicorn."""
+            if self._peer_sent_more:
+                return False
+            p = select.poll()
+            p.register(self.connection, select.POLLIN | select.POLLERR | select.POLLHUP)
+            if not p.poll(0):
+                return False
+            try:
+                data = self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError:  # a reset
+                return True
+            self._peer_sent_more = bool(data)
+            return not data
+
+        def _dispatch(self, fn: Callable[..., object], *args: object) -> None:
+            try:
+                out = fn(*args)
+            except _BadRequest as e:
+                return self._send(e.status, _error_body(str(e)))
+            except _ClientGone:
+                self.close_connection = True
+                return None
+            except Exception as e:
+                log.exception("%s failed", self.path)  # the traceback goes to the log only
+                return self._send(
+                    HTTPStatus.INTERNAL_SERVER_ERROR, _error_body(f"internal error: {type(e).__name__}")
+                )
+            self._send(HTTPStatus.OK, out)
 
         def do_GET(self) -> None:
             if self._refused():
                 return None
             fn = get.get(self.path.split("?")[0])
             if fn is None:
-                return self._send(HTTPStatus.NOT_FOUND, {"message": f"no route {self.path}"})
+                return self._send(HTTPStatus.NOT_FOUND, _error_body(f"no route {self.path}"))
             self._dispatch(fn)
 
         def do_POST(self) -> None:
             if self._refused():
                 return None
-            fn = post.get(self.path.split("?")[0])
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length) if length else b""
+            raw = self._body()
+            if raw is None:
+                return None
+            route = self.path.split("?")[0]
+            fn = post.get(route)
             if fn is None:
-                return self._send(HTTPStatus.NOT_FOUND, {"message": f"no route {self.path}"})
+                return self._send(HTTPStatus.NOT_FOUND, _error_body(f"no route {self.path}"))
             try:
                 body = json.loads(raw or b"{}")
                 if not isinstance(body, dict):
                     raise ValueError("the body must be a JSON object")
-            except ValueError as e:
-                return self._send(HTTPStatus.BAD_REQUEST, {"message": f"bad JSON body: {e}"})
+            except (ValueError, RecursionError) as e:  # RecursionError: nesting past Python's limit
+                return self._send(HTTPStatus.BAD_REQUEST, _error_body(f"bad JSON body: {e}"))
+            if route == "/generate":
+                return self._dispatch(server.generate, body, self._client_gone)
             self._dispatch(fn, body)
 
     return Handler
+
+
+def _raise_open_files_limit() -> None:
+    """Open files up to the hard limit: a connection is a descriptor, and a soft limit of 1024
+    (common) would refuse a fleet's thousand concurrent requests."""
+    try:
+        import resource  # lazy: POSIX only
+    except ImportError:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -669,6 +1059,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     p.add_argument("--weight-version", type=int, default=0, help="version of the loaded weights")
     p.add_argument("--port-file", help="write the bound port here (atomic) once serving")
+    p.add_argument(
+        "--max-body-mb", type=float, default=64.0, help="largest request body read; larger: 413 unread"
+    )
     p.add_argument(
         "--api-key",
         metavar="KEY",
@@ -709,7 +1102,15 @@ def main(argv: list[str] | None = None) -> int:
             args.model, EngineConfig(max_slots=args.max_slots, max_len=args.max_len)
         )
     engine.set_version(args.weight_version)
-    server = EngineServer(engine, host=args.host, port=args.port, model_path=args.model, api_key=api_key)
+    _raise_open_files_limit()
+    server = EngineServer(
+        engine,
+        host=args.host,
+        port=args.port,
+        model_path=args.model,
+        api_key=api_key,
+        max_body_mb=args.max_body_mb,
+    )
     if args.port_file:
         atomic_write_text(args.port_file, str(server.port))
     log.info(
