@@ -1,29 +1,46 @@
-"""Verifier throughput: the math pool against plain math-verify, and C++ compile with the PCH.
+"""Verifier throughput on an RL scoring batch, against the baselines a user would pick.
 
-    megatron-rl bench verifiers [--repeat 4] [--workers 2] [--compiles 3]
+    megatron-rl bench verifiers [--samples-per-prompt 8] [--workers 2] [--rounds 3] [--compiles 3]
 
-Math: the equivalence table of the tests (68 pairs) repeated ``--repeat`` times is verified (a)
-by math-verify's ``parse`` + ``verify`` called one after another in this process and (b) through
-the :class:`VerifierPool` with ``--workers`` processes (started and warmed before timing).
+Math. The workload is what the trainer scores after each generation step: many samples per
+prompt, a few hundred per batch, right and wrong answers mixed. Each of the 68 (reference,
+answer) pairs of the tests' equivalence table (``tests/rewards/math_pairs.py``) is a prompt with
+``--samples-per-prompt`` completions, ``... So the answer is $\\boxed{X}$.``: the first answers with
+the table's own answer (so one sample per prompt is the table itself); each other one, with even
+odds, with one of the prompt's right answers (an equivalent form from the table or the reference
+as written) or with another pair's answer (nearly always wrong), as a group's samples do.
+
+Baseline: math-verify's ``verify(parse(gold), parse(completion))`` in a loop in this one process,
+what a user would write. It is warm: :func:`~megatron_rl.rewards.math.warm_up` (the import and a
+few verifications) runs before timing, as it runs in every pool worker before that worker takes
+tasks. Also shown: our :func:`~megatron_rl.rewards.math.verify_math` in the same loop, so the
+pool's gain is not a cheaper verifier. Ours: the same batch through
+:class:`~megatron_rl.rewards.pool.VerifierPool` with ``--workers`` processes, started and warmed
+before timing (a trainer keeps its pool for the run). Each of ``--rounds`` rounds draws a fresh
+batch and times the three sides one after another (rotating which goes first); the speed-up is the
+median over rounds of the baseline's time over the pool's, measured back to back.
+
 C++: a typical competitive-programming solution is compiled ``--compiles`` times with and without
-the precompiled ``bits/stdc++.h`` (built once, before timing); the median times are compared.
-The last line is one JSON object (``math_pool_speedup``, ``cpp_pch_compile_ratio``, ...).
+the precompiled ``bits/stdc++.h`` (built once, before timing); the ratio of the median times is
+``cpp_pch_compile_ratio`` (lower is better). The last line is one JSON object of the figures.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.rewards.math_pairs
 
 from megatron_rl.rewards.code import CodeConfig, compile_cpp
-from megatron_rl.rewards.math import verify_math
+from megatron_rl.rewards.math import verify_math, warm_up
 from megatron_rl.rewards.pool import VerifierPool
 from tests.rewards.math_pairs import EQUIVALENT, NOT_EQUIVALENT
 
@@ -46,31 +63,74 @@ int main() {
 }
 """
 
+Batch = list[tuple[str, str]]  # (completion, reference) per sample, prompt by prompt
 
-def plain_math(pairs) -> float:
+
+def rl_batch(samples_per_prompt: int, seed: int) -> Batch:
+    """One scoring batch: every table pair is a prompt with ``samples_per_prompt`` completions."""
+    rng = random.Random(seed)
+    pairs = EQUIVALENT + NOT_EQUIVALENT
+    right: dict[str, list[str]] = {}
+    for ref, ans in EQUIVALENT:
+        right.setdefault(ref, [ref]).append(ans)
+    answers = [ans for _, ans in pairs]
+    batch = []
+    for ref, ans in pairs:
+        group = [ans] + [
+            rng.choice(right.get(ref, [ref])) if rng.random() < 0.5 else rng.choice(answers)
+            for _ in range(samples_per_prompt - 1)
+        ]
+        batch += [(f"Adding the cases up, so the answer is $\\boxed{{{a}}}$.", ref) for a in group]
+    return batch
+
+
+def plain_math_verify(batch: Batch) -> list[bool]:
+    """The baseline: math-verify as its README shows it, one sample after another."""
     from math_verify import parse, verify
 
+    return [bool(verify(parse(f"${ref}$"), parse(text))) for text, ref in batch]
+
+
+def one_process_verify_math(batch: Batch) -> list[bool]:
+    return [verify_math(text, ref).correct for text, ref in batch]
+
+
+def timed(fn: Callable[[Batch], list[bool]], batch: Batch) -> tuple[float, list[bool]]:
     t0 = time.perf_counter()
-    for ref, ans in pairs:
-        verify(parse(f"${ref}$"), parse(f"$\\boxed{{{ans}}}$"))
-    return time.perf_counter() - t0
+    verdicts = fn(batch)
+    return time.perf_counter() - t0, verdicts
 
 
-def pool_math(pairs, workers: int) -> float:
-    with VerifierPool(workers, preload=("megatron_rl.rewards.math",)) as pool:
-        pool.map(verify_math, [(r"\boxed{1}", "1")] * workers * 2)  # start and warm every worker
-        t0 = time.perf_counter()
-        results = pool.map(verify_math, [(f"\\boxed{{{ans}}}", ref) for ref, ans in pairs])
-        seconds = time.perf_counter() - t0
-    failed = [r for r in results if not hasattr(r, "correct")]
-    if failed:
-        raise SystemExit(f"{len(failed)} pool tasks failed: {failed[:3]}")
-    return seconds
+def math_rounds(samples_per_prompt: int, workers: int, rounds: int) -> dict[str, list]:
+    """Seconds per side and round, and the share each side judged right in the last round."""
+    warm_up()  # the baseline's warm-up, the same one every pool worker runs
+    with VerifierPool(workers, preload=("megatron_rl.rewards.math", "math_verify"), warmup=warm_up) as pool:
+        if not pool.wait_ready(timeout_s=120):
+            raise SystemExit("the verifier pool did not start")
+
+        def through_pool(batch: Batch) -> list[bool]:
+            results = pool.map(verify_math, batch)
+            failed = [r for r in results if not hasattr(r, "correct")]
+            if failed:
+                raise SystemExit(f"{len(failed)} pool tasks failed: {failed[:3]}")
+            return [r.correct for r in results]
+
+        sides = {"plain": plain_math_verify, "verify_math": one_process_verify_math, "pool": through_pool}
+        names = list(sides)
+        seconds: dict[str, list] = {name: [] for name in names}
+        right: dict[str, float] = {}
+        for r in range(rounds):
+            batch = rl_batch(samples_per_prompt, seed=r)
+            for name in names[r % 3 :] + names[: r % 3]:  # rotate the order: no side always first
+                t, verdicts = timed(sides[name], batch)
+                seconds[name].append(t)
+                right[name] = sum(verdicts) / len(verdicts)
+    return {"seconds": [seconds[n] for n in names], "right": [right[n] for n in names]}
 
 
 def cpp_compiles(n: int) -> tuple[float, float]:
     cfg = CodeConfig()
-    times = {True: [], False: []}
+    times: dict[bool, list[float]] = {True: [], False: []}
     with tempfile.TemporaryDirectory() as d:
         ok, msg, _ = compile_cpp(CPP_SOLUTION, d, cfg, use_pch=True)  # builds the PCH once
         if not ok:
@@ -86,35 +146,63 @@ def cpp_compiles(n: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeat", type=int, default=4, help="repetitions of the 68-pair table")
+    ap.add_argument(
+        "--samples-per-prompt",
+        "--repeat",  # its former name
+        dest="samples_per_prompt",
+        type=int,
+        default=8,
+        help="completions per prompt; the batch is 68 prompts times this",
+    )
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="batches timed on every side")
     ap.add_argument("--compiles", type=int, default=3)
     args = ap.parse_args(argv)
 
-    pairs = (EQUIVALENT + NOT_EQUIVALENT) * args.repeat
-    print(f"math: {len(pairs)} verifications ...", file=sys.stderr, flush=True)
-    t_plain = plain_math(pairs)
-    t_pool = pool_math(pairs, args.workers)
+    n = len(EQUIVALENT + NOT_EQUIVALENT) * args.samples_per_prompt
+    print(
+        f"math: {args.rounds} rounds of {n} samples ({args.samples_per_prompt} per prompt) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    math = math_rounds(args.samples_per_prompt, args.workers, args.rounds)
+    (plain, ours_inline, pool), right = math["seconds"], math["right"]
+    speedups = [p / q for p, q in zip(plain, pool)]
     print(f"c++: {args.compiles} compiles with and without the PCH ...", file=sys.stderr, flush=True)
     t_pch, t_nopch = cpp_compiles(args.compiles)
 
-    print(f"{'what':42} {'seconds':>8} {'per second':>11}")
-    print(f"{'math-verify, one plain process':42} {t_plain:8.2f} {len(pairs) / t_plain:11.1f}")
-    print(f"{f'verifier pool, {args.workers} workers':42} {t_pool:8.2f} {len(pairs) / t_pool:11.1f}")
-    print(f"{'C++ compile, precompiled bits/stdc++.h':42} {t_pch:8.2f}")
-    print(f"{'C++ compile, no precompiled header':42} {t_nopch:8.2f}")
+    print(
+        f"math: {n} samples per batch, {len(EQUIVALENT + NOT_EQUIVALENT)} prompts x "
+        f"{args.samples_per_prompt}; median of {args.rounds} rounds, all sides warm"
+    )
+    print(f"{'what':48} {'seconds':>8} {'per second':>11} {'speed-up':>9} {'right':>6}")
+    rows = [
+        ("math-verify parse+verify, one process (baseline)", plain),
+        ("verify_math, one process", ours_inline),
+        (f"verifier pool, {args.workers} workers", pool),
+    ]
+    for (what, times), share in zip(rows, right):
+        t = statistics.median(times)
+        print(f"{what:48} {t:8.2f} {n / t:11.1f} {statistics.median(plain) / t:8.2f}x {share:6.1%}")
+    print(f"{'C++ compile, precompiled bits/stdc++.h':48} {t_pch:8.2f}")
+    print(f"{'C++ compile, no precompiled header (baseline)':48} {t_nopch:8.2f}")
     out = {
-        "math_pool_speedup": round(t_plain / t_pool, 3),
-        "math_plain_per_s": round(len(pairs) / t_plain, 2),
-        "math_pool_per_s": round(len(pairs) / t_pool, 2),
+        "math_pool_speedup": round(statistics.median(speedups), 3),
+        "math_plain_per_s": round(n / statistics.median(plain), 2),
+        "math_verify_math_per_s": round(n / statistics.median(ours_inline), 2),
+        "math_pool_per_s": round(n / statistics.median(pool), 2),
+        "math_pool_speedup_rounds": [round(s, 3) for s in speedups],
         "cpp_pch_compile_ratio": round(t_pch / t_nopch, 3),
         "cpp_pch_s": round(t_pch, 3),
         "cpp_no_pch_s": round(t_nopch, 3),
         "workers": args.workers,
-        "verifications": len(pairs),
+        "verifications": n,
+        "samples_per_prompt": args.samples_per_prompt,
+        "rounds": args.rounds,
     }
     print(
-        f"pool speed-up {out['math_pool_speedup']}x; compile with PCH takes "
+        f"pool speed-up {out['math_pool_speedup']}x over warm one-process math-verify "
+        f"(rounds: {', '.join(f'{s:.2f}' for s in speedups)}); compile with PCH takes "
         f"{out['cpp_pch_compile_ratio']}x the time without"
     )
     print(json.dumps(out))

@@ -1,21 +1,30 @@
 """A verifier pool that never hangs and never dies with its workers.
 
 Verifiers run in worker processes (not threads: math-verify's time-outs use ``SIGALRM``, which only
-works in a main thread, and a runaway SymPy call holds the GIL). Each worker is fed one task at a
-time over its own pipe, so the pool always knows which task a worker runs and since when:
+works in a main thread, and a runaway SymPy call holds the GIL). A worker is sent a *chunk* of
+tasks in one message, runs them in order and sends each result back as soon as it has it. So the
+pool always knows which task a worker runs and since when -- the first unanswered one of its chunk,
+since the previous answer (or the chunk) -- and the hard limit stays per task:
 
 - a task past its hard wall-clock limit gets its worker killed (SIGKILL) and replaced; the task's
-  future fails with reason ``worker_timeout``;
+  future fails with reason ``worker_timeout``; the tasks of its chunk that had not started go back
+  to the front of the queue, to run in another worker;
 - a worker that dies (segfault, OOM kill, ``os._exit``) is replaced; its task fails with
-  ``worker_crash``;
+  ``worker_crash`` and the rest of its chunk is queued again the same way;
 - an exception inside the verifier fails only that task, with ``verifier_error``; the worker stays.
 
-Workers are started by a forkserver that has already imported the verifiers, so a replacement is
-ready in milliseconds rather than re-importing SymPy (the forkserver is one per process: the first
-pool's ``preload`` is the one that counts). A worker takes tasks only after it reports ready; if
-three in a row die while starting, the pool fails its pending tasks with the reason and refuses
-new ones rather than respawning forever. Workers die with the caller (``PR_SET_PDEATHSIG``), so a
-killed trainer leaves no verifier behind.
+Chunks are sized to the queue (``guided`` scheduling): an idle worker takes 1/4 of its share of
+what is queued, at most ``_MAX_CHUNK``, so a scoring batch of hundreds of samples costs a few dozen
+messages while the last chunks shrink to single tasks and the workers finish together; a task
+submitted on its own (as rollouts do, one completion at a time) still goes out at once.
+
+Workers are started by a forkserver that has already imported the verifiers (math-verify and SymPy
+included), so a replacement is ready in milliseconds rather than re-importing them (the forkserver
+is one per process: the first pool's ``preload`` is the one that counts). A worker runs the pool's
+``warmup`` (e.g. :func:`megatron_rl.rewards.math.warm_up`) and only then reports ready and takes
+tasks; if three in a row die while starting, the pool fails its pending tasks with the reason and
+refuses new ones rather than respawning forever. Workers die with the caller
+(``PR_SET_PDEATHSIG``), so a killed trainer leaves no verifier behind.
 
     with VerifierPool(num_workers=2) as pool:
         results = pool.map(fn, [(a, b), (c, d)], timeout_s=10)   # in input order
@@ -37,12 +46,22 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import TypeVar
 
 __all__ = ["PoolTaskError", "VerifierPool"]
 
 _PR_SET_PDEATHSIG = 1
 T = TypeVar("T")  # what a task returns
+
+# Chunk size = ceil(queued / (_CHUNKS_PER_WORKER * workers)), capped. A message round trip through
+# the dispatcher thread costs ~0.1-0.3 ms; a math sample ~10 ms, so any chunk of a few tasks makes
+# the round trips negligible, and a bigger one only buys a longer tail: a worker held up by a slow
+# sample (up to its math-verify time-outs, seconds) holds the rest of its chunk too. Four chunks
+# per worker's share bounds that, and the cap bounds it (and the message size, code tasks carry
+# their tests) for large batches.
+_CHUNKS_PER_WORKER = 4
+_MAX_CHUNK = 16
 
 
 class PoolTaskError(Exception):
@@ -54,29 +73,31 @@ class PoolTaskError(Exception):
         self.detail = detail
 
 
-def _worker_main(conn: Connection) -> None:
+def _worker_main(conn: Connection, warmup: Callable[[], object] | None) -> None:
     try:  # die with the parent, whatever kills it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if warmup is not None:
+        warmup()  # if it raises, the worker dies before it is ready: a start failure
     conn.send(("ready", os.getpid()))  # tasks go only to workers that started
     while True:
         try:
-            msg = conn.recv()
+            chunk = conn.recv()
         except (EOFError, OSError):
             return
-        if msg is None:
+        if chunk is None:
             return
-        task_id, fn, args = msg
-        try:
-            reply = ("result", task_id, True, fn(*args))
-        except BaseException as e:  # noqa: BLE001 -- any failure is the task's, not the worker's
-            reply = ("result", task_id, False, f"{type(e).__name__}: {e}")
-        try:
-            conn.send(reply)
-        except Exception as e:  # noqa: BLE001 -- e.g. an unpicklable result
-            conn.send(("result", task_id, False, f"result could not be sent back: {type(e).__name__}: {e}"))
+        for task_id, fn, args in chunk:
+            try:
+                reply = ("result", task_id, True, fn(*args))
+            except BaseException as e:  # noqa: BLE001 -- any failure is the task's, not the worker's
+                reply = ("result", task_id, False, f"{type(e).__name__}: {e}")
+            try:
+                conn.send(reply)  # at once: the parent starts the next task's clock on it
+            except Exception as e:  # noqa: BLE001 -- e.g. an unpicklable result
+                conn.send(("result", task_id, False, f"result could not be sent back: {type(e).__name__}: {e}"))
 
 
 @dataclass
@@ -92,9 +113,13 @@ class _Task:
 class _Worker:
     process: BaseProcess
     conn: Connection
-    task: _Task | None = None
-    deadline: float = 0.0
-    ready: bool = False  # said hello: it imported everything and waits for tasks
+    chunk: deque[_Task] = field(default_factory=deque)  # sent and unanswered, in the order it runs them
+    head_since: float = 0.0  # when chunk[0] started, as seen here: chunk sent or previous answer read
+    ready: bool = False  # said hello: it imported and warmed everything and waits for tasks
+
+    @property
+    def deadline(self) -> float:
+        return self.head_since + self.chunk[0].timeout_s
 
 
 class VerifierPool:
@@ -105,20 +130,32 @@ class VerifierPool:
         num_workers: int = 2,
         *,
         default_timeout_s: float = 60.0,
-        preload: Iterable[str] = ("megatron_rl.rewards.compose",),
+        preload: Iterable[str] = ("megatron_rl.rewards.compose", "math_verify"),
+        warmup: Callable[[], object] | None = None,
     ):
+        """``preload``: modules the forkserver imports once for every worker (one missing is
+        skipped); ``warmup``: a picklable function each worker runs before it takes tasks."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.default_timeout_s = default_timeout_s
+        self._warmup = warmup
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(list(preload))
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # a worker became ready or the pool broke
         self._pending: deque[_Task] = deque()
         self._ids = itertools.count()
         self._closing = False
         self._broken: str | None = None  # why workers cannot start, once that is certain
         self._start_failures = 0  # consecutive workers that died before saying ready
-        self.stats = {"tasks": 0, "worker_timeout": 0, "worker_crash": 0, "verifier_error": 0}
+        self.stats = {
+            "tasks": 0,  # answered (a result or verifier_error)
+            "chunks": 0,  # messages that carried tasks to workers
+            "requeued": 0,  # tasks sent back to the queue when their worker was killed or died
+            "worker_timeout": 0,
+            "worker_crash": 0,
+            "verifier_error": 0,
+        }
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._workers: list[_Worker] = []
         while len(self._workers) < num_workers and self._broken is None:
@@ -139,26 +176,27 @@ class VerifierPool:
     def submit(self, fn: Callable[..., T], *args: object, timeout_s: float | None = None) -> Future[T]:
         """Run ``fn(*args)`` in a worker; the future fails with :class:`PoolTaskError` when the
         task times out, its worker dies or ``fn`` raises."""
-        task = _Task(next(self._ids), fn, args, timeout_s or self.default_timeout_s)
-        with self._lock:
-            if self._closing:
-                raise RuntimeError("the verifier pool is closed")
-            if self._broken:
-                raise RuntimeError(f"the verifier pool is broken: {self._broken}")
-            self._pending.append(task)
-        self._wake_w.send_bytes(b"")
-        return task.future
+        return self._enqueue(fn, [args], timeout_s)[0]
 
     def map(self, fn: Callable, items: Iterable[tuple], *, timeout_s: float | None = None) -> list:
         """``fn(*item)`` for every item; results (or :class:`PoolTaskError`) in input order."""
-        futures = [self.submit(fn, *item, timeout_s=timeout_s) for item in items]
         out = []
-        for f in futures:
+        for f in self._enqueue(fn, list(items), timeout_s):  # queued at once: chunked from the start
             try:
                 out.append(f.result())
             except PoolTaskError as e:
                 out.append(e)
         return out
+
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Block until every worker has started and run ``warmup``; False on time-out or when the
+        pool is broken. Nothing needs it (tasks wait for a ready worker): it keeps start-up out
+        of a measurement or a first batch's latency."""
+        with self._ready:
+            self._ready.wait_for(
+                lambda: self._broken is not None or all(w.ready for w in self._workers), timeout_s
+            )
+            return self._broken is None and all(w.ready for w in self._workers)
 
     def close(self) -> None:
         """Finish the queued tasks, then stop the workers."""
@@ -183,41 +221,80 @@ class VerifierPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- callers' side -----------------------------------------------------------------------
+    def _enqueue(self, fn: Callable, arg_lists: list[tuple], timeout_s: float | None) -> list[Future]:
+        limit = timeout_s or self.default_timeout_s
+        tasks = [_Task(next(self._ids), fn, args, limit) for args in arg_lists]
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the verifier pool is closed")
+            if self._broken:
+                raise RuntimeError(f"the verifier pool is broken: {self._broken}")
+            self._pending.extend(tasks)
+        self._wake_w.send_bytes(b"")
+        return [t.future for t in tasks]
+
     # -- dispatcher thread -------------------------------------------------------------------
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child,), daemon=True, name="verifier")
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child, self._warmup), daemon=True, name="verifier"
+        )
         proc.start()
         child.close()
         return _Worker(process=proc, conn=parent)
 
     def _replace(self, w: _Worker, reason: str, detail: str) -> None:
+        """Kill ``w`` and start another; its running task fails, its unstarted ones are requeued."""
         if w.process.is_alive():
             w.process.kill()
         w.process.join(timeout=5)
         w.conn.close()
-        if w.task is not None:
+        if w.chunk:
+            # Answers come back in order and every answer sent before the end was read (a pipe
+            # delivers its data before EOF), so the first unanswered task is the one that ran.
+            task = w.chunk.popleft()
             self.stats[reason] += 1
-            w.task.future.set_exception(PoolTaskError(reason, detail))
-            w.task = None
+            task.future.set_exception(PoolTaskError(reason, detail))
+            self._requeue(list(w.chunk))
+            w.chunk.clear()
         if not w.ready:
             # A worker that dies before it is ready is not a task's fault: the workers cannot
-            # start (bad preload, no memory, broken main module). Retrying forever would spin.
+            # start (bad preload or warm-up, no memory, broken main module). Retrying forever would spin.
             self._start_failures += 1
             if self._start_failures >= 3:
-                self._workers.remove(w)
+                with self._lock:
+                    self._workers.remove(w)
                 self._break(f"3 verifier processes in a row died while starting ({detail})")
                 return
         try:
-            self._workers[self._workers.index(w)] = self._spawn()
+            new = self._spawn()
         except Exception as e:  # noqa: BLE001 -- e.g. the forkserver itself is gone
-            self._workers.remove(w)
+            with self._lock:
+                self._workers.remove(w)
             self._break(f"cannot start a verifier process: {type(e).__name__}: {e}")
+            return
+        with self._lock:  # wait_ready reads the list
+            self._workers[self._workers.index(w)] = new
+
+    def _requeue(self, tasks: list[_Task]) -> None:
+        """Put tasks that never started back at the front of the queue, in their order."""
+        if not tasks:
+            return
+        self.stats["requeued"] += len(tasks)
+        with self._lock:
+            why = self._broken
+            if why is None:
+                self._pending.extendleft(reversed(tasks))
+                return
+        for task in tasks:
+            task.future.set_exception(PoolTaskError("worker_crash", why))
 
     def _break(self, why: str) -> None:
         with self._lock:
             self._broken = why
             pending, self._pending = list(self._pending), deque()
+            self._ready.notify_all()
         for task in pending:
             task.future.set_exception(PoolTaskError("worker_crash", why))
 
@@ -231,36 +308,93 @@ class VerifierPool:
             return f"killed by {signal.Signals(-code).name}"
         return f"exit code {code}"
 
+    def _take_chunk(self) -> list[_Task]:
+        """The next chunk from the front of the queue (under the lock); cancelled tasks dropped."""
+        size = -(-len(self._pending) // (_CHUNKS_PER_WORKER * len(self._workers)))
+        chunk: list[_Task] = []
+        while self._pending and len(chunk) < min(size, _MAX_CHUNK):
+            task = self._pending.popleft()
+            # A requeued task is already running (its future cannot be cancelled any more).
+            if task.future.running() or task.future.set_running_or_notify_cancel():
+                chunk.append(task)
+        return chunk
+
+    def _send(self, w: _Worker, chunk: list[_Task]) -> None:
+        """Send a chunk to idle ``w`` (under the lock); OSError when ``w`` has died. Tasks that
+        cannot be pickled fail here and are dropped from ``chunk``."""
+        try:
+            w.conn.send([(t.task_id, t.fn, t.args) for t in chunk])  # fn and shared args pickled once
+        except OSError:
+            raise
+        except Exception:  # noqa: BLE001 -- arguments that cannot be pickled: find them, send the rest
+            sendable = []
+            for t in chunk:
+                try:
+                    ForkingPickler.dumps((t.task_id, t.fn, t.args))
+                except Exception as e:  # noqa: BLE001
+                    self.stats["verifier_error"] += 1
+                    t.future.set_exception(PoolTaskError("verifier_error", f"could not send task: {e}"))
+                else:
+                    sendable.append(t)
+            chunk[:] = sendable  # in place: on OSError below, the caller requeues only these
+            if chunk:
+                w.conn.send([(t.task_id, t.fn, t.args) for t in chunk])
+        if chunk:
+            self.stats["chunks"] += 1
+            w.chunk.extend(chunk)
+            w.head_since = time.monotonic()
+
     def _dispatch(self) -> bool:
         """Give pending tasks to idle workers; True when the pool may stop."""
         dead = []
         with self._lock:
             for w in self._workers:
-                while w.ready and w.task is None and self._pending:
-                    task = self._pending.popleft()
-                    if not task.future.set_running_or_notify_cancel():
+                while w.ready and not w.chunk and self._pending:
+                    chunk = self._take_chunk()
+                    if not chunk:  # all cancelled
                         continue
                     try:
-                        w.conn.send((task.task_id, task.fn, task.args))
-                    except OSError:  # the worker died while idle: the task never ran, requeue it
-                        self._pending.appendleft(task)
+                        self._send(w, chunk)
+                    except OSError:  # the worker died while idle: the chunk never ran, requeue it
+                        self._pending.extendleft(reversed(chunk))
                         dead.append(w)
                         break
-                    except Exception as e:  # noqa: BLE001 -- arguments that cannot be pickled
-                        task.future.set_exception(
-                            PoolTaskError("verifier_error", f"could not send task: {e}")
-                        )
-                        continue
-                    w.task, w.deadline = task, time.monotonic() + task.timeout_s
         for w in dead:
             self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
         with self._lock:
-            idle = all(w.task is None for w in self._workers)
+            idle = all(not w.chunk for w in self._workers)
             return idle and (self._broken is not None or (self._closing and not self._pending))
+
+    def _receive(self, w: _Worker) -> None:
+        """Read every message ``w`` has sent; replace it when it has died."""
+        while True:
+            try:
+                kind, *msg = w.conn.recv()
+            except (EOFError, OSError):
+                self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
+                return
+            if kind == "ready":
+                with self._ready:
+                    w.ready, self._start_failures = True, 0
+                    self._ready.notify_all()
+            else:
+                task_id, ok, payload = msg
+                if not w.chunk or w.chunk[0].task_id != task_id:  # it answers in the order sent
+                    raise RuntimeError(f"verifier worker {w.process.pid} answered task {task_id} out of turn")
+                task = w.chunk.popleft()
+                w.head_since = time.monotonic()  # the next task of the chunk starts now
+                self.stats["tasks"] += 1
+                if ok:
+                    task.future.set_result(payload)
+                else:
+                    self.stats["verifier_error"] += 1
+                    task.future.set_exception(PoolTaskError("verifier_error", payload))
+            if not w.conn.poll():
+                return
 
     def _loop(self) -> None:
         while not self._dispatch():
-            busy = [w for w in self._workers if w.task is not None]
+            busy = [w for w in self._workers if w.chunk]
             watched = list(self._workers)  # idle ones too: a worker may die while waiting
             timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic()) if busy else None
             for obj in wait([w.conn for w in watched] + [self._wake_r], timeout=timeout):
@@ -268,30 +402,12 @@ class VerifierPool:
                     while self._wake_r.poll():
                         self._wake_r.recv_bytes()
                     continue
-                w = next(w for w in watched if w.conn is obj)
-                try:
-                    kind, *msg = w.conn.recv()
-                except (EOFError, OSError):
-                    self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
-                    continue
-                if kind == "ready":
-                    w.ready, self._start_failures = True, 0
-                    continue
-                _, ok, payload = msg
-                task, w.task = w.task, None
-                if task is None:  # a worker answers only the task it was sent
-                    raise RuntimeError(f"verifier worker {w.process.pid} sent a result with no task")
-                self.stats["tasks"] += 1
-                if ok:
-                    task.future.set_result(payload)
-                else:
-                    self.stats["verifier_error"] += 1
-                    task.future.set_exception(PoolTaskError("verifier_error", payload))
+                self._receive(next(w for w in watched if w.conn is obj))
             now = time.monotonic()
             for w in list(self._workers):
-                if w.task is not None and now >= w.deadline:
+                if w.chunk and now >= w.deadline:
                     self._replace(
                         w,
                         "worker_timeout",
-                        f"no result within the hard limit of {w.task.timeout_s:g} s; worker killed",
+                        f"no result within the hard limit of {w.chunk[0].timeout_s:g} s; worker killed",
                     )

@@ -41,9 +41,55 @@ def unpicklable(_):
     return lambda: None
 
 
+def identity(x):
+    return x
+
+
+def sleep_for(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def act(kind, arg=0):
+    """One task function for mixed chunks: ``map`` queues a whole list at once, ``submit`` does not."""
+    if kind == "sleep":
+        time.sleep(3600)
+    elif kind == "exit":
+        os._exit(arg)
+    elif kind == "segfault":
+        ctypes.string_at(0)
+    return os.getpid()
+
+
+WARMED = []  # each worker's own copy: filled by its warm-up
+
+
+def mark_warm():
+    WARMED.append(os.getpid())
+
+
+def was_warmed(_):
+    return os.getpid() in WARMED
+
+
+def failing_warmup():
+    raise RuntimeError("cannot build the grammar")
+
+
+def module_loaded(name):
+    return name in sys.modules
+
+
 @pytest.fixture(scope="module")
 def pool():
     with VerifierPool(num_workers=2, preload=()) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def solo():
+    """One worker: every chunk goes to it, so a list handed to ``map`` is split in a known way."""
+    with VerifierPool(num_workers=1, preload=()) as p:
         yield p
 
 
@@ -92,6 +138,75 @@ def test_mixed_batch_keeps_order_and_ids(pool):
         except PoolTaskError as e:
             got.append(e.reason)
     assert got == [4, "worker_timeout", 9, "worker_crash", 16]
+
+
+def test_a_batch_goes_out_in_chunks_and_comes_back_in_order(pool):
+    before = dict(pool.stats)
+    assert pool.map(square, [(i,) for i in range(200)]) == [i * i for i in range(200)]
+    assert pool.stats["tasks"] - before["tasks"] == 200
+    assert pool.stats["chunks"] - before["chunks"] < 100  # many tasks per message
+
+
+@pytest.mark.fault("crash")
+def test_a_stuck_task_fails_alone_and_the_rest_of_its_chunk_runs_in_the_replacement(solo):
+    before = solo.stats["requeued"]
+    # 40 tasks queued at once: the first chunk holds several, the stuck one second among them.
+    results = solo.map(act, [("pid",), ("sleep",)] + [("pid",)] * 38, timeout_s=1.0)
+    assert isinstance(results[1], PoolTaskError) and results[1].reason == "worker_timeout"
+    first, rest = results[0], results[2:]
+    assert all(isinstance(r, int) for r in rest)
+    assert first not in rest  # they ran after the kill, in the new worker
+    assert solo.stats["requeued"] > before  # unstarted tasks of the killed worker's chunk
+
+
+@pytest.mark.fault("crash")
+def test_crashes_in_the_middle_of_a_chunk_fail_only_the_crashing_tasks(solo):
+    kinds = [("pid",)] * 2 + [("exit", 3)] + [("pid",)] * 2 + [("segfault",)] + [("pid",)] * 20
+    results = solo.map(act, kinds)
+    crashed = {i: r for i, r in enumerate(results) if isinstance(r, PoolTaskError)}
+    assert sorted(crashed) == [2, 5]
+    assert all(r.reason == "worker_crash" for r in crashed.values())
+    assert "exit code 3" in crashed[2].detail and "SIGSEGV" in crashed[5].detail
+    assert all(isinstance(r, int) for i, r in enumerate(results) if i not in crashed)
+
+
+def test_the_hard_limit_is_per_task_not_per_chunk(solo):
+    # 64 tasks queued at once: the first chunk holds more than four, so its four 0.4 s naps
+    # take 1.6 s, more than the 1.2 s each task is allowed.
+    naps = [(0.4,)] * 4 + [(0.0,)] * 60
+    assert solo.map(sleep_for, naps, timeout_s=1.2) == [n for (n,) in naps]
+
+
+def test_an_unpicklable_argument_fails_only_its_task(pool):
+    results = pool.map(identity, [(1,), (lambda: 0,), (3,)])
+    assert results[0] == 1 and results[2] == 3
+    assert results[1].reason == "verifier_error" and "could not send task" in results[1].detail
+
+
+def test_warmup_runs_in_every_worker_before_it_takes_tasks():
+    with VerifierPool(num_workers=2, preload=(), warmup=mark_warm) as p:
+        assert p.wait_ready(timeout_s=60)
+        assert all(p.map(was_warmed, [(i,) for i in range(8)]))
+        assert p.map(exit_hard, [(1,)])[0].reason == "worker_crash"
+        assert all(p.map(was_warmed, [(i,) for i in range(8)]))  # the replacement too
+
+
+def test_math_workers_import_math_verify_before_their_first_sample():
+    from megatron_rl.rewards.math import warm_up
+
+    with VerifierPool(num_workers=1, preload=(), warmup=warm_up) as p:
+        assert p.map(module_loaded, [("math_verify",)]) == [True]
+
+
+@pytest.mark.fault("crash")
+def test_a_warmup_that_fails_breaks_the_pool():
+    p = VerifierPool(num_workers=1, preload=(), warmup=failing_warmup)
+    try:
+        assert not p.wait_ready(timeout_s=60)
+        with pytest.raises(RuntimeError, match="3 verifier processes in a row died while starting"):
+            p.submit(square, 2)
+    finally:
+        p.close()
 
 
 def test_close_leaves_no_worker_behind():
