@@ -1,7 +1,7 @@
 """The fault and abuse suite, counted: runs every test marked ``@pytest.mark.fault(kind)`` and
 prints how many faults of each kind were tried and survived (the README's Reliability table).
 
-    python tools/fault_report.py [--out benchmarks/faults.json] [-- extra pytest args]
+    python tools/fault_report.py [--out benchmarks/faults.json] [--readme] [-- extra pytest args]
 
 A fault test injects one fault (a bad input, a hostile client or program, a killed process or a
 corrupted file, a non-finite number, load at real scale) into the real components and asserts
@@ -34,6 +34,7 @@ KINDS = {
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="also write the counts here (JSON)")
+    p.add_argument("--readme", action="store_true", help="rewrite README's table between its faults markers")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,9 +50,20 @@ def main(argv: list[str] | None = None) -> int:
     tried = Counter(r["kind"] for r in rows)
     survived = Counter(r["kind"] for r in rows if r["outcome"] == "passed")
     skipped = Counter(r["kind"] for r in rows if r["outcome"] == "skipped")
-    print("\n| fault kind | tried | survived | skipped here |\n|---|---:|---:|---:|")
+    rows = ["| fault kind | tried | survived | skipped here |", "|---|---:|---:|---:|"]
     for kind, what in KINDS.items():
-        print(f"| {kind}: {what} | {tried[kind]} | {survived[kind]} | {skipped[kind]} |")
+        rows.append(f"| {kind}: {what} | {tried[kind]} | {survived[kind]} | {skipped[kind]} |")
+    rows.append(
+        f"| **all** | **{sum(tried.values())}** | **{sum(survived.values())}** | {sum(skipped.values())} |"
+    )
+    table = "\n".join(rows)
+    print("\n" + table)
+    if args.readme and rc == 0:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        begin, end = "<!-- faults:begin -->\n", "<!-- faults:end -->"
+        head, rest = text.split(begin, 1)
+        readme.write_text(head + begin + table + "\n" + end + rest.split(end, 1)[1])
     summary = {
         "faults": sum(tried.values()),
         "survived": sum(survived.values()),
