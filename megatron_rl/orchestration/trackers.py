@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -181,8 +182,6 @@ class _MLflow(Tracker):
         self._params_logged = True
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        import time
-
         from mlflow.entities import Metric  # lazy: optional (run.trackers)
 
         now = int(time.time() * 1000)

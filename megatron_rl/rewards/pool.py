@@ -97,7 +97,9 @@ def _worker_main(conn: Connection, warmup: Callable[[], object] | None) -> None:
             try:
                 conn.send(reply)  # at once: the parent starts the next task's clock on it
             except Exception as e:  # noqa: BLE001 -- e.g. an unpicklable result
-                conn.send(("result", task_id, False, f"result could not be sent back: {type(e).__name__}: {e}"))
+                conn.send(
+                    ("result", task_id, False, f"result could not be sent back: {type(e).__name__}: {e}")
+                )
 
 
 @dataclass
