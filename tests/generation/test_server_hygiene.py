@@ -5,9 +5,11 @@ a thousand connections at once, and an update-group store that listens on its ad
 
 from __future__ import annotations
 
+import ast
 import http.client
 import json
 import math
+import os
 import socket
 import threading
 import time
@@ -16,19 +18,20 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.generation.engine.model import Decoder
-from megatron_rl.generation.protocol import init_group_payload, pack_bucket, tensor_digest
+from megatron_rl.generation.engine.server import _SAMPLING_KEYS
+from megatron_rl.generation.protocol import SGLANG_VERSION, init_group_payload, pack_bucket, tensor_digest
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 from tests.generation.conftest import TINY, free_port, prompt
 
 pytestmark = pytest.mark.distributed  # a real server process (and a real gloo group below)
 
+REPO = Path(__file__).resolve().parents[2]
 MAX_LEN = 256
 MAX_BODY_MB = 1
 
@@ -170,14 +173,30 @@ def group(server) -> Iterator[_Group]:
     g.close()
 
 
+def _listening(port: int) -> list[str]:
+    """Local addresses listening on TCP ``port`` on this host, from ``/proc/net/tcp{,6}``."""
+    out = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        path = Path("/proc/net") / table
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, port_hex = local.split(":")
+            if state != "0A" or int(port_hex, 16) != port:  # 0A: LISTEN
+                continue
+            # The kernel writes the address as 32-bit words in host (little-endian) order.
+            raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))
+            out.append(socket.inet_ntop(family, raw))
+    return out
+
+
 def test_the_update_store_listens_on_its_address_only(group):
-    """Rank 0 (here, as the trainer) hosts the store: bound to 127.0.0.1, not every interface."""
-    listening = [
-        c.laddr
-        for c in psutil.Process().net_connections("inet")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == group.port
-    ]
-    assert listening and all(addr.ip == "127.0.0.1" for addr in listening), listening
+    """Rank 0 (here, as the trainer) hosts the store: bound to 127.0.0.1, not every interface
+    (torch's own TCPStore server would listen on ``::``)."""
+    if not Path("/proc/net/tcp").exists():
+        pytest.skip("needs /proc/net/tcp")
+    assert _listening(group.port) == ["127.0.0.1"]
 
 
 def _half_valid(hf: dict[str, torch.Tensor]) -> dict[str, tuple[list[tuple[str, torch.Tensor]], str]]:
@@ -374,6 +393,27 @@ def test_each_bad_sampling_param_is_a_400_naming_it(server):
     }
     status, out = _generate(server.url, {"input_ids": prompt(4, 1), "sampling_params": neutral})
     assert status == 200 and len(out["output_ids"]) == 3, out
+
+
+def test_the_sampling_keys_are_sglangs():
+    """Every key the server accepts is a field of SGLang 0.5.23's ``SamplingParams``, and every
+    field it takes from callers is one the server knows (accepts, or refuses unless off)."""
+    root = os.environ.get("MEGATRON_RL_SGLANG_SRC") or REPO / ".cache" / f"sglang-{SGLANG_VERSION}"
+    path = Path(root) / "sglang" / "srt" / "sampling" / "sampling_params.py"
+    if not path.is_file():
+        pytest.skip(f"no SGLang source at {path} (tests/generation/test_sglang_contract.py says how)")
+    text = path.read_text(encoding="utf-8")
+    # The API fields come first; SGLang marks where its internal ones begin.
+    internal = text.index("# --- Internal fields")
+    (cls,) = [n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "SamplingParams"]
+    fields = {
+        stmt.target.id: len("\n".join(text.splitlines()[: stmt.lineno])) < internal
+        for stmt in cls.body
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+    }
+    assert _SAMPLING_KEYS <= set(fields), _SAMPLING_KEYS - set(fields)
+    api = {name for name, is_api in fields.items() if is_api}
+    assert api <= _SAMPLING_KEYS, api - _SAMPLING_KEYS
 
 
 def _lps(out: dict) -> list[float]:

@@ -710,6 +710,8 @@ _SAMPLING_OFF: dict[str, JsonValue] = {
     "custom_params": None,
     "logit_bias": None,
     "stream_interval": None,
+    "beam_width": None,
+    "watermark": None,
 }
 # Token ids in and out: these change only how SGLang detokenises, which we never do.
 _SAMPLING_TEXT_FLAGS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
