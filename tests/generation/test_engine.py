@@ -171,6 +171,56 @@ def test_batched_requests_equal_each_alone(hf_models):
         torch.testing.assert_close(together[rid].logprobs, got.logprobs, atol=1e-5, rtol=0)
 
 
+def test_a_group_shares_one_prefill_and_equals_each_sample_alone(hf_models):
+    """G samples of one prompt: the prompt is prefilled once and its KV forked; samples that end
+    at different steps (and an abort mid-run) hand their slots to the others, whose sequences move
+    in the cache. Every sample still writes what it writes alone, with the same log-probs."""
+    folder = hf_models["qwen2"][0]
+    shared, other = _prompt(7, 30), _prompt(7, 31)  # same length: one prefill forward for both
+    specs = [(f"g{k}", shared, 3 + 4 * k, 200 + k) for k in range(5)] + [("o", other, 12, 300)]
+    engine = _engine(folder, slots=6)
+    for rid, prompt, n, seed in specs:
+        engine.add_request(rid, prompt, max_new_tokens=n, temperature=1.0, seed=seed)
+    out = {f.request_id: f for f in engine.step()}
+    assert engine.prefill_tokens == 14  # two distinct prompts of 7, not six
+    assert engine.running == 6
+    for _ in range(4):
+        out.update({f.request_id: f for f in engine.step()})
+    aborted = engine.abort("g4")  # a middle slot, while shorter and longer ones run
+    out.update(_run(engine))
+    assert aborted is not None and len(aborted.token_ids) == 6
+    assert sorted(engine.cache.lengths.tolist()) == [0] * 6 and engine.running == 0
+    for rid, prompt, n, seed in specs:
+        alone = _engine(folder, slots=1)
+        alone.add_request(rid, prompt, max_new_tokens=n, temperature=1.0, seed=seed)
+        want = _run(alone)[rid]
+        got = aborted if rid == "g4" else out[rid]
+        assert got.token_ids == want.token_ids[: len(got.token_ids)], rid
+        torch.testing.assert_close(got.logprobs, want.logprobs[: len(got.logprobs)], atol=1e-5, rtol=0)
+    assert [len(out[f"g{k}"].token_ids) for k in range(4)] == [3, 7, 11, 15]
+
+
+def test_kv_cache_move_and_fork_copy_sequences(hf_models):
+    from megatron_rl.generation.engine import KVCache
+
+    model = Decoder.from_pretrained(hf_models["llama"][0])
+    cache = KVCache(model.cfg, slots=4, max_len=16)
+    model(torch.tensor([_prompt(5, 40)]), torch.tensor([3]), cache)
+    k3 = cache.k[:, 3, :, :5].clone()
+    cache.fork(3, [0, 1])
+    cache.move(3, 2)
+    assert cache.lengths.tolist() == [5, 5, 5, 0]
+    for slot in (0, 1, 2):
+        assert torch.equal(cache.k[:, slot, :, :5], k3)
+    # Reading the leading slots in place (an int) equals gathering them (a tensor).
+    ids = torch.tensor([[1], [2], [3]])
+    gathered = KVCache(model.cfg, slots=4, max_len=16)
+    gathered.k.copy_(cache.k), gathered.v.copy_(cache.v), gathered.lengths.copy_(cache.lengths)
+    torch.testing.assert_close(
+        model(ids, 3, cache), model(ids, torch.tensor([0, 1, 2]), gathered), atol=1e-6, rtol=0
+    )
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.8), (1.3, 0.5)])
 def test_logprobs_are_full_vocab_tempered_logsoftmax(hf_models, temperature, top_p):
     folder = hf_models["qwen2"][0]

@@ -80,16 +80,22 @@ def test_a_weight_update_lands_while_over_a_thousand_generations_are_in_flight(s
     )
     try:
         bc.connect()
+        # Every request reaches the server before the update, each holding an open connection:
+        # the engine is paused while they arrive (it would otherwise finish the early ones before
+        # the last have arrived), then resumed; the update is sent once the first 64 run.
+        fleet.pause("in_place")
         futures = [fleet.submit(_request(i, 48)) for i in range(IN_FLIGHT)]
-        # Every request reaches the server before the update: the engine admits 64 at a time, so
-        # the rest wait in its queue, each holding an open connection.
         deadline = time.monotonic() + HANG_GUARD_S
         while True:
             state = fleet.server_info(server.url)["internal_states"][0]
-            if state["num_running_reqs"] + state["num_waiting_reqs"] >= IN_FLIGHT - 64:
+            if state["num_running_reqs"] + state["num_waiting_reqs"] >= IN_FLIGHT:
                 break
             assert time.monotonic() < deadline, f"requests never reached the server: {state}"
             time.sleep(0.05)
+        fleet.resume()
+        while fleet.server_info(server.url)["internal_states"][0]["num_running_reqs"] == 0:
+            assert time.monotonic() < deadline, "the resumed engine never admitted a request"
+            time.sleep(0.005)
         in_flight_at_update = fleet.in_flight()
         assert in_flight_at_update >= 1000
 

@@ -2,11 +2,14 @@
 
 One :meth:`Engine.step`:
 
-1. admits waiting requests (first come, first served) into free slots: prompts of equal length
-   are prefilled together (``[n, P]``; a group's G samples share one forward) and each first
-   token is sampled from the last prompt position;
+1. admits waiting requests (first come, first served) into free slots: each distinct prompt is
+   prefilled once (a group's G samples share its forward; its keys and values are then copied
+   into the siblings' slots), distinct prompts of equal length together (``[n, P]``), the output
+   head on the last position only, and each request samples its first token from there with its
+   own generator;
 2. runs one decode step for every running request (``[B, 1]``, each slot at its own length), and
-   samples its next token;
+   samples its next token. Running requests always hold the leading slots ``0 .. B-1`` (a freed
+   slot takes the last one's sequence), so attention reads the cache in place;
 3. finishes requests that sampled a stop token (EOS from the config or the request's
    ``stop_token_ids``; the stop token is part of the output) or reached ``max_new_tokens``, frees
    their slots, and returns them as :class:`Finished`.
@@ -445,6 +448,22 @@ class Engine(SlotEngine[_Request]):
     def _clear_slot(self, slot: int) -> None:
         self.cache.reset(slot)
 
+    def _release(self, req: _Request) -> None:
+        """Free ``req``'s slot and keep the running requests in the leading slots: the request in
+        the last occupied slot moves into the freed one (its KV copied), so a decode step reads
+        slots ``0 .. running-1`` of the cache in place."""
+        slot, last = req.slot, len(self._running) - 1
+        super()._release(req)
+        if slot != last:
+            mover = self._running.pop(last)
+            self.cache.move(last, slot)
+            mover.slot = slot
+            self._running[slot] = mover
+            # The free stack pops the lowest slot first: ``last`` (now free) is below every
+            # other free slot, ``slot`` (now taken) was just pushed on top.
+            self._free.remove(slot)
+            self._free.append(last)
+
     # ------------------------------------------------------------------ stepping
 
     @torch.no_grad()
@@ -458,21 +477,29 @@ class Engine(SlotEngine[_Request]):
         finished: list[Finished] = []
         device = self.cache.k.device
         admitted: list[_Request] = self._admit()
-        # Prefill: prompts of equal length share one forward (a group's G samples do).
-        by_len: dict[int, list[_Request]] = {}
+        # Prefill each distinct prompt once (a group's G samples share it: its KV is forked into
+        # the siblings' slots), prompts of equal length in one forward.
+        groups: dict[tuple[int, ...], list[_Request]] = {}
         for req in admitted:
-            by_len.setdefault(len(req.prompt_ids), []).append(req)
-        for reqs in by_len.values():
-            ids = torch.tensor([r.prompt_ids for r in reqs], dtype=torch.long, device=device)
+            groups.setdefault(tuple(req.prompt_ids), []).append(req)
+        by_len: dict[int, list[list[_Request]]] = {}
+        for members in groups.values():
+            by_len.setdefault(len(members[0].prompt_ids), []).append(members)
+        for batch in by_len.values():
+            ids = torch.tensor([m[0].prompt_ids for m in batch], dtype=torch.long, device=device)
             self.prefill_tokens += ids.numel()
-            slots = torch.tensor([r.slot for r in reqs], dtype=torch.long)
-            self._accept(reqs, self.model(ids, slots, self.cache)[:, -1], finished)
-        decoding = list(self._running.values())  # the just-admitted ones too
-        if decoding:
-            # The last sampled token of each request is not yet in the cache: feed it now.
+            slots = torch.tensor([m[0].slot for m in batch], dtype=torch.long)
+            last = self.model(ids, slots, self.cache, last_only=True)[:, -1]
+            for members in batch:
+                self.cache.fork(members[0].slot, [r.slot for r in members[1:]])
+            rows = torch.tensor([i for i, m in enumerate(batch) for _ in m], device=last.device)
+            self._accept([r for m in batch for r in m], last[rows], finished)
+        if self._running:
+            # The running requests hold slots 0 .. n-1 (see _release); the last sampled token of
+            # each is not yet in the cache: feed it now.
+            decoding = [self._running[s] for s in range(len(self._running))]
             ids = torch.tensor([[r.token_ids[-1]] for r in decoding], dtype=torch.long, device=device)
-            slots = torch.tensor([r.slot for r in decoding], dtype=torch.long)
-            self._accept(decoding, self.model(ids, slots, self.cache)[:, -1], finished)
+            self._accept(decoding, self.model(ids, len(decoding), self.cache)[:, -1], finished)
         return finished
 
     def _accept(self, reqs: list[_Request], logits: torch.Tensor, finished: list[Finished]) -> None:

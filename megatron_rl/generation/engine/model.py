@@ -7,13 +7,19 @@ embeddings, Qwen2's q/k/v biases), in fp32, and its parameters carry exactly the
 transformers saves, so that a weight broadcast can assign HF-named tensors in place through
 :meth:`Decoder.named_weights`.
 
-The KV cache (:class:`KVCache`) is contiguous: ``[layers, slots, max_len, kv_heads, head_dim]``.
+The KV cache (:class:`KVCache`) is contiguous: ``[layers, slots, kv_heads, max_len, head_dim]``.
 A *slot* holds one running sequence; ``lengths[slot]`` is how many of its positions are valid.
-:meth:`Decoder.forward` appends ``T`` new tokens to each of ``B`` slots at once (prefill: ``B = 1,
-T = prompt length``; decode: ``B = running slots, T = 1``); each row's positions start at its own
+:meth:`Decoder.forward` appends ``T`` new tokens to each of ``B`` slots at once (prefill: ``T =
+prompt length``; decode: ``B = running slots, T = 1``); each row's positions start at its own
 slot length, and each query sees only keys of its own slot up to its own position, so sequences
 of different lengths share one decode step. Positions beyond a slot's length hold stale values of
 a previous occupant; the mask, not zeroing, keeps them out.
+
+``slots`` is either a tensor of slot indices (any slots, in any order: their keys are gathered)
+or an int ``n``, meaning slots ``0 .. n-1``: attention then reads the cache in place, a strided
+view with no copy of the prefixes (the engine keeps its running sequences in the leading slots
+for this; :meth:`KVCache.move` and :meth:`KVCache.fork` are its tools). With ``last_only`` the
+output head runs on the last position only (a prefill needs no other logits).
 """
 
 from __future__ import annotations
@@ -129,8 +135,10 @@ class DecoderConfig:
 class KVCache:
     """Contiguous per-slot keys and values.
 
-    ``k``, ``v``: ``[layers, slots, max_len, kv_heads, head_dim]``; ``lengths``: ``[slots]`` (int64),
-    the valid prefix of each slot. Freeing a slot only resets its length.
+    ``k``, ``v``: ``[layers, slots, kv_heads, max_len, head_dim]`` (a slot's positions of one head
+    are contiguous rows, so the leading ``n`` slots' first ``L`` positions are a view SDPA reads
+    in place); ``lengths``: ``[slots]`` (int64), the valid prefix of each slot. Freeing a slot only
+    resets its length.
     """
 
     def __init__(
@@ -144,7 +152,7 @@ class KVCache:
     ):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots and max_len: must be >= 1, got {slots} and {max_len}")
-        shape = (cfg.num_layers, slots, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
@@ -159,6 +167,25 @@ class KVCache:
     def reset(self, slot: int) -> None:
         """Forget slot ``slot``'s sequence (its stale values stay, masked out by length)."""
         self.lengths[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Move slot ``src``'s sequence to slot ``dst`` (``src`` is then empty)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+        self.lengths[src] = 0
+
+    def fork(self, src: int, dsts: list[int]) -> None:
+        """Copy slot ``src``'s sequence into every slot of ``dsts`` (a group's shared prompt,
+        prefilled once: the copies hold bit for bit the keys and values ``src`` holds)."""
+        if not dsts:
+            return
+        n = int(self.lengths[src])
+        index = torch.tensor(dsts, dtype=torch.long, device=self.k.device)
+        self.k[:, index, :, :n] = self.k[:, src : src + 1, :, :n]
+        self.v[:, index, :, :n] = self.v[:, src : src + 1, :, :n]
+        self.lengths[index] = n
 
 
 class _RMSNorm(nn.Module):
@@ -213,6 +240,20 @@ class _Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
         self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class _Where:
+    """Where one forward's tokens go and what they see (computed once, shared by the layers)."""
+
+    dense: bool  # slots are 0 .. B-1: attention reads the cache in place
+    slots: torch.Tensor  # [B] slot of each row
+    rows: torch.Tensor  # [B, 1]: slots, for scattering [B, T] positions
+    positions: torch.Tensor  # [B, T] absolute positions
+    length: int  # keys to read per slot (the longest row's new length)
+    mask: torch.Tensor | None  # [B, 1, T, length] True = may attend; None: plain causal
+    cos: torch.Tensor  # [B, T, 1, head_dim]
+    sin: torch.Tensor
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -310,49 +351,65 @@ class Decoder(nn.Module):
         block: _Block,
         x: torch.Tensor,
         cache: KVCache,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
+        at: _Where,
     ) -> torch.Tensor:
         """Self-attention of ``x [B, T, hidden]`` that writes its K/V into ``cache`` first.
 
-        ``positions [B, T]`` are absolute; ``mask [B, 1, T, L]`` is True where a query may see a
-        key among the first ``L`` cache positions. Returns ``[B, T, hidden]``.
+        ``at`` says where: the rows' slots, absolute positions and rotary tables, and the mask
+        (``None``: plain causal, every row a fresh prompt of ``T`` tokens). Returns ``[B, T, hidden]``.
         """
         cfg, attn = self.cfg, block.self_attn
         B, T, _ = x.shape
         q = attn.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
         k = attn.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = attn.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        cos, sin = self._rope(positions)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        # Scatter the new keys/values to (slot, position) and read each slot's prefix back.
-        cache.k[layer][slots[:, None], positions] = k.to(cache.k.dtype)
-        cache.v[layer][slots[:, None], positions] = v.to(cache.v.dtype)
-        L = mask.shape[-1]
-        keys = cache.k[layer][slots, :L].to(q.dtype)  # [B, L, kv_heads, head_dim]
-        values = cache.v[layer][slots, :L].to(q.dtype)
+        q = q * at.cos + _rotate_half(q) * at.sin
+        k = k * at.cos + _rotate_half(k) * at.sin
+        # Scatter the new keys/values to (slot, position): [B, T, kv_heads, head_dim] lands on
+        # the cache's [slot, :, position] entries.
+        ck, cv = cache.k[layer], cache.v[layer]
+        ck[at.rows, :, at.positions] = k.to(ck.dtype)
+        cv[at.rows, :, at.positions] = v.to(cv.dtype)
+        if at.dense:  # slots 0 .. B-1: a view of the cache, nothing copied
+            keys, values = ck[:B, :, : at.length], cv[:B, :, : at.length]
+        else:
+            keys, values = ck[at.slots, :, : at.length], cv[at.slots, :, : at.length]
         # Grouped-query attention inside SDPA: no copy of the keys/values per query head.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask,
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=at.mask,
+            is_causal=at.mask is None,
             enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )
         return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
 
-    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Append ``input_ids [B, T]`` to ``slots [B]`` of ``cache``; return logits ``[B, T, V]``.
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        slots: torch.Tensor | int,
+        cache: KVCache,
+        *,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Append ``input_ids [B, T]`` to ``slots`` of ``cache``; return logits ``[B, T, V]``
+        (``[B, 1, V]``, the last position's, with ``last_only``).
 
-        Row ``b``'s tokens take positions ``lengths[slots[b]] .. + T - 1``; the slot lengths grow by
-        ``T``. Every row appends the same ``T`` (prefill one sequence at a time, or decode one
-        token for many).
+        ``slots``: a ``[B]`` tensor of slot indices, or the int ``B`` for slots ``0 .. B-1`` (read
+        in place). Row ``b``'s tokens take positions ``lengths[slot] .. + T - 1``; the slot
+        lengths grow by ``T``. Every row appends the same ``T`` (prefill prompts of one length,
+        or decode one token for many).
         """
-        _B, T = input_ids.shape
-        slots = slots.to(cache.lengths.device)
-        start = cache.lengths[slots]  # [B]
+        B, T = input_ids.shape
+        dense = isinstance(slots, int)
+        if isinstance(slots, int):
+            if slots != B:
+                raise ValueError(f"slots: {slots} leading slots for {B} rows")
+            index = torch.arange(B, device=cache.lengths.device)
+        else:
+            index = slots.to(cache.lengths.device)
+        start = (cache.lengths[:B] if dense else cache.lengths[index]).clone()  # [B]
         end = int(start.max()) + T
         if end > cache.max_len:
             raise ValueError(f"sequence would reach {end} tokens; the cache holds {cache.max_len} per slot")
@@ -363,15 +420,32 @@ class Decoder(nn.Module):
             )
         positions = start[:, None] + torch.arange(T, device=start.device)  # [B, T]
         # Causal and per-slot: query at position p sees keys 0..p of its own slot, and nothing of
-        # the stale tail beyond its slot's new length.
-        key_pos = torch.arange(end, device=start.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        # the stale tail beyond its slot's new length. Fresh prompts (every row starts at 0) are
+        # plain causal attention, which SDPA does without a mask.
+        if end == T:
+            mask = None
+        else:
+            key_pos = torch.arange(end, device=start.device)
+            mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, L]
+        cos, sin = self._rope(positions)
+        at = _Where(
+            dense=dense,
+            slots=index,
+            rows=index[:, None],
+            positions=positions,
+            length=end,
+            mask=mask,
+            cos=cos,
+            sin=sin,
+        )
         x = self.model.embed_tokens(input_ids)
         # _Backbone fills its ModuleList with _Blocks only; the list's iterator is typed as Modules.
         for i, block in enumerate(cast("Iterable[_Block]", self.model.layers)):
-            x = x + self._attend(i, block, block.input_layernorm(x), cache, slots, positions, mask)
+            x = x + self._attend(i, block, block.input_layernorm(x), cache, at)
             x = x + block.mlp(block.post_attention_layernorm(x))
-        cache.lengths[slots] = start + T
+        cache.lengths[index] = start + T
+        if last_only:
+            x = x[:, -1:]
         x = self.model.norm(x)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head)
