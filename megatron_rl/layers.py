@@ -22,9 +22,12 @@ Bottom first:
 6. ``orchestration`` (the RL loop and the whole recipe, ``RunConfig``);
 7. ``quickstart`` (the CPU demonstration, a client of the loop);
 8. entry points -- ``cli`` (the ``megatron-rl`` command and the verbs that span components);
-9. ``__main__`` (``python -m megatron_rl``).
+9. ``api`` (the Python API: the recipe object and the verbs, for notebooks and programs);
+10. ``__main__`` (``python -m megatron_rl``).
 
-The package root (``megatron_rl/__init__.py``) holds the version only and sits at layer 0.
+The package root (``megatron_rl/__init__.py``) holds the version and sits at layer 0. Its one
+exception: it re-exports the Python API (``from megatron_rl import train``), importing ``api``
+lazily on first use of one of those names, so that importing the root loads nothing else.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the loop and the recipe", ("orchestration",)),
     ("quick start", ("quickstart",)),
     ("entry points", ("cli",)),
+    ("python api", ("api",)),
     ("python -m megatron_rl", ("__main__",)),
 )
 
@@ -56,6 +60,8 @@ def part_of(module: str) -> str:
 
 def check_import(importer: str, imported: str) -> str | None:
     """None if ``importer`` may import ``imported`` (both modules of megatron_rl), else why not."""
+    if importer == "megatron_rl" and imported == "megatron_rl.api":
+        return None  # the root's lazy re-export of the Python API (see the module docstring)
     a, b = part_of(importer), part_of(imported)
     if a == b:
         return None

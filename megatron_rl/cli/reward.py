@@ -12,7 +12,13 @@ the length penalty; without it none is applied unless ``--tokenizer`` is given).
 is the input object plus ``reward``, ``parts``, ``reason`` and ``detail``, in input order. The
 output file is written atomically. A malformed line is an error naming its file, line and field
 (exit status 1, nothing written), or with ``--skip-bad`` is reported on stderr the same way and
-left out: the output holds exactly the good records.
+left out: the output holds exactly the good records. A bad recipe or override (``reward.custom``
+that does not resolve included) is one line naming the field, exit status 2.
+
+Your own reward: ``reward.custom=module:function`` (or a name registered in the
+``megatron_rl.rewards`` entry-point group) calls ``function(completion, problem)`` for every
+well-formed completion, ``problem`` being the whole input line; ``reward.custom_mode=add`` keeps
+the built-in correctness check beside it. See ``megatron_rl/rewards/custom.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ from megatron_rl.config import ConfigError
 from megatron_rl.data.problems import DataError, check_scorable, problem_from_json, reward_input
 from megatron_rl.fileio import JsonlError, atomic_path, iter_jsonl
 from megatron_rl.rewards.code import ensure_pch
-from megatron_rl.rewards.compose import RewardConfig, RewardInput, hard_timeout_s, score
+from megatron_rl.rewards.compose import (
+    RewardConfig,
+    RewardInput,
+    failed_result,
+    hard_timeout_s,
+    score,
+    verifier_warmup,
+)
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 
 if TYPE_CHECKING:
@@ -39,25 +52,28 @@ if TYPE_CHECKING:
 __all__ = ["main", "parse_line", "reward_config"]
 
 
-def parse_line(obj: JsonValue, where: str) -> RewardInput:
+def parse_line(obj: JsonValue, where: str, *, needs_reference: bool = True) -> RewardInput:
     """Validate one decoded line (``where`` is ``file:line``); raises :class:`DataError` naming
-    the place and the field."""
+    the place and the field. ``needs_reference`` False: a custom reward replaces the built-in
+    check, so the line needs no reference answer or tests."""
     problem = problem_from_json(obj, where)
     if not isinstance(obj.get("completion"), str):
         raise DataError(f"{where}: completion: missing or not a string")
     if problem.task == "code" and obj.get("language") not in ("python", "cpp"):
         raise DataError(f"{where}: language: must be 'python' or 'cpp', got {obj.get('language')!r}")
-    check_scorable(problem, where)
+    check_scorable(problem, where, needs_reference=needs_reference)
     n = obj.get("num_tokens")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
         raise DataError(f"{where}: num_tokens: must be a non-negative integer, got {n!r}")
     group = obj.get("group_id")
-    return reward_input(
+    inp = reward_input(
         problem, obj["completion"], num_tokens=n, group_id=None if group is None else str(group)
     )
+    inp.record = obj  # a custom reward is given the whole line, every extra field included
+    return inp
 
 
-def _read(path: Path, skip_bad: bool, tokenizer, bad: list[str]):
+def _read(path: Path, skip_bad: bool, tokenizer, bad: list[str], needs_reference: bool = True):
     """Yield ``(record, RewardInput)`` for every good line; a bad line stops the run, or with
     ``skip_bad`` is reported in ``bad`` (``file:line: why``) and left out."""
     try:
@@ -66,7 +82,7 @@ def _read(path: Path, skip_bad: bool, tokenizer, bad: list[str]):
             try:
                 if isinstance(obj, JsonlError):
                     raise DataError(str(obj))
-                inp = parse_line(obj, f"{path}:{lineno}")
+                inp = parse_line(obj, f"{path}:{lineno}", needs_reference=needs_reference)
             except DataError as e:
                 if not skip_bad:
                     raise
@@ -104,8 +120,9 @@ def reward_config(recipe: str | None, overrides: list[str], workers: int | None)
 def run(args) -> Counter:
     try:
         cfg = reward_config(args.recipe, args.overrides, args.workers)
-    except ValueError as e:
-        raise SystemExit(f"megatron-rl reward: {e}") from None
+    except ValueError as e:  # a usage error, as argparse's: exit status 2
+        print(f"megatron-rl reward: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     tokenizer = None
     if args.tokenizer:
         from transformers import (
@@ -128,7 +145,7 @@ def run(args) -> Counter:
             try:
                 res = pending.result().to_json()
             except PoolTaskError as e:
-                res = {"reward": 0.0, "parts": {}, "reason": e.reason, "detail": e.detail}
+                res = failed_result(e.reason, e.detail, cfg).to_json()
             reasons[res["reason"]] += 1
             total += res["reward"]
             out.write(json.dumps({**obj, **res}, ensure_ascii=False) + "\n")
@@ -136,12 +153,14 @@ def run(args) -> Counter:
 
     try:
         with (
-            VerifierPool(cfg.workers) as pool,
+            VerifierPool(cfg.workers, warmup=verifier_warmup(cfg)) as pool,
             atomic_path(out_path) as tmp,
             tmp.open("w", encoding="utf-8") as out,
         ):
-            for obj, inp in _read(Path(args.input), args.skip_bad, tokenizer, bad):
-                if inp.language == "cpp" and not pch_ready:
+            for obj, inp in _read(
+                Path(args.input), args.skip_bad, tokenizer, bad, not cfg.replaces_correctness
+            ):
+                if inp.language == "cpp" and not pch_ready and not cfg.replaces_correctness:
                     ensure_pch(cfg.code)  # once, outside the per-sample hard limits
                     pch_ready = True
                 window.append((obj, pool.submit(score, inp, cfg, timeout_s=hard_timeout_s(inp, cfg))))

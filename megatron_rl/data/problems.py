@@ -2,7 +2,8 @@
 atomic writers.
 
 A problem file holds one record per line (JSONL; also a JSON array, CSV, Parquet when ``pyarrow``
-is installed, or ``hf:NAME[:SPLIT]`` through ``datasets`` when installed)::
+is installed, a folder written by ``datasets``' ``save_to_disk``, or ``hf:NAME[:SPLIT]``, both
+through ``datasets`` when installed)::
 
     {"id": "p1", "problem": "What is 2+2?", "answer": "4"}                           # math
     {"id": "c1", "problem": "Read n, print n+1.", "tests": [{"input": "1\\n", "output": "2\\n"}],
@@ -14,6 +15,15 @@ programming language a code problem asks for), ``solutions``, ``choices`` (multi
 ``lang`` (the natural language of the statement, e.g. ``fr``). Every other field is kept in
 ``meta`` and written back unchanged, so curation never loses a user's columns.
 
+A data set with its own column names is read through a column mapping (our field -> the user's
+column, e.g. ``{"problem": "question", "answer": "final_answer"}``; a dotted name reads a nested
+field, ``reward_model.ground_truth``): the mapping is applied to every record of every format
+before it is checked, and an error names the user's column too
+(``train.parquet:row 7: answer (column 'final_answer'): expected a string or a number``). A
+folder written by ``datasets``' ``save_to_disk`` (a ``Dataset`` or a ``DatasetDict``, one split
+chosen) reads like a file, through ``datasets.load_from_disk``; its rows are named
+``folder/split:row N``, the folder ``save_to_disk`` wrote the split to.
+
 :func:`write_problems` writes through :mod:`megatron_rl.fileio`: an output either does not exist or
 is complete.
 """
@@ -24,6 +34,7 @@ import csv
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +47,13 @@ if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
 
 __all__ = [
+    "MAPPABLE_FIELDS",
     "DataError",
+    "OptionError",
     "Problem",
     "check_scorable",
+    "hold_out",
+    "is_datasets_folder",
     "problem_from_json",
     "read_problems",
     "read_records",
@@ -47,10 +62,31 @@ __all__ = [
 ]
 
 _KNOWN = ("id", "problem", "task", "answer", "tests", "language", "solutions", "choices", "lang")
+# What a column mapping may name: the known fields, and ``difficulty`` (kept in ``meta``; the
+# prompt sampler's difficulty bounds read it).
+MAPPABLE_FIELDS = (*_KNOWN, "difficulty")
+# Files ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk`` write at the top of the folder.
+_DATASETS_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 
 
 class DataError(ValueError):
-    """A malformed input record; the message starts with ``file:line: field:``."""
+    """A malformed input record; the message starts with ``file:line: field:``. ``where``,
+    ``field`` and ``detail`` are its parts when a record's field is at fault."""
+
+    def __init__(
+        self, message: str, *, where: str | None = None, field: str | None = None, detail: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.where, self.field, self.detail = where, field, detail
+
+
+class OptionError(DataError):
+    """A reading option (``split``, ``where.COLUMN``) that the data cannot satisfy; ``option``
+    names it, so that a caller holding a recipe can name its own field (``data.split``)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"{option}: {message}")
+        self.option, self.message = option, message
 
 
 @dataclass(kw_only=True)
@@ -79,7 +115,7 @@ class Problem:
 
 
 def _fail(where: str, field_name: str, message: str) -> DataError:
-    return DataError(f"{where}: {field_name}: {message}")
+    return DataError(f"{where}: {field_name}: {message}", where=where, field=field_name, detail=message)
 
 
 def _task(value: JsonValue, where: str) -> Literal["math", "code"]:
@@ -118,8 +154,65 @@ def _check_solutions(solutions: JsonValue, where: str) -> None:
             raise _fail(where, f"solutions[{k}]", 'expected {"language": str, "code": str}')
 
 
-def problem_from_json(obj: JsonValue, where: str) -> Problem:
-    """Validate one decoded record; ``where`` (``file:line``) prefixes every error."""
+def _lookup(obj: Mapping[str, JsonValue], column: str) -> tuple[bool, JsonValue]:
+    """``(found, value)`` of ``column`` in a record: a top-level key, else a dotted path into
+    nested objects (``reward_model.ground_truth``)."""
+    if column in obj:
+        return True, obj[column]
+    node: JsonValue = obj
+    for part in column.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def apply_columns(obj: dict[str, JsonValue], columns: Mapping[str, str], where: str) -> dict[str, JsonValue]:
+    """The record with each mapped column under our field's name (``columns``: field ->
+    column). A top-level column is moved; a nested one is copied (its parent stays in ``meta``).
+    A column absent from the record leaves the field absent; a record that has both a mapped
+    column and a column already named like its field is refused (one would be lost)."""
+    out = dict(obj)
+    for ours, theirs in columns.items():
+        if ours == theirs:
+            continue
+        found, value = _lookup(obj, theirs)
+        if not found:
+            continue
+        if ours in obj:
+            raise _fail(
+                where,
+                ours,
+                f"column {theirs!r} is mapped to {ours}, but the record also has a column {ours!r} "
+                "(drop or rename one of them)",
+            )
+        out.pop(theirs, None)  # a top-level column moves; a nested one stays in its parent
+        out[ours] = value
+    return out
+
+
+def problem_from_json(obj: JsonValue, where: str, *, columns: Mapping[str, str] | None = None) -> Problem:
+    """Validate one decoded record; ``where`` (``file:line``) prefixes every error. ``columns``
+    (field -> the user's column) renames columns first; an error on a mapped field names the
+    column as well: ``answer (column 'final_answer'): ...``."""
+    if not columns or not isinstance(obj, dict):
+        return _problem(obj, where)
+    mapped = apply_columns(obj, columns, where)
+    try:
+        return _problem(mapped, where)
+    except DataError as e:
+        raise _name_column(e, columns) from None
+
+
+def _name_column(e: DataError, columns: Mapping[str, str] | None) -> DataError:
+    """``e`` with the user's column beside our field when the field is a mapped one."""
+    root = re.split(r"[.\[]", e.field or "", maxsplit=1)[0]
+    if not columns or e.where is None or e.field is None or columns.get(root, root) == root:
+        return e
+    return _fail(e.where, f"{e.field} (column {columns[root]!r})", e.detail)
+
+
+def _problem(obj: JsonValue, where: str) -> Problem:
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     text = obj.get("problem")
@@ -193,29 +286,92 @@ def _parquet(path: Path) -> Iterator[tuple[str, JsonValue]]:
             row += 1
 
 
-def _hf(spec: str) -> Iterator[tuple[str, JsonValue]]:
+def _hf(spec: str, split: str) -> Iterator[tuple[str, JsonValue]]:
     try:
         import datasets  # lazy: optional dependency (hf: inputs)
     except ImportError:
         raise DataError(
             f"{spec}: reading a Hugging Face dataset needs `datasets` (pip install datasets)"
         ) from None
-    name, _, split = spec[len("hf:") :].partition(":")
-    for i, obj in enumerate(datasets.load_dataset(name, split=split or "train")):
+    name, _, in_spec = spec[len("hf:") :].partition(":")
+    for i, obj in enumerate(datasets.load_dataset(name, split=in_spec or split or "train")):
         yield f"{spec}:row {i}", dict(obj)
 
 
-def read_records(path: str | os.PathLike[str]) -> Iterator[tuple[str, JsonValue]]:
-    """Yield ``(where, record)`` from a JSONL / JSON-array / CSV / Parquet file or ``hf:NAME``;
-    ``where`` is ``file:line`` (``file:row N`` for tables). Records are JSON values (a table's
-    rows: objects) that :func:`problem_from_json` checks."""
+def is_datasets_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder written by ``Dataset.save_to_disk`` or
+    ``DatasetDict.save_to_disk`` (it holds ``dataset_dict.json``, ``state.json`` or
+    ``dataset_info.json``)."""
+    p = Path(path)
+    return p.is_dir() and any((p / name).is_file() for name in _DATASETS_MARKERS)
+
+
+def _datasets_folder(path: Path, split: str, default_split: str | None) -> Iterator[tuple[str, JsonValue]]:
+    """The rows of one split of a ``save_to_disk`` folder, converted by Arrow exactly as a
+    Parquet file's are (``datasets``' own formatting turns a list of objects into an object of
+    lists). ``split`` "": the folder's only split, else ``default_split`` when it has one."""
+    try:
+        import datasets  # lazy: optional dependency (datasets folders)
+    except ImportError:
+        raise DataError(
+            f"{path}: reading a datasets folder needs `datasets` (pip install datasets)"
+        ) from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as e:  # missing or corrupt files, bad JSON, Arrow errors
+        raise DataError(f"{path}: not a readable datasets folder: {e}") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        names = sorted(loaded)
+        if split:
+            if split not in loaded:
+                raise OptionError("split", f"{path} has no split {split!r} (its splits: {', '.join(names)})")
+            name = split
+        elif len(names) == 1:
+            name = names[0]
+        elif default_split is not None and default_split in loaded:
+            name = default_split
+        else:
+            raise OptionError("split", f"{path} holds several splits ({', '.join(names)}): name one")
+        table, prefix = loaded[name], f"{path / name}"
+    else:
+        if split:
+            raise OptionError(
+                "split", f"{split!r} given, but {path} is a single Dataset (saved without splits)"
+            )
+        table, prefix = loaded, str(path)
+    row = 0
+    for batch in table.with_format("arrow").iter(batch_size=1024):
+        for obj in batch.to_pylist():
+            yield f"{prefix}:row {row}", obj
+            row += 1
+
+
+def read_records(
+    path: str | os.PathLike[str], *, split: str = "", default_split: str | None = "train"
+) -> Iterator[tuple[str, JsonValue]]:
+    """Yield ``(where, record)`` from a JSONL / JSON-array / CSV / Parquet file, a ``datasets``
+    folder (``save_to_disk``) or ``hf:NAME[:SPLIT]``; ``where`` is ``file:line`` (``file:row N``
+    for tables). Records are JSON values (a table's rows: objects) that :func:`problem_from_json`
+    checks. ``split`` chooses a folder's split (and ``hf:NAME``'s when the name gives none); ""
+    takes the only one, else ``default_split`` (None: refuse to guess). A file has no splits: a
+    ``split`` given with one raises :class:`OptionError`."""
     spec = str(path)
     if spec.startswith("hf:"):
-        yield from _hf(spec)
+        yield from _hf(spec, split)
         return
     p = Path(spec)
+    if is_datasets_folder(p):
+        yield from _datasets_folder(p, split, default_split)
+        return
+    if p.is_dir():
+        raise DataError(
+            f"{p}: a folder, but not one written by datasets' save_to_disk (no "
+            f"{' / '.join(_DATASETS_MARKERS)})"
+        )
     if not p.is_file():
         raise DataError(f"{p}: no such file")
+    if split:
+        raise OptionError("split", f"{split!r} given, but {p} is a file (splits are for datasets folders)")
     if p.suffix == ".parquet":
         yield from _parquet(p)
     elif p.suffix == ".csv":
@@ -226,32 +382,101 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[tuple[str, JsonValue]
         yield from _jsonl(p)
 
 
+def _matches(value: JsonValue, wanted: JsonValue) -> bool:
+    """Equality as a user means it in a recipe: values of different types compare as text (a
+    CSV cell ``"3"`` matches ``3``); true/false also match ``"true"``/``"false"`` but never 1/0."""
+    if isinstance(value, bool) or isinstance(wanted, bool):
+        return value is wanted or (
+            isinstance(value, str) != isinstance(wanted, str) and str(value).lower() == str(wanted).lower()
+        )
+    if value is None or wanted is None:
+        return value is wanted
+    return value == wanted or str(value) == str(wanted)
+
+
 def read_problems(
-    path: str | os.PathLike[str], *, limit: int | None = None, scorable: bool = False
+    path: str | os.PathLike[str],
+    *,
+    limit: int | None = None,
+    scorable: bool = False,
+    needs_reference: bool = True,
+    columns: Mapping[str, str] | None = None,
+    where: Mapping[str, JsonValue] | None = None,
+    split: str = "",
+    default_split: str | None = "train",
 ) -> list[Problem]:
     """All problems of ``path`` (see the module docstring); raises :class:`DataError` on the first
     malformed record or a repeated id, and with ``scorable`` (training, evaluation) on the first
     that the reward cannot score (:func:`check_scorable`: a math problem without an answer, a code
-    problem without tests), naming its file and line: its group could never be scored."""
+    problem without tests), naming its file and line: its group could never be scored.
+
+    ``columns``: field -> the user's column, applied to every record first. ``where``: keep only
+    records whose column (the user's name, as in the file; dotted for nested fields) equals the
+    value, or one of the values of a list; a column no record has, or a filter that keeps
+    nothing, raises :class:`OptionError` (``where.COLUMN`` / ``where``). ``limit``: stop after
+    this many problems (after the filter). ``split`` / ``default_split``: :func:`read_records`."""
     out: list[Problem] = []
     seen: dict[str, str] = {}
-    for where, obj in read_records(path):
-        p = problem_from_json(obj, where)
+    wanted = {k: v if isinstance(v, list) else [v] for k, v in (where or {}).items()}
+    present: set[str] = set()  # where-columns some record has
+    records = 0
+    for at, obj in read_records(path, split=split, default_split=default_split):
+        records += 1
+        if wanted and isinstance(obj, dict):
+            keep = True
+            for column, values in wanted.items():
+                found, value = _lookup(obj, column)
+                present.update([column] if found else [])
+                keep = keep and found and any(_matches(value, w) for w in values)
+            if not keep:
+                continue
+        p = problem_from_json(obj, at, columns=columns)
         if scorable:
-            check_scorable(p, where)
+            try:
+                check_scorable(p, at, needs_reference=needs_reference)
+            except DataError as e:
+                raise _name_column(e, columns) from None
         if p.id in seen:
-            raise _fail(where, "id", f"{p.id!r} already used at {seen[p.id]}")
-        seen[p.id] = where
+            raise _fail(at, "id", f"{p.id!r} already used at {seen[p.id]}")
+        seen[p.id] = at
         out.append(p)
         if limit is not None and len(out) >= limit:
             break
+    if wanted and records:
+        for column in wanted:
+            if column not in present:
+                raise OptionError(f"where.{column}", f"no record of {path} has a column {column!r}")
+        if not out:
+            raise OptionError("where", f"no record of {path} matches {dict(where or {})}")
     return out
 
 
-def check_scorable(p: Problem, where: str | None = None) -> None:
+def hold_out(
+    problems: list[Problem], fraction: float, *, seed: int = 0
+) -> tuple[list[Problem], list[Problem]]:
+    """Split ``problems`` into ``(kept, held_out)``: ``round(fraction * n)`` problems (at least
+    one) held out, each list in the input order. Which ones depends only on the ids and
+    ``seed`` (the smallest ``sha256(seed:id)``), not on the order of the file, so the held-out
+    set stays the same when the file is reordered, and mostly the same when problems are added.
+    Raises ValueError when nothing would be left to train on."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction: must be in (0, 1), got {fraction!r}")
+    n_held = max(1, round(fraction * len(problems)))
+    if n_held >= len(problems):
+        raise ValueError(f"holding out {fraction:g} of {len(problems)} problems leaves none to train on")
+    rank = sorted(problems, key=lambda p: hashlib.sha256(f"{seed}:{p.id}".encode()).hexdigest())
+    held = {p.id for p in rank[:n_held]}
+    return [p for p in problems if p.id not in held], [p for p in problems if p.id in held]
+
+
+def check_scorable(p: Problem, where: str | None = None, *, needs_reference: bool = True) -> None:
     """Raise :class:`DataError` (naming ``where`` or the problem id, and the field) unless the
     reward can score completions of ``p``: math needs a reference answer, code a non-empty list
-    of tests, each with an expected output, in a language the code verifier runs."""
+    of tests, each with an expected output, in a language the code verifier runs. With
+    ``needs_reference`` False (a custom reward replaces the built-in check: ``reward.custom``,
+    ``custom_mode: replace``) any problem can be scored."""
+    if not needs_reference:
+        return
     at = where or f"problem {p.id!r}"
     if p.task == "math" and (p.answer is None or not str(p.answer).strip()):
         raise _fail(at, "answer", "a math problem needs a reference answer to be scored")
@@ -284,6 +509,7 @@ def reward_input(
         language=p.language if p.task == "code" else None,
         group_id=p.id if group_id is None else group_id,
         num_tokens=num_tokens,
+        record=p.to_json(),  # the whole record, every extra column: what a custom reward gets
     )
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Literal
 
 from megatron_rl.data.problems import DataError
 from megatron_rl.fileio import JsonlError, iter_jsonl
-from megatron_rl.rewards.result import REASONS
+from megatron_rl.rewards.result import REASON_LABEL, REASONS
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -108,7 +108,12 @@ class Sample:
                 need("reward", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
             ),
             parts=need("parts", lambda v: isinstance(v, dict), "an object"),
-            reason=need("reason", lambda v: v in REASONS, f"one of {', '.join(REASONS)}"),
+            # One of REASONS, or a custom reward's own label (rewards/custom.py: a short label).
+            reason=need(
+                "reason",
+                lambda v: v in REASONS or (isinstance(v, str) and REASON_LABEL.fullmatch(v) is not None),
+                f"one of {', '.join(REASONS)}, or a custom reward's label",
+            ),
             correct=need("correct", lambda v: v is None or isinstance(v, bool), "true, false or null"),
             versions=need("versions", int_list, "a list of integers"),
         )

@@ -2,7 +2,8 @@
 the real reward: the shared first half of difficulty filtering and evaluation.
 
 Prompts are the training prompts: :func:`megatron_rl.rewards.template.build_messages` (Magistral's
-system prompt plus the task instruction) rendered by the tokenizer's chat template. Completions are
+system prompt plus the task instruction) rendered by the tokenizer's chat template, or as plain
+text when it has none (:func:`render_prompt`). Completions are
 scored as they come back from the generator, in a :class:`VerifierPool`, so verification overlaps
 generation. Every request carries a seed derived from ``(seed, problem id, sample index)``: the
 same call on the same generator samples the same completions.
@@ -32,7 +33,7 @@ from megatron_rl.rewards.code import ensure_pch
 from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, score
 from megatron_rl.rewards.format import check_format, last_boxed
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
-from megatron_rl.rewards.template import SYSTEM_PROMPT, build_messages
+from megatron_rl.rewards.template import SYSTEM_PROMPT, build_messages, merge_system, render_plain
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -45,6 +46,7 @@ __all__ = [
     "close_generator",
     "decode_completion",
     "extract_answer",
+    "has_chat_template",
     "load_tokenizer",
     "open_generator",
     "render_prompt",
@@ -100,13 +102,37 @@ def extract_answer(completion: str, task: str) -> str | None:
     return None if parsed is None else last_boxed(parsed.answer)
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer carries a chat template (``tokenizer_config.json``'s
+    ``chat_template``, or ``chat_template.jinja`` beside it)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def render_prompt(tokenizer, problem: str, task: str, *, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
-    """Token ids of the training prompt for ``problem``: system prompt + problem + instruction,
-    through the tokenizer's chat template with the generation prompt appended."""
+    """Token ids of the training prompt for ``problem``: system prompt + problem + instruction.
+
+    With a chat template: rendered by it (the system prompt as the system message, none when
+    ``system_prompt`` is "", the generation prompt appended) and tokenized without adding
+    special tokens (the template holds any BOS it wants). A template that refuses a system role
+    (it raises, as some Mistral and Gemma templates do) gets the system prompt at the head of
+    the user message instead. Without a template (a base model, or ``data.chat_template: none``
+    through :func:`load_tokenizer`): :func:`~megatron_rl.rewards.template.render_plain`, with
+    the tokenizer's own special tokens (its BOS)."""
     messages = build_messages(problem, task, system_prompt=system_prompt)
     if not system_prompt:
         messages = messages[1:]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not has_chat_template(tokenizer):
+        return list(tokenizer(render_plain(messages))["input_ids"])
+    from jinja2 import TemplateError  # lazy: jinja2 comes with transformers, like the tokenizer
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError:
+        if messages[0]["role"] != "system":
+            raise
+        text = tokenizer.apply_chat_template(
+            merge_system(messages), tokenize=False, add_generation_prompt=True
+        )
     # The template already holds any BOS it wants; tokenizing it must not add another.
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -127,15 +153,22 @@ def decode_completion(tokenizer, token_ids) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def load_tokenizer(folder: str):
-    """A local Hugging Face tokenizer (no downloads)."""
+def load_tokenizer(folder: str, *, chat_template: str = "auto"):
+    """A local Hugging Face tokenizer (no downloads). ``chat_template``: "auto" keeps the
+    folder's template (prompts go through it when there is one); "none" drops it, so that
+    :func:`render_prompt` renders plain text."""
     from transformers import (
         AutoTokenizer,  # lazy: transformers takes seconds to import; only this path needs it
     )
 
+    if chat_template not in ("auto", "none"):
+        raise ValueError(f"chat_template: must be 'auto' or 'none', got {chat_template!r}")
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"{folder}: no such tokenizer folder")
-    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if chat_template == "none":
+        tokenizer.chat_template = None
+    return tokenizer
 
 
 def open_generator(

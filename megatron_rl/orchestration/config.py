@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_rl.config import ConfigFieldError, check_choice, check_range
+from megatron_rl.config import ConfigFieldError, YamlValue, check_choice, check_range
+from megatron_rl.data.problems import MAPPABLE_FIELDS
 from megatron_rl.generation.protocol import api_key_from_env, check_api_key
 
 __all__ = [
@@ -88,15 +89,70 @@ class LoopConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Problems (JSONL: id, problem, answer or tests, task, optional language/difficulty)."""
+    """Problems: a JSONL / JSON / CSV / Parquet file, a folder written by ``datasets``'
+    ``save_to_disk``, or ``hf:NAME[:SPLIT]`` (fields: id, problem, answer or tests, task,
+    optional language / difficulty; other names through ``columns``)."""
 
     train: str = ""  # training problems
     eval: str = ""  # held-out problems for pass@1 (optional)
+    # Our field -> your column, for data with its own names ({problem: question, answer:
+    # final_answer, id: uid}); a dotted column reads a nested field (reward_model.ground_truth).
+    # Applied to train and eval; columns not mapped stay in the problem's meta.
+    columns: dict[str, str] = field(default_factory=dict)
+    # The split of a datasets folder to train on; "" = its only split, else "train".
+    split: str = ""
+    eval_split: str = ""  # the split of a datasets folder given as eval; "" = its only split
+    # Keep only training records whose column (your name, as in the file) equals the value, or
+    # one of a list of values ({source: [gsm8k, math], lang: en}); {} = all.
+    where: dict[str, YamlValue] = field(default_factory=dict)
+    limit: int = 0  # train on the first this many problems of train (after where); 0 = all
+    # With eval empty: hold this fraction of train out as the eval set (0 = none), chosen by a
+    # hash of (holdout_seed, problem id), so it does not move when the file is reordered.
+    eval_fraction: float = 0.0
+    holdout_seed: int = 0
     system_prompt: str = "paper"  # "paper" (Magistral's), "none", or the text itself
+    # auto: prompts through the tokenizer's chat template when it has one (system prompt as the
+    # system message, generation prompt appended), else plain text; none: plain text always.
+    chat_template: Literal["auto", "none"] = "auto"
     min_difficulty: float | None = None  # keep problems with difficulty >= this (curriculum)
     max_difficulty: float | None = None  # keep problems with difficulty <= this
     drop_solved: bool = False  # a prompt whose whole group was correct is not sampled again
     shuffle: bool = True  # new permutation every epoch (seeded)
+
+    def __post_init__(self) -> None:
+        sources: dict[str, str] = {}
+        for ours, theirs in self.columns.items():
+            if ours not in MAPPABLE_FIELDS:
+                raise ConfigFieldError(
+                    f"columns.{ours}", f"not a field of a problem (map one of: {', '.join(MAPPABLE_FIELDS)})"
+                )
+            if not isinstance(theirs, str) or not theirs.strip():
+                raise ConfigFieldError(f"columns.{ours}", f"expected the name of a column, got {theirs!r}")
+            if theirs in sources:
+                raise ConfigFieldError(
+                    f"columns.{ours}", f"column {theirs!r} is already mapped to {sources[theirs]}"
+                )
+            sources[theirs] = ours
+        for column, wanted in self.where.items():
+            values = wanted if isinstance(wanted, list) else [wanted]
+            if not values or not all(v is None or isinstance(v, (str, int, float, bool)) for v in values):
+                raise ConfigFieldError(
+                    f"where.{column}", f"expected a value or a non-empty list of values, got {wanted!r}"
+                )
+        check_range("limit", self.limit, low=0)
+        check_range("eval_fraction", self.eval_fraction, low=0.0, high=1.0, high_open=True)
+        if self.eval_fraction and self.eval:
+            raise ConfigFieldError(
+                "eval_fraction",
+                f"holds part of train out when eval is empty, but eval is set ({self.eval!r})",
+            )
+        if self.eval_split and not self.eval:
+            raise ConfigFieldError("eval_split", "names a split of eval, but eval is empty")
+        check_choice("chat_template", self.chat_template, ("auto", "none"))
+        for name in ("min_difficulty", "max_difficulty"):
+            value = getattr(self, name)
+            if value is not None:
+                check_range(name, value)
 
 
 @dataclass(kw_only=True)

@@ -368,7 +368,9 @@ class Orchestrator:
                     "groups/trained": float(len(groups)),
                 }
             )
-            for part in ("format", "correct", "length", "language"):
+            for part in ("format", "correct", "custom", "length", "language"):
+                if part == "custom" and not any("custom" in s.parts for s in scored):
+                    continue
                 m[f"reward/{part}"] = sum(s.parts.get(part, 0.0) for s in scored) / len(scored)
         m.update(train_stats(stats_list))
         m.update(staleness_stats(versions, version))

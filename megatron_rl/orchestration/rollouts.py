@@ -57,7 +57,13 @@ from megatron_rl.data.problems import Problem, reward_input
 from megatron_rl.data.sampling import decode_completion, render_prompt
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import ClientClosed, ServerLost
-from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, prepare_verifiers, score
+from megatron_rl.rewards.compose import (
+    RewardConfig,
+    failed_result,
+    hard_timeout_s,
+    prepare_verifiers,
+    score,
+)
 from megatron_rl.rewards.pool import PoolTaskError
 from megatron_rl.rewards.result import RewardResult
 from megatron_rl.types import Completion, Group, Prompt, ScoredCompletion
@@ -528,7 +534,7 @@ class Rollouts:
             try:
                 res: RewardResult = fut.result()
             except PoolTaskError as e:
-                res = RewardResult(0.0, {}, e.reason, e.detail)
+                res = failed_result(e.reason, e.detail, self.reward)
             except BaseException as e:  # noqa: BLE001
                 res = RewardResult(0.0, {}, "verifier_error", f"{type(e).__name__}: {e}")
         else:

@@ -41,8 +41,8 @@ import yaml
 from tqdm import tqdm
 
 from megatron_rl.config import ConfigError, config_to_dict
-from megatron_rl.data.problems import read_problems
-from megatron_rl.data.sampling import SamplingConfig, load_tokenizer, sample_and_score
+from megatron_rl.data.problems import DataError, OptionError, hold_out, read_problems
+from megatron_rl.data.sampling import SamplingConfig, has_chat_template, load_tokenizer, sample_and_score
 from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
@@ -51,6 +51,7 @@ from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
 from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.orchestration.trackers import Tracker, open_trackers
+from megatron_rl.rewards.compose import verifier_warmup
 from megatron_rl.rewards.pool import VerifierPool
 from megatron_rl.rewards.template import SYSTEM_PROMPT
 from megatron_rl.training.checkpoint import (
@@ -70,10 +71,11 @@ if TYPE_CHECKING:
     from megatron_rl.config import YamlValue
     from megatron_rl.data.problems import Problem
     from megatron_rl.fileio import JsonValue
+    from megatron_rl.orchestration.config import DataConfig
     from megatron_rl.orchestration.loop import StepResult
     from megatron_rl.orchestration.recipe import RunConfig
 
-__all__ = ["main", "run_training"]
+__all__ = ["main", "read_problem_sets", "run_training"]
 
 _PLOTS = [
     ("reward/mean", "reward"),
@@ -238,16 +240,63 @@ def run_training(
     steps of *this* invocation (tests, benchmarks), checkpointing as usual."""
     if not cfg.model.hf:
         raise ValueError("model.hf: required (an HF folder with config.json, weights, tokenizer)")
-    if not cfg.data.train:
-        raise ValueError("data.train: required (a JSONL of problems)")
-    # Every problem is checked before anything starts (a math problem without an answer is a
-    # file:line error here, not a group that can never be scored an hour in).
-    problems = read_problems(cfg.data.train, scorable=True)
-    eval_problems = read_problems(cfg.data.eval, scorable=True) if cfg.data.eval else None
+    problems, eval_problems = read_problem_sets(cfg.data, needs_reference=not cfg.reward.replaces_correctness)
     with ExitStack() as stack:  # unwinds in reverse: orchestrator, broadcaster, pool, servers
         run = _Run(cfg, stack, progress=progress, problems=problems, eval_problems=eval_problems)
         run.train(stop_after)
         return run.finish()
+
+
+def read_problem_sets(
+    data: DataConfig, *, needs_reference: bool = True
+) -> tuple[list[Problem], list[Problem] | None]:
+    """The training problems and the held-out ones (None without ``data.eval`` or
+    ``data.eval_fraction``), read as ``data`` says: column mapping, split, filter, limit,
+    hold-out. Every problem is checked before anything starts (a math problem without an answer
+    is a file:line error here, not a group that can never be scored an hour in); an option the
+    data cannot satisfy names its recipe field (``data.where.source: no record of ... has a
+    column 'source'``). ``needs_reference`` False: a custom reward replaces the built-in check, so
+    a problem needs no reference answer or tests."""
+    if not data.train:
+        raise ValueError("data.train: required (a file, a datasets folder or hf:NAME of problems)")
+
+    def option(e: OptionError, split_field: str) -> DataError:
+        name = split_field if e.option == "split" else f"data.{e.option}"
+        return DataError(f"{name}: {e.message}")
+
+    try:
+        problems = read_problems(
+            data.train,
+            scorable=True,
+            needs_reference=needs_reference,
+            columns=data.columns,
+            where=data.where,
+            limit=data.limit or None,
+            split=data.split,
+        )
+    except OptionError as e:
+        raise option(e, "data.split") from None
+    if not problems:
+        raise DataError(f"data.train: {data.train} holds no problems")
+    eval_problems = None
+    if data.eval:
+        try:
+            eval_problems = read_problems(
+                data.eval,
+                scorable=True,
+                needs_reference=needs_reference,
+                columns=data.columns,
+                split=data.eval_split,
+                default_split=None,
+            )
+        except OptionError as e:
+            raise option(e, "data.eval_split") from None
+    elif data.eval_fraction:
+        try:
+            problems, eval_problems = hold_out(problems, data.eval_fraction, seed=data.holdout_seed)
+        except ValueError as e:
+            raise DataError(f"data.eval_fraction: {e}") from None
+    return problems, eval_problems
 
 
 class _Run:
@@ -286,11 +335,19 @@ class _Run:
         self.eval_problems: list[Problem] | None = None
         self.trackers: list[Tracker] = []  # rank 0's (run.trackers), opened with the run directory
 
-        self.tok: PreTrainedTokenizerBase = load_tokenizer(cfg.model.tokenizer or cfg.model.hf)
+        self.tok: PreTrainedTokenizerBase = load_tokenizer(
+            cfg.model.tokenizer or cfg.model.hf, chat_template=cfg.data.chat_template
+        )
         self.trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
         stack.callback(self.trainer.close)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.rank0 = self.rank == 0
+        if self.rank0 and not has_chat_template(self.tok):
+            print(
+                "[data] no chat template (the tokenizer has none, or data.chat_template: none): "
+                "prompts are plain text",
+                file=sys.stderr,
+            )
         self.resume_from = latest_checkpoint(self.ckpt_root) if cfg.run.resume != "never" else None
         if cfg.run.resume == "must" and self.resume_from is None:
             raise FileNotFoundError(f"run.resume: must, but {self.ckpt_root} holds no checkpoint")
@@ -393,7 +450,9 @@ class _Run:
             api_key=api_key,
         )
         stack.callback(fleet.close)
-        pool = stack.enter_context(VerifierPool(cfg.reward.workers))
+        pool = VerifierPool(cfg.reward.workers, warmup=verifier_warmup(cfg.reward))
+        # At the end nobody reads what is still queued (a slow reward can leave a long queue).
+        stack.callback(pool.close, cancel=True)
         sampler = PromptSampler(self.problems, seed=cfg.loop.seed, shuffle=cfg.data.shuffle)
         for k in ("min_difficulty", "max_difficulty", "drop_solved"):
             setattr(sampler, k, getattr(cfg.data, k))
@@ -586,8 +645,21 @@ class _Run:
         return summary
 
 
-# Fields a resumed run may not change: the checkpoint's prompts, seeds and groups depend on them.
-_FIXED_ON_RESUME = ("model.hf", "data.train", "loop.group_size", "loop.seed", "data.shuffle")
+# Fields a resumed run may not change: the checkpoint's prompts, seeds and groups depend on them
+# (the data.* ones decide which problems the sampler's cursor walks; a field or any key under it).
+_FIXED_ON_RESUME = (
+    "model.hf",
+    "data.train",
+    "data.split",
+    "data.columns",
+    "data.where",
+    "data.limit",
+    "data.eval_fraction",
+    "data.holdout_seed",
+    "loop.group_size",
+    "loop.seed",
+    "data.shuffle",
+)
 
 
 def _check_resume_config(path: Path, new: dict[str, YamlValue]) -> None:
@@ -605,7 +677,7 @@ def _check_resume_config(path: Path, new: dict[str, YamlValue]) -> None:
 
     a, b = flat(old), flat(new)
     changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    fixed = [k for k in changed if k in _FIXED_ON_RESUME]
+    fixed = [k for k in changed if any(k == f or k.startswith(f"{f}.") for f in _FIXED_ON_RESUME)]
     if fixed:
         raise ValueError(
             f"{path}: resuming with a different {fixed[0]} ({a.get(fixed[0])!r} -> "

@@ -1,5 +1,6 @@
 """The reward (layer 1): ``format`` (the ``<think>`` template and ``\\boxed{}``), ``math``
 (math-verify on SymPy), ``code`` (tests run in ``sandbox``), ``length`` (soft penalty),
-``language`` (fastText consistency), ``compose`` (RewardConfig, the total and its parts), ``pool``
+``language`` (fastText consistency), ``compose`` (RewardConfig, the total and its parts), ``custom``
+(your own reward, ``reward.custom``), ``pool``
 (verifier processes with hard per-task limits), ``result`` (verdicts and reasons), ``template``
 (the system prompt). Modules are imported directly; this package imports nothing heavy."""

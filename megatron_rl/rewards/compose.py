@@ -7,6 +7,11 @@ with Magistral's values as defaults: format 0.1, correct 0.9 (binary: all tests 
 proportional as an option), length penalty down to -0.1 between ``l_max - l_cache`` and
 ``l_max``, language +0.1 when problem, thinking and answer share one language.
 
+``reward.custom`` (:mod:`megatron_rl.rewards.custom`) plugs in a function of your own: its score
+times ``custom_weight`` is the ``custom`` part, which replaces the correctness part
+(``custom_mode: replace``, the default) or is added beside it (``add``). The format check still
+comes first and a failure still scores 0, and the length and language parts stay, as in the paper.
+
 :func:`score` is the fixed-signature verifier entry point that pool workers run;
 :func:`score_many` spreads a batch over a :class:`VerifierPool` and always returns one
 :class:`RewardResult` per input, in order -- a stuck or crashed verifier scores its sample 0 with
@@ -17,11 +22,14 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
-from megatron_rl.config import ConfigFieldError, check_range
+from megatron_rl.config import ConfigFieldError, check_choice, check_range
 from megatron_rl.rewards.code import CodeConfig, ensure_pch, extract_code_block, verify_code
+from megatron_rl.rewards.custom import CustomScore, call_custom, resolve, warm_up
 from megatron_rl.rewards.format import check_format
 from megatron_rl.rewards.language import language_consistent
 from megatron_rl.rewards.length import length_penalty
@@ -32,11 +40,14 @@ from megatron_rl.rewards.result import RewardResult, Verdict
 __all__ = [
     "RewardConfig",
     "RewardInput",
+    "failed_result",
     "group_seed",
     "hard_timeout_s",
     "prepare_verifiers",
+    "problem_record",
     "score",
     "score_many",
+    "verifier_warmup",
 ]
 
 
@@ -52,6 +63,10 @@ class RewardConfig:
     l_cache: int = 8192  # width of the linear ramp before l_max
     workers: int = 2  # verifier processes
     task_timeout_s: float = 0.0  # hard wall-clock limit per sample; 0 = derived from the limits
+    custom: str | None = None  # your reward: "module:function" or a registered name (rewards/custom.py)
+    custom_mode: Literal["replace", "add"] = "replace"  # replace the correctness part, or add beside it
+    custom_weight: float = 1.0  # the custom part is custom_weight * the function's score
+    custom_timeout_s: float = 10.0  # limit per call of the custom function; past it, that part is 0
     math: MathConfig = field(default_factory=MathConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
 
@@ -62,12 +77,28 @@ class RewardConfig:
             "language_reward",
             "length_penalty",
             "task_timeout_s",
+            "custom_weight",
         ):
             check_range(name, getattr(self, name), low=0.0)
         check_range("l_max", self.l_max, low=1)
         if not 0 <= self.l_cache <= self.l_max:
             raise ConfigFieldError("l_cache", f"must be in [0, l_max={self.l_max}], got {self.l_cache}")
         check_range("workers", self.workers, low=1)
+        check_choice("custom_mode", self.custom_mode, ("replace", "add"))
+        check_range("custom_timeout_s", self.custom_timeout_s, low=0.0, low_open=True)
+        if self.custom is not None:
+            resolve(self.custom)  # at load: a bad name, module or function fails here, naming the field
+            if self.task_timeout_s and self.task_timeout_s <= self.custom_timeout_s:
+                raise ConfigFieldError(
+                    "custom_timeout_s",
+                    f"must be below task_timeout_s ({self.task_timeout_s:g}), the hard limit of the "
+                    f"whole sample, got {self.custom_timeout_s:g}",
+                )
+
+    @property
+    def replaces_correctness(self) -> bool:
+        """Whether a custom reward stands in for the built-in math / code check."""
+        return self.custom is not None and self.custom_mode == "replace"
 
 
 @dataclass(kw_only=True)
@@ -82,12 +113,15 @@ class RewardInput:
     language: str | None = None  # code: the language the problem asks for (python / cpp)
     group_id: str | int | None = None  # completions of one group draw the same code tests
     num_tokens: int | None = None  # completion length in tokens (length penalty); None = none
+    # The whole input record as the data has it (every extra field): what a custom reward is given.
+    # None: rebuilt from the fields above (problem_record).
+    record: dict[str, Any] | None = None
 
     def __post_init__(self):
-        if self.task == "math" and self.answer is None:
-            raise ValueError("a math sample needs 'answer'")
-        if self.task == "code" and not self.tests:
-            raise ValueError("a code sample needs a non-empty 'tests' list")
+        if self.record is not None and not isinstance(self.record, dict):
+            raise ValueError(f"record must be a dict, got {type(self.record).__name__}")
+        # A reference (answer / tests) is checked where it is needed, by the built-in check
+        # (_correctness): a custom reward that replaces it may need none.
         if self.task not in ("math", "code"):
             raise ValueError(f"task must be 'math' or 'code', got {self.task!r}")
 
@@ -99,12 +133,14 @@ def group_seed(inp: RewardInput) -> int:
 
 
 def _correctness(inp: RewardInput, answer: str, cfg: RewardConfig) -> Verdict:
-    # __post_init__ refuses a math sample without an answer and a code sample without tests;
-    # RewardInput is not frozen, so these say so again rather than fail deeper in.
+    # The reference is checked here, where it is needed: a custom reward that replaces this check
+    # takes problems without one (data.problems.check_scorable refuses them at load otherwise).
     if inp.task == "math":
         if inp.answer is None:
             raise ValueError("a math sample needs 'answer'")
         return verify_math(answer, inp.answer, cfg.math)
+    if not inp.tests:
+        raise ValueError("a code sample needs a non-empty 'tests' list")
     block_lang, code = extract_code_block(answer)
     if code is None or not code.strip():
         return Verdict(False, 0.0, "no_answer", "empty code block")
@@ -112,61 +148,105 @@ def _correctness(inp: RewardInput, answer: str, cfg: RewardConfig) -> Verdict:
         return Verdict(
             False, 0.0, "wrong_answer", f"code block is {block_lang!r}, the problem asks for {inp.language!r}"
         )
-    if inp.tests is None:
-        raise ValueError("a code sample needs a non-empty 'tests' list")
     return verify_code(code, block_lang, inp.tests, cfg.code, seed=group_seed(inp))
+
+
+def problem_record(inp: RewardInput) -> dict[str, Any]:
+    """What a custom reward gets as ``problem``: the input's whole record, or (when the caller did
+    not pass one) the fields the reward knows."""
+    if inp.record is not None:
+        return inp.record
+    fields = {"problem": inp.problem, "task": inp.task, "answer": inp.answer, "tests": inp.tests}
+    return {k: v for k, v in {**fields, "language": inp.language}.items() if v is not None}
+
+
+def _custom(inp: RewardInput, cfg: RewardConfig) -> CustomScore:
+    if cfg.custom is None:
+        raise ValueError("no custom reward is configured")
+    return call_custom(
+        resolve(cfg.custom), inp.completion, problem_record(inp), timeout_s=cfg.custom_timeout_s
+    )
 
 
 def score(inp: RewardInput, cfg: RewardConfig) -> RewardResult:
     """Score one completion (runs in a verifier worker; see the module docstring)."""
     parsed, why = check_format(inp.completion, inp.task)
     if parsed is None:
-        return RewardResult(
-            0.0, {"format": 0.0, "correct": 0.0, "length": 0.0, "language": 0.0}, "format_error", why
-        )
-    verdict = _correctness(inp, parsed.answer, cfg)
-    share = verdict.fraction if cfg.code.partial_credit and inp.task == "code" else float(verdict.correct)
+        return _zero(cfg, "format_error", why)
+    parts: dict[str, float] = {"format": cfg.format_reward}
+    info: dict[str, Any] = {}
+    custom: CustomScore | None
+    if cfg.replaces_correctness:
+        custom = _custom(inp, cfg)
+        correct, reason, detail = custom.correct, custom.reason, custom.detail
+    else:
+        verdict = _correctness(inp, parsed.answer, cfg)
+        share = verdict.fraction if cfg.code.partial_credit and inp.task == "code" else float(verdict.correct)
+        parts["correct"] = cfg.correct_reward * share
+        correct, reason, detail = verdict.correct, verdict.reason, verdict.detail
+        custom = _custom(inp, cfg) if cfg.custom is not None else None
+        if custom is not None and custom.failed:  # the correctness check stands; the failure shows
+            reason, detail = custom.reason, f"{custom.detail} (correctness: {verdict.reason})"
+    if custom is not None:
+        parts["custom"] = cfg.custom_weight * custom.score
+        info["custom"] = {"score": custom.score, "reason": custom.reason, "detail": custom.detail}
     consistent, langs = language_consistent(inp.problem, parsed.thinking, parsed.answer)
-    parts = {
-        "format": cfg.format_reward,
-        "correct": cfg.correct_reward * share,
-        "length": (
-            length_penalty(inp.num_tokens, cfg.l_max, cfg.l_cache, cfg.length_penalty)
-            if inp.num_tokens is not None
-            else 0.0
-        ),
-        "language": cfg.language_reward if consistent else 0.0,
-    }
+    parts["length"] = (
+        length_penalty(inp.num_tokens, cfg.l_max, cfg.l_cache, cfg.length_penalty)
+        if inp.num_tokens is not None
+        else 0.0
+    )
+    parts["language"] = cfg.language_reward if consistent else 0.0
     return RewardResult(
         sum(parts.values()),
         parts,
-        verdict.reason,
-        verdict.detail,
-        correct=verdict.correct,
+        reason,
+        detail,
+        correct=correct,
         format_ok=True,
-        info={"languages": langs},
+        info={"languages": langs, **info},
     )
 
 
 def hard_timeout_s(inp: RewardInput, cfg: RewardConfig) -> float:
-    """Wall-clock limit after which the pool kills the worker scoring ``inp``."""
+    """Wall-clock limit after which the pool kills the worker scoring ``inp``: the limits of what
+    runs (the correctness check, the custom function's soft limit) plus 10 s of slack."""
     if cfg.task_timeout_s:
         return cfg.task_timeout_s
+    custom = cfg.custom_timeout_s if cfg.custom is not None else 0.0
+    if cfg.replaces_correctness:
+        return custom + 10.0
     if inp.task == "math":  # two parses and one compare, each bounded by SIGALRM, plus slack
-        return 2 * cfg.math.parse_timeout_s + cfg.math.verify_timeout_s + 10.0
+        return 2 * cfg.math.parse_timeout_s + cfg.math.verify_timeout_s + custom + 10.0
     n = min(len(inp.tests or ()), cfg.code.tests_per_problem)
-    return cfg.code.compile_timeout_s + n * (math.ceil(cfg.code.test_timeout_s) + 2) + 10.0
+    return cfg.code.compile_timeout_s + n * (math.ceil(cfg.code.test_timeout_s) + 2) + custom + 10.0
 
 
 def prepare_verifiers(inputs: list[RewardInput], cfg: RewardConfig) -> None:
     """One-off work before scoring: build the precompiled C++ header (~5 s, once per compiler and
     flag set) in the caller, so it is not charged to the first C++ sample's hard time limit."""
-    if any(i.task == "code" and i.language == "cpp" for i in inputs):
+    if not cfg.replaces_correctness and any(i.task == "code" and i.language == "cpp" for i in inputs):
         ensure_pch(cfg.code)
 
 
-def _failed(reason: str, detail: str) -> RewardResult:
-    return RewardResult(0.0, {"format": 0.0, "correct": 0.0, "length": 0.0, "language": 0.0}, reason, detail)
+def verifier_warmup(cfg: RewardConfig) -> Callable[[], object] | None:
+    """What a :class:`VerifierPool` for ``cfg`` runs in each worker before its first task
+    (``warmup=``): the custom reward's import, so it is not charged to a sample's limit."""
+    return partial(warm_up, cfg.custom) if cfg.custom is not None else None
+
+
+def _zero(cfg: RewardConfig, reason: str, detail: str) -> RewardResult:
+    names = ["format", "custom"] if cfg.replaces_correctness else ["format", "correct"]
+    if cfg.custom is not None and cfg.custom_mode == "add":
+        names.append("custom")
+    return RewardResult(0.0, dict.fromkeys([*names, "length", "language"], 0.0), reason, detail)
+
+
+def failed_result(reason: str, detail: str, cfg: RewardConfig) -> RewardResult:
+    """The result of a sample whose worker was killed or died (:class:`PoolTaskError`): 0, every
+    part 0. When a custom reward replaces the correctness check it is the one thing that runs long
+    or can crash there, so the detail says so."""
+    return _zero(cfg, reason, f"custom: {detail}" if cfg.replaces_correctness else detail)
 
 
 def score_many(
@@ -175,7 +255,7 @@ def score_many(
     """Score a batch in the pool (one is started and stopped when not given); input order."""
     prepare_verifiers(inputs, cfg)
     own = pool is None
-    pool = pool or VerifierPool(cfg.workers)
+    pool = pool or VerifierPool(cfg.workers, warmup=verifier_warmup(cfg))
     try:
         futures = [pool.submit(score, inp, cfg, timeout_s=hard_timeout_s(inp, cfg)) for inp in inputs]
         out = []
@@ -183,7 +263,7 @@ def score_many(
             try:
                 out.append(f.result())
             except PoolTaskError as e:
-                out.append(_failed(e.reason, e.detail))
+                out.append(failed_result(e.reason, e.detail, cfg))
         return out
     finally:
         if own:

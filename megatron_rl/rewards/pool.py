@@ -65,7 +65,8 @@ _MAX_CHUNK = 16
 
 
 class PoolTaskError(Exception):
-    """A task that produced no result: ``reason`` is worker_timeout, worker_crash or verifier_error."""
+    """A task that produced no result: ``reason`` is worker_timeout, worker_crash, verifier_error
+    or cancelled (``close(cancel=True)``)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -148,6 +149,7 @@ class VerifierPool:
         self._pending: deque[_Task] = deque()
         self._ids = itertools.count()
         self._closing = False
+        self._cancel = False  # close(cancel=True): stop without waiting for running chunks
         self._broken: str | None = None  # why workers cannot start, once that is certain
         self._start_failures = 0  # consecutive workers that died before saying ready
         self.stats = {
@@ -200,12 +202,29 @@ class VerifierPool:
             )
             return self._broken is None and all(w.ready for w in self._workers)
 
-    def close(self) -> None:
-        """Finish the queued tasks, then stop the workers."""
+    def close(self, *, cancel: bool = False) -> None:
+        """Finish the queued tasks, then stop the workers. With ``cancel``, the tasks not yet
+        started are cancelled instead (their futures end ``cancelled()``) and busy workers are
+        killed, their tasks cancelled too: what a finished run does with scoring nobody will
+        read (a slow verifier may have left a long queue behind)."""
         with self._lock:
             self._closing = True
+            self._cancel = cancel
+            dropped = list(self._pending) if cancel else []
+            if cancel:
+                self._pending.clear()
+        for task in dropped:
+            task.future.cancel()
         self._wake_w.send_bytes(b"")
         self._thread.join()
+        if cancel:  # the dispatcher stopped without waiting: busy workers go now, their tasks too
+            for w in self._workers:
+                if w.chunk:
+                    w.process.kill()
+                    for task in w.chunk:  # sent: their futures run, and cannot be cancelled
+                        if not task.future.cancel():
+                            task.future.set_exception(PoolTaskError("cancelled", "the pool was closed"))
+                    w.chunk.clear()
         for w in self._workers:
             try:
                 w.conn.send(None)
@@ -364,7 +383,7 @@ class VerifierPool:
         for w in dead:
             self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
         with self._lock:
-            idle = all(not w.chunk for w in self._workers)
+            idle = self._cancel or all(not w.chunk for w in self._workers)
             return idle and (self._broken is not None or (self._closing and not self._pending))
 
     def _receive(self, w: _Worker) -> None:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-__all__ = ["REASONS", "RewardResult", "Verdict"]
+__all__ = ["REASONS", "REASON_LABEL", "RewardResult", "Verdict"]
 
-#: Every reason a scored sample can carry. ``ok`` means fully correct.
+#: Every reason the built-in verifiers and the pool give a sample. ``ok`` means fully correct. A
+#: custom reward (``rewards/custom.py``) may return labels of its own (``wrong_unit``), and its
+#: failures use ``verifier_error`` / ``timeout`` / ``worker_*`` with a ``custom:`` detail.
+#: What any reason must look like (a custom reward's own labels too): a short label that runs
+#: count per value, never a message (free text goes in ``detail``).
+REASON_LABEL = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
 REASONS = (
     "ok",
     "format_error",  # template not followed (no <think> start, not exactly one </think>, ...)

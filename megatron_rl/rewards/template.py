@@ -1,4 +1,6 @@
-"""The system prompt (Magistral's, Figure 2 of the paper) and the output template it asks for.
+"""The system prompt (Magistral's, Figure 2 of the paper), the output template it asks for, and
+the chat messages of a prompt (rendered by a tokenizer's chat template, or as plain text for a
+tokenizer without one: :func:`render_plain`).
 
 The model answers ``<think>`` + inner monologue + ``</think>`` + a self-contained summary in
 Markdown/LaTeX, both in the language of the problem. "Be as casual and as long as you want until
@@ -15,6 +17,8 @@ __all__ = [
     "THINK_CLOSE",
     "THINK_OPEN",
     "build_messages",
+    "merge_system",
+    "render_plain",
 ]
 
 THINK_OPEN = "<think>"
@@ -55,3 +59,20 @@ def build_messages(problem: str, task: str = "math", *, system_prompt: str = SYS
         {"role": "system", "content": system_prompt},
         {"role": "user", "content": f"{problem}\n\n{instruction}"},
     ]
+
+
+def render_plain(messages: list[dict]) -> str:
+    """The prompt as plain text, for a tokenizer without a chat template (a base model): the
+    messages' contents, each stripped of trailing white space, separated and ended by a blank
+    line. Magistral's system prompt ends with ``Problem:``, so the text reads as the paper's
+    prompt followed by the problem; the completion starts on a new paragraph."""
+    return "".join(f"{m['content'].rstrip()}\n\n" for m in messages)
+
+
+def merge_system(messages: list[dict]) -> list[dict]:
+    """The messages with a leading system message folded into the first user message (system
+    text, a blank line, the user text), for chat templates that refuse a system role."""
+    if not messages or messages[0]["role"] != "system" or len(messages) < 2:
+        return messages
+    system, user, *rest = messages
+    return [{**user, "content": f"{system['content'].rstrip()}\n\n{user['content']}"}, *rest]

@@ -46,7 +46,7 @@ def test_writer_and_reader_roundtrip(tmp_path):
     [
         ({"step": -1}, "step: expected a non-negative integer"),
         ({"task": "chat"}, "task: expected 'math' or 'code'"),
-        ({"reason": "bad_luck"}, "reason: expected one of ok, format_error"),
+        ({"reason": "bad luck, see log"}, "reason: expected one of ok, format_error"),
         ({"versions": [0]}, "versions: 1 entries for 2 completion tokens"),
         ({"prompt_ids": []}, "prompt_ids: expected a non-empty list"),
         ({"correct": "yes"}, "correct: expected true, false or null"),

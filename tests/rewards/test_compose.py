@@ -86,10 +86,15 @@ def test_group_seed_is_shared_by_a_group():
 
 
 def test_invalid_inputs():
+    """The built-in check needs its reference (a custom reward that replaces it may not)."""
+    done = EN_THINK + "The sum is $\\boxed{5}$."
     with pytest.raises(ValueError, match="answer"):
-        RewardInput(problem="p", completion="c", task="math")
+        score(RewardInput(problem="p", completion=done, task="math"), RewardConfig())
+    code = EN_THINK + "Here it is.\n```python\nprint(5)\n```"
     with pytest.raises(ValueError, match="tests"):
-        RewardInput(problem="p", completion="c", task="code", tests=[])
+        score(RewardInput(problem="p", completion=code, task="code", tests=[]), RewardConfig())
+    with pytest.raises(ValueError, match="task"):
+        RewardInput(problem="p", completion="c", task="poetry")
 
 
 def test_score_many_in_order_and_a_stuck_verifier_scores_zero():

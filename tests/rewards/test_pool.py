@@ -257,3 +257,28 @@ def test_workers_that_cannot_start_break_the_pool_instead_of_spinning(tmp_path):
     assert "3 verifier processes in a row died while starting" in proc.stdout, proc.stderr
     assert "first: worker_crash" in proc.stdout or "first: the verifier pool is broken" in proc.stdout
     assert "submit: the verifier pool is broken" in proc.stdout
+
+
+@pytest.mark.fault("load")
+def test_close_with_cancel_drops_a_long_queue_at_once():
+    """A finished run's leftover scoring: 40 tasks that would each run for an hour, cancelled
+    (queued ones and the running ones alike) instead of waited for; no worker is left behind."""
+    p = VerifierPool(2, default_timeout_s=3600)
+    futures = [p.submit(sleep_forever, i) for i in range(40)]
+    done = p.submit(square, 3)  # queued behind the sleepers: cancelled too
+    while not any(w.chunk for w in p._workers):
+        time.sleep(0.01)
+    workers = [w.process for w in p._workers]
+    t0 = time.monotonic()
+    p.close(cancel=True)
+    assert time.monotonic() - t0 < 60  # a guard against a hang, not a timing: waiting would take hours
+    # Queued ones are cancelled; the ones already handed to a worker fail as cancelled.
+    running = [f for f in futures if not f.cancelled()]
+    assert done.cancelled() and 0 < len(running) < len(futures)
+    for f in running:
+        with pytest.raises(PoolTaskError, match="closed") as e:
+            f.result(timeout=0)
+        assert e.value.reason == "cancelled"
+    assert not any(w.is_alive() for w in workers)
+    with pytest.raises(RuntimeError, match="closed"):
+        p.submit(square, 2)
