@@ -233,7 +233,9 @@ def _table(results: dict[str, dict[str, object]], machine: dict[str, object]) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", default="", help="comma-separated benchmarks (default: all)")
+    p.add_argument(
+        "--only", default="", help="comma-separated benchmarks (default: all); the others keep their last results"
+    )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks", help="results folder")
     p.add_argument("--readme", action="store_true", help="rewrite README's table between its markers")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark")
@@ -245,6 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     machine = _machine()
     results: dict[str, dict[str, object]] = {}
+    previous = args.out / "results.json"
+    if args.only and previous.is_file():  # a partial run updates the table, keeping the others
+        try:
+            results.update(json.loads(previous.read_text()).get("benches", {}))
+        except (ValueError, AttributeError):
+            print(f"bench all: {previous} is not a results file; starting a new one", file=sys.stderr)
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name} ...", flush=True)
         results[name] = r = _run(name, BENCHES[name], args.timeout_s)
@@ -272,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if f.bench in results
     }
     print(json.dumps(summary))
-    return 0 if all(r.get("result") is not None for r in results.values()) else 1
+    return 0 if all(results[n].get("result") is not None for n in names) else 1
 
 
 if __name__ == "__main__":

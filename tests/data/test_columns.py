@@ -263,7 +263,7 @@ def _train_rows() -> list[dict]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["parquet", "datasets"])
 def test_the_quick_start_recipe_trains_on_your_own_data(tmp_path, layout):
-    from tests.data.tinylm import answering_model
+    from tests.data.tinylm import TINY_LOOP, answering_model
 
     answering_model(tmp_path / "model")
     rows = _train_rows()
@@ -283,12 +283,7 @@ def test_the_quick_start_recipe_trains_on_your_own_data(tmp_path, layout):
         f"run.dir={run}",
         # The smallest settings the quick start's own end-to-end test uses.
         "loop.max_steps=2",
-        "loop.n_batch=16",
-        "loop.n_async=32",
-        "loop.group_size=4",
-        "reward.l_max=48",
-        "reward.l_cache=16",
-        "fleet.max_slots=16",
+        *TINY_LOOP,
         "run.eval_k=1",
         # Your data.
         f"data.train={train}",

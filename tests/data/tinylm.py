@@ -107,3 +107,15 @@ def answering_model(
     model.float().save_pretrained(folder)
     tok.save_pretrained(folder)
     return tok
+
+
+# The smallest loop the quick start's own end-to-end test runs, as recipe overrides: the tests
+# that train a tiny model end to end (your data, your reward) start from these.
+TINY_LOOP = [
+    "loop.n_batch=16",
+    "loop.n_async=32",
+    "loop.group_size=4",
+    "reward.l_max=48",
+    "reward.l_cache=16",
+    "fleet.max_slots=16",
+]

@@ -36,7 +36,7 @@ def score(completion, problem):
 @pytest.mark.distributed
 @pytest.mark.fault("crash")
 def test_a_custom_reward_trains_and_its_failures_score_zero(tmp_path):
-    from tests.data.tinylm import answering_model
+    from tests.data.tinylm import TINY_LOOP, answering_model
 
     answering_model(tmp_path / "model")  # writes \boxed{4} three times in four, else \boxed{5}
     (tmp_path / "mine").mkdir()
@@ -59,12 +59,7 @@ def test_a_custom_reward_trains_and_its_failures_score_zero(tmp_path):
         f"model.hf={tmp_path / 'model'}",
         f"run.dir={run}",
         "loop.max_steps=3",
-        "loop.n_batch=16",
-        "loop.n_async=32",
-        "loop.group_size=4",
-        "reward.l_max=48",
-        "reward.l_cache=16",
-        "fleet.max_slots=16",
+        *TINY_LOOP,
         f"data.train={train}",
         "data.eval=",
         "reward.custom=my_reward:score",
