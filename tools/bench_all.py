@@ -234,7 +234,9 @@ def _table(results: dict[str, dict[str, object]], machine: dict[str, object]) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--only", default="", help="comma-separated benchmarks (default: all); the others keep their last results"
+        "--only",
+        default="",
+        help="comma-separated benchmarks (default: all); the others keep their last results",
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks", help="results folder")
     p.add_argument("--readme", action="store_true", help="rewrite README's table between its markers")
