@@ -1,7 +1,7 @@
 """megatron-rl: reinforcement learning from verifiable rewards at cluster scale, after Magistral.
 
 The Python API (:mod:`megatron_rl.api`): ``from megatron_rl import RunConfig, load_config, train,
-score, convert``. Those names are imported from there on first use, so ``import megatron_rl``
+score, convert_checkpoint``. Those names are imported from there on first use, so ``import megatron_rl``
 (which every module of the package does) loads nothing else.
 """
 
@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = ["RunConfig", "__version__", "convert", "load_config", "score", "train"]
+__all__ = ["RunConfig", "__version__", "convert_checkpoint", "load_config", "score", "train"]
 
-_API = ("RunConfig", "convert", "load_config", "score", "train")
+_API = ("RunConfig", "convert_checkpoint", "load_config", "score", "train")
 
 if TYPE_CHECKING:
-    from megatron_rl.api import RunConfig, convert, load_config, score, train
+    from megatron_rl.api import RunConfig, convert_checkpoint, load_config, score, train
 
 
 def __getattr__(name: str) -> object:

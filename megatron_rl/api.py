@@ -1,11 +1,11 @@
 """The Python API: the recipe object and the verbs, for notebooks and other programs.
 
-    from megatron_rl import RunConfig, load_config, train, score, convert
+    from megatron_rl import RunConfig, load_config, train, score, convert_checkpoint
 
     cfg = load_config("examples/quickstart.yaml", ["loop.max_steps=2"])   # or RunConfig(...)
     summary = train(cfg)                                  # what `megatron-rl train` prints
     results = score([{"problem": "What is 2+2?", "answer": "4", "completion": "..."}], cfg.reward)
-    convert("hf_folder", "mcore_folder", to="mcore", tensor_parallel=2)
+    convert_checkpoint("hf_folder", "mcore_folder", to="mcore", tensor_parallel=2)
 
 Each verb is the command-line verb's own code (``orchestration.run.run_training``, the reward
 CLI's line parser and ``rewards.compose.score_many``, ``convert.checkpoint``), so a recipe, a
@@ -37,7 +37,7 @@ __all__ = [
     "DataError",
     "RewardConfig",
     "RunConfig",
-    "convert",
+    "convert_checkpoint",
     "load_config",
     "score",
     "train",
@@ -90,7 +90,7 @@ def score(
     return score_many(inputs, cfg) if inputs else []
 
 
-def convert(
+def convert_checkpoint(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     *,

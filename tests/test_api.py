@@ -50,7 +50,7 @@ def test_convert_there_and_back(tmp_path):
     import transformers
     from safetensors.torch import load_file
 
-    from megatron_rl import convert
+    from megatron_rl import convert_checkpoint as convert
 
     cfg = transformers.LlamaConfig(
         vocab_size=128,
