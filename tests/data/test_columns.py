@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -263,7 +262,7 @@ def _train_rows() -> list[dict]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["parquet", "datasets"])
 def test_the_quick_start_recipe_trains_on_your_own_data(tmp_path, layout):
-    from tests.data.tinylm import TINY_LOOP, answering_model
+    from tests.data.tinylm import answering_model, tiny_train_command
 
     answering_model(tmp_path / "model")
     rows = _train_rows()
@@ -272,24 +271,16 @@ def test_the_quick_start_recipe_trains_on_your_own_data(tmp_path, layout):
     else:
         train = _folder(tmp_path / "saved", {"train": rows, "test": rows[:2]})
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_rl",
-        "train",
-        str(ROOT / "examples" / "quickstart.yaml"),
-        "--no-progress",
-        f"model.hf={tmp_path / 'model'}",
-        f"run.dir={run}",
-        # The smallest settings the quick start's own end-to-end test uses.
-        "loop.max_steps=2",
-        *TINY_LOOP,
+    cmd = tiny_train_command(
+        tmp_path / "model",
+        run,
+        2,
         "run.eval_k=1",
         # Your data.
         f"data.train={train}",
         "data.columns={problem: question, answer: final_answer, id: uid}",
         "data.eval_fraction=0.2",
-    ]
+    )
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])

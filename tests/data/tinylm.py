@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import string
+import sys
 from pathlib import Path
 
 import torch
@@ -107,6 +108,25 @@ def answering_model(
     model.float().save_pretrained(folder)
     tok.save_pretrained(folder)
     return tok
+
+
+def tiny_train_command(model: Path, run: Path, steps: int, *overrides: str) -> list[str]:
+    """``megatron-rl train`` of the quick-start recipe on ``model`` for ``steps`` steps with
+    :data:`TINY_LOOP` and ``overrides``, as the tests that train end to end run it."""
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rl",
+        "train",
+        str(recipe),
+        "--no-progress",
+        f"model.hf={model}",
+        f"run.dir={run}",
+        f"loop.max_steps={steps}",
+        *TINY_LOOP,
+        *overrides,
+    ]
 
 
 # The smallest loop the quick start's own end-to-end test runs, as recipe overrides: the tests

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,7 +35,7 @@ def score(completion, problem):
 @pytest.mark.distributed
 @pytest.mark.fault("crash")
 def test_a_custom_reward_trains_and_its_failures_score_zero(tmp_path):
-    from tests.data.tinylm import TINY_LOOP, answering_model
+    from tests.data.tinylm import answering_model, tiny_train_command
 
     answering_model(tmp_path / "model")  # writes \boxed{4} three times in four, else \boxed{5}
     (tmp_path / "mine").mkdir()
@@ -49,22 +48,15 @@ def test_a_custom_reward_trains_and_its_failures_score_zero(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_rl",
-        "train",
-        str(ROOT / "examples" / "quickstart.yaml"),
-        "--no-progress",
-        f"model.hf={tmp_path / 'model'}",
-        f"run.dir={run}",
-        "loop.max_steps=3",
-        *TINY_LOOP,
+    cmd = tiny_train_command(
+        tmp_path / "model",
+        run,
+        3,
         f"data.train={train}",
         "data.eval=",
         "reward.custom=my_reward:score",
         "reward.custom_timeout_s=1",
-    ]
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "mine"), str(ROOT)])}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

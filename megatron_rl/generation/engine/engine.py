@@ -459,10 +459,9 @@ class Engine(SlotEngine[_Request]):
             self.cache.move(last, slot)
             mover.slot = slot
             self._running[slot] = mover
-            # The free stack pops the lowest slot first: ``last`` (now free) is below every
-            # other free slot, ``slot`` (now taken) was just pushed on top.
-            self._free.remove(slot)
-            self._free.append(last)
+            # The free stack pops the lowest slot first. super()._release pushed ``slot``, now
+            # taken again; ``last``, now free, is below every other free slot: it goes on top.
+            self._free[-1] = last
 
     # ------------------------------------------------------------------ stepping
 

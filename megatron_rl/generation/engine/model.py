@@ -248,7 +248,6 @@ class _Where:
 
     dense: bool  # slots are 0 .. B-1: attention reads the cache in place
     slots: torch.Tensor  # [B] slot of each row
-    rows: torch.Tensor  # [B, 1]: slots, for scattering [B, T] positions
     positions: torch.Tensor  # [B, T] absolute positions
     length: int  # keys to read per slot (the longest row's new length)
     mask: torch.Tensor | None  # [B, 1, T, length] True = may attend; None: plain causal
@@ -368,8 +367,9 @@ class Decoder(nn.Module):
         # Scatter the new keys/values to (slot, position): [B, T, kv_heads, head_dim] lands on
         # the cache's [slot, :, position] entries.
         ck, cv = cache.k[layer], cache.v[layer]
-        ck[at.rows, :, at.positions] = k.to(ck.dtype)
-        cv[at.rows, :, at.positions] = v.to(cv.dtype)
+        rows = at.slots[:, None]  # [B, 1] against positions [B, T]
+        ck[rows, :, at.positions] = k.to(ck.dtype)
+        cv[rows, :, at.positions] = v.to(cv.dtype)
         if at.dense:  # slots 0 .. B-1: a view of the cache, nothing copied
             keys, values = ck[:B, :, : at.length], cv[:B, :, : at.length]
         else:
@@ -431,7 +431,6 @@ class Decoder(nn.Module):
         at = _Where(
             dense=dense,
             slots=index,
-            rows=index[:, None],
             positions=positions,
             length=end,
             mask=mask,
