@@ -1,7 +1,8 @@
-"""Asynchronous against synchronous GRPO loop on a long-tailed completion-length workload.
+"""Asynchronous against synchronous GRPO loop on a long-tailed completion-length workload, on a
+cost model calibrated on this machine.
 
-    megatron-rl bench async [--steps 6] [--servers 2] [--slots 32] [--l-max 512] [--decode-ms 10]
-    megatron-rl bench async --real [--steps 2]      # the tiny model, trainer and weight sync
+    megatron-rl bench async [--steps 10] [--servers 4] [--slots 32] [--train-share 0.75]
+    megatron-rl bench async --real [--steps 4]      # the tiny model, trainer and weight sync
 
 Magistral (section 3) runs the loop asynchronously because completion lengths are long-tailed:
 most completions are short, a few run to the length limit, and a synchronous step waits for the
@@ -18,23 +19,61 @@ the real ``VerifierPool`` scoring every completion (format, math-verify, length 
 replaces only the two compute-bound parts, because on a 2-core machine a real engine and a real
 trainer fight for the same cores and the figure would measure that contention, not scheduling:
 
-- the servers run ``--timing-model`` (``generation/engine/timing.py``): a step sleeps
-  ``decode_s + decode_s_per_seq * batch + prefill_s_per_token * admitted prompt tokens`` and
-  writes the tokens of a script (the completion a request's sampling seed picks);
-- the trainer sleeps ``train_s_per_token * tokens`` per optimizer step; its weight update pauses
-  the fleet in place, sets the servers' weight version (``/update_weight_version``, requests kept)
-  and resumes.
+- the servers run ``--timing-model`` (``generation/engine/timing.py``): a step takes
+  ``decode_s + decode_s_per_seq * batch + prefill_s_per_token * distinct prompt tokens admitted``
+  and writes the tokens of a script (the completion a request's sampling seed picks);
+- the trainer sleeps ``(train_s + train_s_per_token * tokens) / train_speedup`` per optimizer
+  step; its weight update pauses the fleet in place, sets the servers' weight version
+  (``/update_weight_version``, requests kept), holds ``--sync-ms`` and resumes.
+
+**Calibration.** The costs are measured at the start of the run, warm, medians of repeats (the
+cores are shared, so the figures move from run to run; they are printed with the result): the
+real :class:`~megatron_rl.generation.engine.Engine` on the tiny model with one thread, as a
+server runs it -- decode step time at several running batches, fitted by least squares to
+``decode_s + decode_s_per_seq * batch``, and the prefill of one group's prompt per prompt token;
+the real ``PolicyTrainer`` -- GRPO steps on batches of two sizes, fitted to ``train_s +
+train_s_per_token * tokens``. A cost given on the command line is used as given instead.
+
+**Fleet size.** As in the paper the fleet holds ``n_async`` sequences at once (``n_async /
+n_batch`` = 2): ``--servers`` defaults to ``n_async / --slots`` (4 servers x 32 slots for the one
+trainer). On this machine the tiny trainer costs several times more per trained token than the
+engine per generated token, so one measured trainer against that fleet is trainer-bound, the
+opposite of the paper's runs, where generation dominates the wall time and the bounded queue
+only throttles generators early in training. The bench therefore models a trainer
+``train_speedup`` times the measured one (``train_speedup`` data-parallel replicas of it; the
+table prints the resulting generator servers per measured trainer), chosen from the calibrated
+costs so that training a batch takes ``--train-share`` (0.75) of the time the fleet needs to
+generate it at full slots: generation dominates, and the trainer keeps up with room to spare.
+``--train-speedup`` sets it directly. The figures depend on this choice and on the measured cost
+shape: the more of a CPU decode step grows with its batch (``decode_s_per_seq``), the cheaper a
+sync step's nearly empty tail and the less async gains.
+
+**Staleness.** The loop drops groups whose oldest token is more than ``max_staleness`` versions
+old (default ``2 n_async / n_batch`` = 4). Here a step is short next to the longest completions,
+so that bound drops the long tail in async and re-issues it with the same seeds (so the same
+lengths, often dropped again): the two loops would no longer train the same completions. The bench turns it off
+(``--max-staleness 1000``) and reports what the loop's bound would cost in the ideal schedule.
+
+**Ideal.** :class:`IdealSchedule` (``tools/async_model.py``) simulates both loops' schedules event by event on the same cost
+model with zero overhead (requests, results and groups arrive the instant they are sent; scoring
+takes no time), with the loop's rules: ``async_efficiency`` = ideal async wall / measured async
+wall (<= 1: what the real threads, HTTP, verifiers and the sleeping servers cost), and the ideal
+speed-up is what the schedule itself allows. The table says what limits it: the sync loop's
+generators idle on stragglers and during training, the async loop is generator- or trainer-bound.
 
 ``--real`` runs the real tiny model in the servers, a real ``PolicyTrainer`` and the real
 ``WeightBroadcaster`` instead (after a short SFT on the script, so that the model writes the
-format with long-tailed lengths and mixed answers); on 2 cores it is slow and contended.
+format with long-tailed lengths and mixed answers) and reports ``async_speedup_real``; on 2
+shared cores the engines, the trainer and everything else fight for the cores, so the figure is
+noisy and says little about scheduling.
 
 **Workload.** Problems are ``--problems`` variants of "What is 2 + 2?" (answer 4). The script
 holds ``--script`` completions ``<think> filler </think>The answer is \\boxed{4}.`` (or
 ``\\boxed{5}``, wrong, with probability ``1 - --p-correct``) plus EOS, whose lengths are lognormal
-(median ``--median-len``, log-space sigma ``--sigma``); lengths beyond ``--l-max`` are cut by
-``max_new_tokens`` and fail the format check (reward 0). Rewards within a group
-differ (correctness, the length penalty), so groups are kept and long ones stall a sync step.
+(median ``--median-len``, log-space sigma ``--sigma``, as the paper's long tail); lengths beyond
+``--l-max`` are cut by ``max_new_tokens`` and fail the format check (reward 0). Rewards within a
+group differ (correctness, the length penalty), so groups are kept and long ones stall a sync
+step. ``n_async / n_batch`` = 2, the paper's bound.
 
 **Figures.** ``generator_busy_<mode>``: the servers' own accounting, the sum of their engine step
 times over the mode's wall time and the number of servers (``/server_info``
@@ -43,8 +82,8 @@ times over the mode's wall time and the number of servers (``/server_info``
 engine step over the slots (a sync step's tail runs steps with a nearly empty batch; tokens are
 counted when their request finishes). The last line is one JSON object.
 
-Time: ~70 s with the defaults on 2 shared cores (both loops, ~10 s of set-up); ``--real`` ~2.5 min,
-most of it the SFT.
+Time: ~2.5-3 min with the defaults on 2 shared cores (~40 s calibration, ~1 min the sync loop);
+``--real`` ~2.5 min, most of it the SFT.
 """
 
 from __future__ import annotations
@@ -64,6 +103,16 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+# The cost model sits next to this file; ``megatron-rl bench`` runs it with runpy, which does not
+# put the file's folder on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from async_model import (
+    Costs,
+    calibrate,
+    ideal_schedule,
+    size_fleet,
+)
+
 ANSWER, WRONG = "4", "5"
 FILLER = " so we add two and two, then we check the sum once more"
 
@@ -80,8 +129,8 @@ class Workload:
     tokenizer_dir: Path
     init: Path  # HF folder (random tiny Llama): config, EOS and tokenizer for the servers
     script: list[list[int]]  # completion token ids (EOS-terminated unless cut)
-    script_path: Path  # the timing model's JSON
     lengths: list[int]  # completion tokens per script entry as generated (after the l_max cut)
+    prompts: dict[str, list[int]]  # problem id -> rendered prompt ids, as Rollouts renders them
 
 
 def _scripted(tok, n: int, args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
@@ -108,7 +157,9 @@ def _scripted(tok, n: int, args: argparse.Namespace) -> tuple[list[list[int]], l
 
 
 def build_workload(root: Path, args: argparse.Namespace) -> Workload:
+    """Problems, tokenizer, the random tiny model's folder and the completion script."""
     from megatron_rl.data.problems import Problem
+    from megatron_rl.data.sampling import render_prompt
     from megatron_rl.quickstart.model import TinyModelConfig, build_model_folder
     from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, build_tokenizer, load_tokenizer
     from megatron_rl.rewards.template import MATH_INSTRUCTION, THINK_CLOSE, THINK_OPEN
@@ -125,31 +176,40 @@ def build_workload(root: Path, args: argparse.Namespace) -> Workload:
     tok = load_tokenizer(tok_dir)
     init = build_model_folder(TinyModelConfig(max_positions=args.max_len), tok_dir, root / "init")
     script, lengths = _scripted(tok, args.script, args)
-    timing = {
-        "decode_s": args.decode_ms / 1e3,
-        "decode_s_per_seq": args.decode_ms_per_seq / 1e3,
-        "prefill_s_per_token": args.prefill_ms_per_token / 1e3,
-        "script": script,
+    prompts = {
+        p.id: render_prompt(tok, p.problem, p.task, system_prompt=QUICKSTART_SYSTEM_PROMPT) for p in problems
     }
+    return Workload(problems, tok, tok_dir, init, script, lengths, prompts)
+
+
+def write_timing(w: Workload, costs: Costs, root: Path) -> Path:
+    """The timing model's JSON for the servers: the calibrated engine costs and the script."""
     path = root / "timing.json"
+    timing = {
+        "decode_s": costs.decode_s,
+        "decode_s_per_seq": costs.decode_s_per_seq,
+        "prefill_s_per_token": costs.prefill_s_per_token,
+        "script": w.script,
+    }
     path.write_text(json.dumps(timing))
-    return Workload(problems, tok, tok_dir, init, script, path, lengths)
+    return path
 
 
 # ---------------------------------------------------------------------- stand-ins (default mode)
 
 
 class ModeledTrainer:
-    """A trainer whose optimizer step takes ``s_per_token`` seconds per token of its batch
-    (prompt + completion): a step's compute is linear in its tokens."""
+    """A trainer whose optimizer step takes ``(train_s + train_s_per_token * tokens) / speedup``
+    seconds, ``tokens`` the batch's (prompt + completion): the measured trainer's cost, run on
+    ``speedup`` data-parallel replicas."""
 
-    def __init__(self, s_per_token: float):
-        self.s_per_token = s_per_token
+    def __init__(self, train_s: float, train_s_per_token: float, speedup: float = 1.0):
+        self.train_s, self.s_per_token, self.speedup = train_s, train_s_per_token, speedup
         self.step = 0
 
     def rl_step(self, batch) -> dict[str, float]:
         tokens = sum(batch.lengths)
-        seconds = self.s_per_token * tokens
+        seconds = (self.train_s + self.s_per_token * tokens) / self.speedup
         time.sleep(seconds)
         self.step += 1
         return {"step_time_s": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
@@ -255,6 +315,7 @@ class RealParts:
 
 
 def run_config(mode: str, args: argparse.Namespace):
+    """The run's config for loop ``mode``: the bench's loop, reward and GRPO settings."""
     from megatron_rl.algorithms.config import GRPOConfig
     from megatron_rl.orchestration.config import LoopConfig
     from megatron_rl.orchestration.recipe import RunConfig
@@ -267,6 +328,7 @@ def run_config(mode: str, args: argparse.Namespace):
             n_batch=args.n_batch,
             n_async=args.n_async,
             max_steps=args.steps,
+            max_staleness=args.max_staleness,
             seed=args.seed,
         ),
         reward=RewardConfig(l_max=args.l_max, l_cache=args.l_max // 4, workers=args.workers),
@@ -278,21 +340,21 @@ def _server_stats(fleet) -> list[dict]:
     return [fleet.server_info(s.url)["internal_states"][0] for s in fleet.servers]
 
 
-def run_mode(
-    mode: str, w: Workload, fleet, pool, args: argparse.Namespace, real: RealParts | None, api_key: str
-) -> dict:
-    """``args.steps`` steps of the loop in ``mode`` from version 0; wall time and busy figures."""
+def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, parts, api_key: str) -> dict:
+    """``args.steps`` steps of the loop in ``mode`` from version 0; wall time and busy figures.
+    ``parts``: :class:`RealParts`, or the :class:`Costs` and fleet sizing of the timing model."""
     from megatron_rl.orchestration.loop import Orchestrator
     from megatron_rl.orchestration.rollouts import Rollouts
     from megatron_rl.orchestration.sampler import PromptSampler
     from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT
 
     cfg = run_config(mode, args)
-    if real is not None:
-        real.reset()
-        trainer, broadcaster = real.trainer, real.broadcaster
+    if isinstance(parts, RealParts):
+        parts.reset()
+        trainer, broadcaster = parts.trainer, parts.broadcaster
     else:
-        trainer = ModeledTrainer(args.train_ms_per_token / 1e3)
+        costs, sizing = parts
+        trainer = ModeledTrainer(costs.train_s, costs.train_s_per_token, sizing["train_speedup"])
         broadcaster = VersionBroadcaster(fleet, api_key, args.sync_ms / 1e3)
         broadcaster.sync(0)
     rollouts = Rollouts.from_config(
@@ -317,7 +379,8 @@ def run_mode(
                 f"[{mode}] step {int(m['step'])}: {m['time/step_s']:.2f} s, wait "
                 f"{m['time/wait_for_batch_s']:.2f} s, train {m['time/train_s']:.2f} s, "
                 f"reward {m.get('reward/mean', 0):.2f}, length {m.get('length/mean', 0):.0f} "
-                f"(max {m.get('length/max', 0):.0f}), dropped {m['groups/dropped']:.0f}",
+                f"(max {m.get('length/max', 0):.0f}), dropped {m['groups/dropped']:.0f}, "
+                f"queue blocked {m['queue/blocked_s']:.2f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -344,7 +407,8 @@ def _summary(
 ) -> dict:
     servers = len(before)
     delta = {
-        k: sum(a[k] - b[k] for a, b in zip(after, before)) for k in ("busy_s", "steps", "generated_tokens")
+        k: sum(a[k] - b[k] for a, b in zip(after, before))
+        for k in ("busy_s", "steps", "generated_tokens", "prefill_tokens")
     }
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in metrics)
     return {
@@ -356,23 +420,40 @@ def _summary(
         "slot_occupancy": delta["generated_tokens"] / max(1, delta["steps"] * args.slots),
         "generated_tokens_per_s": delta["generated_tokens"] / wall,
         "trained_sequences": sum(m.get("sequences", 0.0) for m in metrics),
+        "train_s": sum(m.get("time/train_s", 0.0) for m in metrics),
         "length_mean": mean("length/mean"),
         "staleness_mean": mean("staleness/mean"),
         "dropped_groups": sum(m.get("groups/dropped", 0.0) for m in metrics),
         "stale_groups": sum(m.get("groups/dropped/stale", 0.0) for m in metrics),
+        "queue_blocked_s": metrics[-1].get("queue/blocked_s", 0.0) if metrics else 0.0,
+        "engine_steps": delta["steps"],
+        "prefill_tokens": delta["prefill_tokens"],
+        "step_s": [m.get("time/step_s", 0.0) for m in metrics],
     }
+
+
+# ---------------------------------------------------------------------- the ideal of this run
+
+
+def ideal(mode: str, w: Workload, costs: Costs, sizing: dict[str, float], args: argparse.Namespace) -> dict:
+    """The ideal schedule of ``mode`` for this run's workload, cost model and fleet."""
+    return ideal_schedule(
+        run_config(mode, args), w.problems, w.tokenizer, w.script, w.lengths, w.prompts, costs, sizing, args
+    )
 
 
 # ---------------------------------------------------------------------- the run
 
 
-def start_servers(folder: Path, w: Workload, root: Path, args: argparse.Namespace, api_key: str) -> list:
+def start_servers(
+    folder: Path, root: Path, args: argparse.Namespace, api_key: str, timing: Path | None
+) -> list:
     """``args.servers`` engine processes (tracked by PID, stopped by us), wanting ``api_key``.
     Started from this thread: a server dies with the *thread* that started it
     (``PR_SET_PDEATHSIG``), so a short-lived starter thread would take it down on exit."""
     from megatron_rl.generation.engine.launch import EngineProcess
 
-    extra = [] if args.real else ["--timing-model", str(w.script_path)]
+    extra = [] if timing is None else ["--timing-model", str(timing)]
     procs = []
     try:
         for i in range(args.servers):
@@ -395,20 +476,29 @@ def start_servers(folder: Path, w: Workload, root: Path, args: argparse.Namespac
 
 
 def run(args: argparse.Namespace, root: Path) -> dict:
+    """Calibrate (timing model), start the servers, run both loop modes; the report."""
     from megatron_rl.generation.client import FleetClient
     from megatron_rl.rewards.pool import VerifierPool
 
     w = build_workload(root, args)
-    folder = sft_on_script(w, root, args) if args.real else w.init
+    costs = sizing = timing = None
+    if args.real:
+        folder = sft_on_script(w, root, args)
+    else:
+        prompts = list(w.prompts.values())
+        folder, costs = w.init, calibrate(w.init, prompts, w.script, args)
+        sizing = size_fleet(costs, w.lengths, prompts, args)
+        timing = write_timing(w, costs, root)
     api_key = secrets.token_urlsafe(32)  # our servers are never open, not even on loopback
-    procs = start_servers(folder, w, root, args, api_key)
+    procs = start_servers(folder, root, args, api_key, timing)
     fleet = real = None
     try:
         fleet = FleetClient([p.url for p in procs], api_key=api_key)
         real = RealParts(folder, fleet, run_config("sync", args), args) if args.real else None
+        parts = real if real is not None else (costs, sizing)
         with VerifierPool(args.workers) as pool:
             results = {
-                mode: run_mode(mode, w, fleet, pool, args, real, api_key) for mode in ("sync", "async")
+                mode: run_mode(mode, w, fleet, pool, args, parts, api_key) for mode in ("sync", "async")
             }
     finally:
         if real is not None:
@@ -417,100 +507,271 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             fleet.close()
         for p in procs:
             p.stop()
-    return report(results, w, args)
+    if costs is None or sizing is None:
+        return report_real(results, w, args)
+    ideals = {mode: ideal(mode, w, costs, sizing, args) for mode in ("sync", "async")}
+    if args.max_staleness != -1:  # what the loop's own staleness bound would do to this workload
+        ideals["async_bound"] = ideal(
+            "async", w, costs, sizing, argparse.Namespace(**{**vars(args), "max_staleness": -1})
+        )
+    return report(results, ideals, costs, sizing, w, args)
 
 
-def report(results: dict[str, dict], w: Workload, args: argparse.Namespace) -> dict:
-    sync, asy = results["sync"], results["async"]
-    kind = "real" if args.real else "timing-model"
+def _workload_line(w: Workload, args: argparse.Namespace) -> str:
     lengths = sorted(w.lengths)
     cut = sum(n >= args.l_max for n in lengths) / len(lengths)
-    what = (
-        "real tiny model, PolicyTrainer, WeightBroadcaster"
-        if args.real
-        else "engine servers sleep a cost model, the trainer sleeps per token"
+    return (
+        f"workload: lognormal completion lengths (sigma {args.sigma}), median "
+        f"{statistics.median(lengths):.0f}, mean {statistics.fmean(lengths):.0f}, p95 "
+        f"{lengths[int(0.95 * (len(lengths) - 1))]}, {100 * cut:.1f}% cut at l_max={args.l_max}; "
+        f"G={args.group_size}, n_batch={args.n_batch}, n_async={args.n_async} "
+        f"(n_async/n_batch={args.n_async / args.n_batch:g}), {args.steps} steps per loop mode"
     )
-    print(
-        f"mode: {kind} ({what}); {args.servers} servers x {args.slots} slots, "
-        f"G={args.group_size}, n_batch={args.n_batch}, n_async={args.n_async}, "
-        f"{args.steps} steps per loop mode"
-    )
-    print(
-        f"workload: completion length median {statistics.median(lengths):.0f}, mean "
-        f"{statistics.fmean(lengths):.0f}, p95 {lengths[int(0.95 * (len(lengths) - 1))]}, "
-        f"{100 * cut:.1f}% cut at l_max={args.l_max}"
-    )
-    print(
-        f"{'loop':6} {'wall s':>7} {'s/step':>7} {'÷ sync':>7} {'gen busy':>9} "
-        f"{'client busy':>12} {'slot occ':>9} {'gen tok/s':>10} {'stale':>6}"
-    )
-    for r in (sync, asy):
-        print(
-            f"{r['mode']:6} {r['wall_s']:7.2f} {r['wall_s'] / r['steps']:7.2f} "
-            f"{r['wall_s'] / sync['wall_s']:7.2f} {r['generator_busy']:9.2f} "
-            f"{r['client_busy']:12.2f} {r['slot_occupancy']:9.2f} "
-            f"{r['generated_tokens_per_s']:10.0f} {r['staleness_mean']:6.2f}"
-        )
-    out = {
-        "mode": kind,
-        "async_speedup": round(sync["wall_s"] / asy["wall_s"], 4),
-        "generator_busy_async": round(asy["generator_busy"], 4),
-        "generator_busy_sync": round(sync["generator_busy"], 4),
-    }
-    for r in (sync, asy):
-        m = r["mode"]
-        out.update(
-            {
-                f"wall_s_{m}": round(r["wall_s"], 3),
-                f"client_busy_{m}": round(r["client_busy"], 4),
-                f"slot_occupancy_{m}": round(r["slot_occupancy"], 4),
-                f"generated_tokens_per_s_{m}": round(r["generated_tokens_per_s"], 1),
-                f"staleness_mean_{m}": round(r["staleness_mean"], 4),
-                f"trained_sequences_{m}": int(r["trained_sequences"]),
-                f"dropped_groups_{m}": int(r["dropped_groups"]),
-                f"stale_groups_{m}": int(r["stale_groups"]),
-            }
-        )
+
+
+def _mode_figures(r: dict, out: dict) -> None:
+    m = r["mode"]
     out.update(
         {
-            "steps": args.steps,
-            "servers": args.servers,
-            "slots": args.slots,
-            "group_size": args.group_size,
-            "n_batch": args.n_batch,
-            "n_async": args.n_async,
-            "l_max": args.l_max,
+            f"wall_s_{m}": round(r["wall_s"], 3),
+            f"client_busy_{m}": round(r["client_busy"], 4),
+            f"slot_occupancy_{m}": round(r["slot_occupancy"], 4),
+            f"generated_tokens_per_s_{m}": round(r["generated_tokens_per_s"], 1),
+            f"staleness_mean_{m}": round(r["staleness_mean"], 4),
+            f"trained_sequences_{m}": int(r["trained_sequences"]),
+            f"dropped_groups_{m}": int(r["dropped_groups"]),
+            f"stale_groups_{m}": int(r["stale_groups"]),
+        }
+    )
+
+
+def _limits(ideals: dict[str, dict], sizing: dict[str, float], results: dict[str, dict]) -> list[str]:
+    """What bounds the speed-up and the efficiency, in the ideal's and the run's own figures."""
+    si, ai = ideals["sync"], ideals["async"]
+    out = [
+        f"sync (ideal): generators busy {si['generator_busy']:.2f} of the wall; the trainer "
+        f"{si['trainer_busy']:.2f} (the fleet idles while it trains); slots {si['slot_occupancy']:.2f} "
+        "full while decoding (a step waits for its longest completion: the stragglers)",
+    ]
+    if ai["trainer_busy"] > 0.9:
+        bound = "trainer-bound: the queue fills and the generators wait on the trainer"
+    else:
+        bound = "generator-bound: the trainer waits for batches, as in the paper"
+    out.append(
+        f"async (ideal): generators busy {ai['generator_busy']:.2f}, trainer {ai['trainer_busy']:.2f}: "
+        f"{bound}; slots {ai['slot_occupancy']:.2f} full; the weight updates pause the fleet"
+    )
+    bound = ideals.get("async_bound")
+    if bound is not None and bound["stale"] > 0:
+        out.append(
+            f"with the loop's own staleness bound (max_staleness -1) the ideal async loop drops "
+            f"{bound['stale']:.0f} of {bound['issued']:.0f} groups as stale -- the longest completions "
+            "span more versions than the bound -- and re-issues them with the same seeds; its wall "
+            f"would be {bound['wall_s']:.2f} s (speed-up {si['wall_s'] / bound['wall_s']:.2f}), and it "
+            "trains fewer long completions than the sync loop, so the bench turns the bound off"
+        )
+    ra = results["async"]
+    first, rest = ra["step_s"][0], statistics.fmean(ra["step_s"][1:] or [0.0])
+    out.append(
+        f"async (measured): {ra['wall_s'] - ai['wall_s']:+.2f} s over the ideal -- first step "
+        f"{first:.2f} s (ideal {ai['step_s'][0]:.2f}: n_async requests sent at once over HTTP), then "
+        f"{rest:.2f} s a step (ideal {statistics.fmean(ai['step_s'][1:] or [0.0]):.2f}); engine steps "
+        f"{ra['engine_steps']:.0f} (ideal {ai['engine_steps']:.0f}), prompt tokens prefilled "
+        f"{ra['prefill_tokens']:.0f} (ideal {ai['prefill_tokens']:.0f}: a group's samples that reach a "
+        f"server in different steps are prefilled apart); queue full {ra['queue_blocked_s']:.2f} s. "
+        "The rest is what HTTP, the verifier pool, the loop's threads and the sleeping servers cost "
+        "on the shared cores"
+    )
+    return out
+
+
+def report(
+    results: dict[str, dict],
+    ideals: dict[str, dict],
+    costs: Costs,
+    sizing: dict[str, float],
+    w: Workload,
+    args: argparse.Namespace,
+) -> dict:
+    """Print the cost model, the fleet, the table and its limits; the figures as one dict."""
+    sync, asy = results["sync"], results["async"]
+    src = lambda n: "given" if n in costs.given else "measured"
+    print(
+        "mode: timing-model (engine servers sleep a cost model calibrated on this machine, the "
+        f"trainer sleeps per token); {args.servers} servers x {args.slots} slots"
+    )
+    print(
+        f"cost model: decode {1e3 * costs.decode_s:.3f} ms + {1e3 * costs.decode_s_per_seq:.4f} ms per "
+        f"running sequence ({src('decode_s')}; points (batch, ms): {costs.measured.get('decode_points', '-')}), "
+        f"prefill {1e3 * costs.prefill_s_per_token:.4f} ms per distinct prompt token "
+        f"({src('prefill_s_per_token')}), trainer {1e3 * costs.train_s:.1f} ms + "
+        f"{1e3 * costs.train_s_per_token:.4f} ms per trained token ({src('train_s_per_token')}; "
+        f"points (tokens, s): {costs.measured.get('train_points', '-')}), weight update {args.sync_ms:g} ms (modeled)"
+    )
+    print(
+        f"fleet: a batch takes the fleet {sizing['gen_batch_s']:.2f} s to generate at full slots and "
+        f"this machine's trainer {sizing['train_batch_s_measured']:.2f} s to train; the modeled trainer is "
+        f"{sizing['train_speedup']:.2f}x it ({sizing['train_batch_s']:.2f} s a batch, train share "
+        f"{sizing['train_batch_s'] / sizing['gen_batch_s']:.2f}): {sizing['servers_per_trainer']:.3f} "
+        "generator servers per measured trainer, generation dominating as in the paper (the figures "
+        "depend on this choice: --train-share, --train-speedup)"
+    )
+    print(_workload_line(w, args))
+    print(
+        f"{'loop':6} {'wall s':>7} {'ideal s':>8} {'ideal/wall':>10} {'÷ sync':>7} {'gen busy':>9} "
+        f"{'ideal busy':>10} {'client busy':>12} {'slot occ':>9} {'stale':>6}"
+    )
+    for r in (sync, asy):
+        i = ideals[r["mode"]]
+        print(
+            f"{r['mode']:6} {r['wall_s']:7.2f} {i['wall_s']:8.2f} {i['wall_s'] / r['wall_s']:10.2f} "
+            f"{r['wall_s'] / sync['wall_s']:7.2f} {r['generator_busy']:9.2f} {i['generator_busy']:10.2f} "
+            f"{r['client_busy']:12.2f} {r['slot_occupancy']:9.2f} {r['staleness_mean']:6.2f}"
+        )
+    ideal_speedup = ideals["sync"]["wall_s"] / ideals["async"]["wall_s"]
+    print(
+        f"async speed-up {sync['wall_s'] / asy['wall_s']:.2f} (ideal {ideal_speedup:.2f}); "
+        f"async efficiency {ideals['async']['wall_s'] / asy['wall_s']:.2f}"
+    )
+    for line in _limits(ideals, sizing, results):
+        print("  " + line)
+    out = {
+        "mode": "timing-model",
+        "async_speedup": round(sync["wall_s"] / asy["wall_s"], 4),
+        "async_efficiency": round(ideals["async"]["wall_s"] / asy["wall_s"], 4),
+        "generator_busy_async": round(asy["generator_busy"], 4),
+        "generator_busy_sync": round(sync["generator_busy"], 4),
+        "ideal_async_speedup": round(ideal_speedup, 4),
+        "ideal_wall_s_sync": round(ideals["sync"]["wall_s"], 3),
+        "ideal_wall_s_async": round(ideals["async"]["wall_s"], 3),
+        "sync_efficiency": round(ideals["sync"]["wall_s"] / sync["wall_s"], 4),
+        "ideal_generator_busy_sync": round(ideals["sync"]["generator_busy"], 4),
+        "ideal_generator_busy_async": round(ideals["async"]["generator_busy"], 4),
+        "ideal_trainer_busy_async": round(ideals["async"]["trainer_busy"], 4),
+    }
+    if "async_bound" in ideals:
+        out["ideal_stale_groups_loop_bound"] = int(ideals["async_bound"]["stale"])
+        out["ideal_async_speedup_loop_bound"] = round(
+            ideals["sync"]["wall_s"] / ideals["async_bound"]["wall_s"], 4
+        )
+    for r in (sync, asy):
+        _mode_figures(r, out)
+    out.update(
+        {
+            "decode_ms": round(1e3 * costs.decode_s, 4),
+            "decode_ms_per_seq": round(1e3 * costs.decode_s_per_seq, 5),
+            "prefill_ms_per_token": round(1e3 * costs.prefill_s_per_token, 5),
+            "train_ms": round(1e3 * costs.train_s, 3),
+            "train_ms_per_token": round(1e3 * costs.train_s_per_token, 5),
+            "calibrated": [
+                n
+                for n in (
+                    "decode_s",
+                    "decode_s_per_seq",
+                    "prefill_s_per_token",
+                    "train_s",
+                    "train_s_per_token",
+                )
+                if n not in costs.given
+            ],
+            "train_speedup": round(sizing["train_speedup"], 3),
+            "servers_per_trainer": round(sizing["servers_per_trainer"], 4),
+            "sync_ms": args.sync_ms,
+            **_run_shape(args),
         }
     )
     return out
 
 
+def _run_shape(args: argparse.Namespace) -> dict:
+    keys = ("steps", "servers", "slots", "group_size", "n_batch", "n_async", "l_max")
+    return {k: getattr(args, k) for k in keys}
+
+
+def report_real(results: dict[str, dict], w: Workload, args: argparse.Namespace) -> dict:
+    """Print the real mode's table; its figures as one dict."""
+    sync, asy = results["sync"], results["async"]
+    print(
+        f"mode: real (tiny model in {args.servers} engine servers x {args.slots} slots, PolicyTrainer, "
+        "WeightBroadcaster); 2 shared cores run everything, so this figure is noisy"
+    )
+    print(_workload_line(w, args))
+    print(f"{'loop':6} {'wall s':>7} {'s/step':>7} {'÷ sync':>7} {'gen busy':>9} {'train s':>8} {'stale':>6}")
+    for r in (sync, asy):
+        print(
+            f"{r['mode']:6} {r['wall_s']:7.2f} {r['wall_s'] / r['steps']:7.2f} {r['wall_s'] / sync['wall_s']:7.2f} "
+            f"{r['generator_busy']:9.2f} {r['train_s']:8.2f} {r['staleness_mean']:6.2f}"
+        )
+    print(
+        f"steps: {args.steps} per loop mode; training took {sync['train_s'] / sync['wall_s']:.2f} of the "
+        f"sync wall and {asy['train_s'] / asy['wall_s']:.2f} of the async wall: the real tiny trainer "
+        "dominates on these cores, so the async loop can hide little generation behind it"
+    )
+    out = {
+        "mode": "real",
+        "async_speedup_real": round(sync["wall_s"] / asy["wall_s"], 4),
+        "generator_busy_async": round(asy["generator_busy"], 4),
+        "generator_busy_sync": round(sync["generator_busy"], 4),
+    }
+    for r in (sync, asy):
+        _mode_figures(r, out)
+    out.update(_run_shape(args))
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The bench's options, with the defaults of its mode (timing model or ``--real``)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--real",
         action="store_true",
         help="real tiny model, PolicyTrainer and WeightBroadcaster (slow on 2 cores)",
     )
-    ap.add_argument("--steps", type=int, help="training steps per loop mode (6; --real: 2)")
-    ap.add_argument("--servers", type=int, default=2, help="engine servers")
+    ap.add_argument("--steps", type=int, help="training steps per loop mode (10; --real: 4)")
+    ap.add_argument(
+        "--servers",
+        type=int,
+        help="generator (engine) servers for the one trainer (default: n_async / slots, the fleet "
+        "holds n_async sequences; --real: 2)",
+    )
     ap.add_argument("--slots", type=int, help="sequences per server (32; --real: 16)")
     ap.add_argument("--group-size", type=int, help="G (8; --real: 4)")
     ap.add_argument("--n-batch", type=int, help="sequences per step (64; --real: 16)")
-    ap.add_argument("--n-async", type=int, help="sequences in flight (128; --real: 32)")
+    ap.add_argument("--n-async", type=int, help="sequences in flight (2 n_batch)")
     ap.add_argument("--l-max", type=int, help="completion token limit (512; --real: 96)")
     ap.add_argument("--median-len", type=float, help="median completion length (64; --real: 24)")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths")
     ap.add_argument("--p-correct", type=float, default=0.5, help="share of correct completions")
     ap.add_argument("--script", type=int, default=1024, help="completions in the script")
     ap.add_argument("--problems", type=int, default=256, help="prompt variants")
-    ap.add_argument("--decode-ms", type=float, default=10.0, help="engine step, fixed part")
-    ap.add_argument("--decode-ms-per-seq", type=float, default=0.05, help="per running sequence")
-    ap.add_argument("--prefill-ms-per-token", type=float, default=0.005, help="per prompt token")
+    cost = "(default: measured at the start of the run)"
+    ap.add_argument("--decode-ms", type=float, help=f"engine step, fixed part {cost}")
+    ap.add_argument("--decode-ms-per-seq", type=float, help=f"engine step, per running sequence {cost}")
+    ap.add_argument("--prefill-ms-per-token", type=float, help=f"per distinct prompt token {cost}")
+    ap.add_argument("--train-ms", type=float, help=f"trainer step, fixed part {cost}")
+    ap.add_argument("--train-ms-per-token", type=float, help=f"trainer step, per batch token {cost}")
     ap.add_argument(
-        "--train-ms-per-token", type=float, default=0.1, help="modeled trainer: milliseconds per batch token"
+        "--train-share",
+        type=float,
+        default=0.75,
+        help="size the modeled trainer so that training a batch takes this share of the fleet's "
+        "time to generate it (generation dominates, as in the paper)",
     )
-    ap.add_argument("--sync-ms", type=float, default=50.0, help="modeled weight transfer (paused)")
+    ap.add_argument(
+        "--train-speedup",
+        type=float,
+        help="the modeled trainer is this many times the measured one (data-parallel replicas); "
+        "servers / this = generator servers per measured trainer (default: from --train-share)",
+    )
+    ap.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1000,
+        help="loop.max_staleness: drop groups this many versions old (default: never, so that both "
+        "loops train the same completions; -1: the loop's own bound, 2 n_async/n_batch)",
+    )
+    ap.add_argument("--sync-ms", type=float, default=10.0, help="modeled weight transfer (fleet paused)")
+    ap.add_argument("--calib-rounds", type=int, default=3, help="repeats of each calibration measurement")
     ap.add_argument("--workers", type=int, default=1, help="verifier processes")
     ap.add_argument("--sft-steps", type=int, default=60, help="--real: SFT steps on the script")
     ap.add_argument("--lr", type=float, default=1e-5, help="--real: RL learning rate")
@@ -518,22 +779,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")
     args = ap.parse_args(argv)
     defaults = dict(
-        steps=(6, 2),
+        steps=(10, 4),
         slots=(32, 16),
         group_size=(8, 4),
         n_batch=(64, 16),
-        n_async=(128, 32),
         l_max=(512, 96),
         median_len=(64.0, 24.0),
     )
     for name, (timing, real) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, real if args.real else timing)
+    if args.n_async is None:
+        args.n_async = 2 * args.n_batch
+    if args.servers is None:
+        args.servers = 2 if args.real else -(-args.n_async // args.slots)
+    for name in ("steps", "servers", "slots", "group_size", "n_batch", "n_async", "l_max", "calib_rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if not args.train_share > 0:
+        ap.error(f"--train-share: must be > 0, got {args.train_share}")
+    if args.train_speedup is not None and not args.train_speedup > 0:
+        ap.error(f"--train-speedup: must be > 0, got {args.train_speedup}")
     args.max_len = args.l_max + 64  # prompt (~40 tokens) + completion per slot
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the bench; print the table and, last, the figures as one JSON line."""
     args = parse_args(argv)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-async-"))
     root.mkdir(parents=True, exist_ok=True)

@@ -14,16 +14,33 @@ EOS = 2
 SCRIPT = [[10, 11, 12, EOS], [20, 21, 22, 23, 24, 25, EOS], [30, 31]]
 
 
-def engine(slots: int = 4, **timing) -> tuple[TimingEngine, list[float]]:
-    slept: list[float] = []
+class FakeClock:
+    """A clock that moves only when slept on: by the time asked, plus ``overshoot`` (the OS
+    waking the sleeper late)."""
+
+    def __init__(self, overshoot: float = 0.0):
+        self.now, self.overshoot = 100.0, overshoot
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds + self.overshoot
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def engine(slots: int = 4, clock: FakeClock | None = None, **timing) -> tuple[TimingEngine, list[float]]:
+    clock = clock or FakeClock()
     e = TimingEngine(
         TimingConfig(script=SCRIPT, **timing),
         EngineConfig(max_slots=slots, max_len=64),
         eos_token_ids=[EOS],
         vocab_size=100,
-        sleep=slept.append,
+        sleep=clock.sleep,
+        clock=clock,
     )
-    return e, slept
+    return e, clock.slept
 
 
 def by_id(finished):
@@ -62,14 +79,48 @@ def test_versions_per_token_follow_set_version_and_pause_keeps_requests():
 def test_step_sleeps_the_cost_model_and_slots_bound_the_batch():
     e, slept = engine(slots=2, decode_s=0.01, decode_s_per_seq=0.001, prefill_s_per_token=0.0001)
     for i in range(3):
-        e.add_request(f"r{i}", [1] * 10, max_new_tokens=10, seed=1)
+        e.add_request(f"r{i}", [1] * 10 + [i], max_new_tokens=10, seed=1)  # distinct prompts
     e.step()
-    assert e.running == 2 and e.waiting == 1 and e.prefill_tokens == 20
-    assert slept == [pytest.approx(0.01 + 2 * 0.001 + 20 * 0.0001)]
+    assert e.running == 2 and e.waiting == 1 and e.prefill_tokens == 22
+    assert slept == [pytest.approx(0.01 + 2 * 0.001 + 22 * 0.0001)]
     e.step()
     assert slept[-1] == pytest.approx(0.012)
     assert e.modeled_s == pytest.approx(sum(slept))
     assert e.capacity_tokens == 2 * 64
+
+
+def test_a_groups_shared_prompt_is_prefilled_once_per_step_as_in_the_real_engine():
+    e, slept = engine(slots=8, decode_s=0.0, prefill_s_per_token=0.001)
+    for i in range(4):  # one group: four samples of one prompt
+        e.add_request(f"g{i}", [1, 2, 3, 4, 5], max_new_tokens=10, seed=1)
+    e.add_request("other", [7, 8], max_new_tokens=10, seed=1)
+    e.step()
+    assert e.running == 5 and e.prefill_tokens == 5 + 2  # not 4 * 5 + 2
+    assert slept == [pytest.approx(0.007)]
+    # The same prompt admitted in a later step is prefilled again (no prefix cache).
+    e.add_request("late", [1, 2, 3, 4, 5], max_new_tokens=10, seed=1)
+    e.step()
+    assert e.prefill_tokens == 12 and slept[-1] == pytest.approx(0.005)
+
+
+def test_sleep_overshoot_is_taken_off_the_next_step_so_time_does_not_drift():
+    clock = FakeClock(overshoot=0.002)  # every sleep wakes 2 ms late
+    e, slept = engine(slots=4, clock=clock, decode_s=0.01)
+    e.add_request("r", [1], max_new_tokens=50, seed=1)
+    t0 = clock.now
+    for _ in range(5):
+        e.step()
+    assert slept[0] == pytest.approx(0.01) and slept[1:] == [pytest.approx(0.008)] * 4
+    # Five 10 ms steps end 50 ms later plus one overshoot, not plus five.
+    assert clock.now - t0 == pytest.approx(0.05 + 0.002)
+    assert e.modeled_s == pytest.approx(0.05) and e.late_s == pytest.approx(0.002)
+    # A step shorter than what is owed does not sleep; the rest stays owed.
+    big = FakeClock(overshoot=0.025)
+    e, slept = engine(slots=4, clock=big, decode_s=0.01)
+    e.add_request("r", [1], max_new_tokens=50, seed=1)
+    e.step()
+    e.step()
+    assert slept == [pytest.approx(0.01)] and e.late_s == pytest.approx(0.015)
 
 
 def test_refuses_what_the_engine_refuses_and_aborts():
@@ -86,6 +137,40 @@ def test_refuses_what_the_engine_refuses_and_aborts():
     assert f.finish_reason == "abort" and f.token_ids == [20, 21] and not e.has_work()
     with pytest.raises(ValueError, match="script"):
         TimingConfig(script=[])
+
+
+@pytest.mark.parametrize(
+    ("obj", "field"),
+    [
+        ({"decode_s": -0.1, "script": SCRIPT}, "decode_s: must be >= 0"),
+        ({"decode_s_per_seq": "0.1", "script": SCRIPT}, "decode_s_per_seq: must be a finite number"),
+        ({"prefill_s_per_token": True, "script": SCRIPT}, "prefill_s_per_token: must be a finite number"),
+        ({"decode_s": float("nan"), "script": SCRIPT}, "decode_s: must be a finite number"),
+        ({"logprob": 0.5, "script": SCRIPT}, "logprob: a log-probability"),
+        ({"script": [[1, 2], []]}, r"script\[1\]: need a non-empty list"),
+        ({"script": [[1, 2], [3, 4.5]]}, r"script\[1\]\[1\]: a token id"),
+        ({"script": [[1, -2]]}, r"script\[0\]\[1\]: a token id"),
+        ({"script": "1 2 3"}, "script: need a non-empty list"),
+        ({"decode_ms": 10, "script": SCRIPT}, r"unknown keys \['decode_ms'\]"),
+    ],
+)
+def test_a_bad_calibration_file_is_refused_naming_the_file_and_the_field(tmp_path, obj, field):
+    path = tmp_path / "timing.json"
+    path.write_text(json.dumps(obj))
+    with pytest.raises(ValueError, match=field) as err:
+        TimingEngine.from_json(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_file_that_is_not_json_is_refused_naming_it(tmp_path):
+    path = tmp_path / "timing.json"
+    path.write_text('{"decode_s": 0.01, "script": [[1, 2]')
+    with pytest.raises(ValueError, match="not JSON") as err:
+        TimingConfig.from_json(path)
+    assert str(path) in str(err.value)
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="a JSON object is expected"):
+        TimingConfig.from_json(path)
 
 
 def test_served_over_http_with_versions_and_in_place_pause(tmp_path):

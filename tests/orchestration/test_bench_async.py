@@ -1,5 +1,6 @@
 """``megatron-rl bench async`` as a user runs it: the real orchestrator in both loop modes against
-timing-model engine servers, on a small long-tailed workload (~15 s)."""
+timing-model engine servers, on a small long-tailed workload, with every cost given on the command
+line so nothing is calibrated (~20 s)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ SMALL = [
     "32",
     "--decode-ms",
     "5",
+    "--decode-ms-per-seq",
+    "0.05",
+    "--prefill-ms-per-token",
+    "0.005",
+    "--train-ms",
+    "0",
+    "--train-ms-per-token",
+    "0.1",
     "--n-batch",
     "32",
     "--n-async",

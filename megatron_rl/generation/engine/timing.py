@@ -16,11 +16,20 @@ generators wait in the synchronous loop, how the asynchronous loop keeps them bu
 
 **Cost.** One :meth:`TimingEngine.step` admits waiting requests into free slots (first come, first
 served; each admitted request samples its first token, as the real engine's prefill does), then
-decodes one token for every running request, and sleeps
+decodes one token for every running request, and takes
 
-    decode_s + decode_s_per_seq * running + prefill_s_per_token * admitted prompt tokens
+    decode_s + decode_s_per_seq * running + prefill_s_per_token * distinct prompt tokens admitted
 
-seconds (while the server holds its engine lock, as a real step computes under it).
+seconds (while the server holds its engine lock, as a real step computes under it). As in the
+real engine, the requests admitted in one step that share a prompt (a group's G samples) are
+prefilled once: a prompt's tokens are charged once per step, however many of its samples enter.
+``tools/bench_async.py`` measures the three costs on the real engine and writes them here.
+
+**Time.** A step's seconds are counted from the moment it starts (its own bookkeeping is part of
+them) and the sleep's overshoot -- the OS wakes a sleeper late, by far more on busy cores -- is
+taken off the next step's sleep (:attr:`TimingEngine.late_s` holds what is still owed). So over
+any run of steps the engine is busy for the modeled time, to within one overshoot, rather than
+drifting later by one overshoot per step; :attr:`TimingEngine.modeled_s` sums the modeled time.
 
 **Tokens.** A request with sampling seed ``s`` writes ``script[s % len(script)]`` token by token
 (no seed: the requests' arrival order picks the entry), so the rewards a verifier gives are real
@@ -35,6 +44,7 @@ engine's; there are no weights (:meth:`_NoModel.named_weights` is empty).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -53,36 +63,64 @@ from megatron_rl.generation.engine.engine import (
 __all__ = ["TimingConfig", "TimingEngine"]
 
 
+_COSTS = ("decode_s", "decode_s_per_seq", "prefill_s_per_token")
+_KEYS = (*_COSTS, "logprob", "script")
+
+
 @dataclass(kw_only=True)
 class TimingConfig:
     """The cost model and the token script of a :class:`TimingEngine`."""
 
     decode_s: float = 0.01  # fixed cost of one step (seconds)
     decode_s_per_seq: float = 0.0  # plus this per running sequence
-    prefill_s_per_token: float = 0.0  # plus this per prompt token admitted in the step
+    prefill_s_per_token: float = 0.0  # plus this per distinct prompt token admitted in the step
     logprob: float = -1.0  # log-prob reported for every token
     script: list[list[int]] = field(default_factory=list)  # completions, picked by seed
 
     def __post_init__(self) -> None:
-        for name in ("decode_s", "decode_s_per_seq", "prefill_s_per_token"):
+        for name in (*_COSTS, "logprob"):
+            value = getattr(self, name)
+            # bool is an int to Python; a calibration file's true/false is a mistake, not 1/0.
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}: must be a finite number, got {value!r}")
+            setattr(self, name, float(value))
+        for name in _COSTS:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        if not self.script or any(not isinstance(s, list) or not s for s in self.script):
+        if self.logprob > 0:
+            raise ValueError(f"logprob: a log-probability is <= 0, got {self.logprob}")
+        if not isinstance(self.script, list) or not self.script:
             raise ValueError("script: need a non-empty list of non-empty token-id lists")
-        self.script = [[int(t) for t in s] for s in self.script]
+        for i, entry in enumerate(self.script):
+            if not isinstance(entry, list) or not entry:
+                raise ValueError(f"script[{i}]: need a non-empty list of token ids, got {entry!r:.60}")
+            for j, t in enumerate(entry):
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"script[{i}][{j}]: a token id is an int >= 0, got {t!r}")
+        self.script = [list(s) for s in self.script]
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> TimingConfig:
-        with open(path) as f:
-            obj = json.load(f)
+        """The config in the JSON file ``path``; ``ValueError`` naming the file and the field for
+        a file that is not JSON, an unknown key or a bad value."""
+        try:
+            with open(path) as f:
+                obj = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
         if not isinstance(obj, dict):
-            raise ValueError(f"{path}: a JSON object is expected")
-        unknown = set(obj) - {"decode_s", "decode_s_per_seq", "prefill_s_per_token", "logprob", "script"}
+            raise ValueError(f"{path}: a JSON object is expected, got {type(obj).__name__}")
+        unknown = set(obj) - set(_KEYS)
         if unknown:
-            raise ValueError(f"{path}: unknown keys {sorted(unknown)}")
-        return cls(**obj)
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)} (known: {', '.join(_KEYS)})")
+        try:
+            return cls(**obj)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def step_seconds(self, running: int, prefill_tokens: int) -> float:
+        """Modeled seconds of a step decoding ``running`` sequences and prefilling
+        ``prefill_tokens`` (distinct) prompt tokens."""
         return self.decode_s + self.decode_s_per_seq * running + self.prefill_s_per_token * prefill_tokens
 
 
@@ -134,14 +172,17 @@ class TimingEngine(SlotEngine[_Scripted]):
         eos_token_ids: Iterable[int] = (),
         vocab_size: int | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """``sleep`` and ``clock`` (seconds) are what a step waits with and times itself by."""
         super().__init__(config)
         self.timing = timing
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.vocab_size = vocab_size
         self.model, self.cache = _NoModel(), _NoCache()
-        self.modeled_s = 0.0  # seconds slept so far
-        self._sleep = sleep
+        self.modeled_s = 0.0  # modeled seconds of the steps so far
+        self.late_s = 0.0  # past steps' overshoot not yet taken off a sleep (see "Time")
+        self._sleep, self._clock = sleep, clock
         self._arrivals = 0
 
     @classmethod
@@ -153,13 +194,16 @@ class TimingEngine(SlotEngine[_Scripted]):
         eos_token_ids: Iterable[int] = (),
         vocab_size: int | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> TimingEngine:
+        """An engine with the cost model and script of the JSON file ``path``."""
         return cls(
             TimingConfig.from_json(path),
             config,
             eos_token_ids=eos_token_ids,
             vocab_size=vocab_size,
             sleep=sleep,
+            clock=clock,
         )
 
     def add_request(
@@ -200,22 +244,32 @@ class TimingEngine(SlotEngine[_Scripted]):
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[Finished]:
-        """Admit, then write one token for every running request; sleep the modeled time."""
+        """Admit, then write one token for every running request; take the modeled time."""
         if self.paused:
             return []
+        t0 = self._clock()
         finished: list[Finished] = []
-        admitted_tokens = 0
+        prompts: set[tuple[int, ...]] = set()  # prefilled once each, as the real engine does
         for req in self._admit():
-            admitted_tokens += len(req.prompt_ids)
+            prompts.add(tuple(req.prompt_ids))
             self._write(req, finished)  # the prefill's token
         running = len(self._running)
         for req in list(self._running.values()):
             self._write(req, finished)
-        self.prefill_tokens += admitted_tokens
-        seconds = self.timing.step_seconds(running, admitted_tokens)
+        prefill = sum(len(p) for p in prompts)
+        self.prefill_tokens += prefill
+        seconds = self.timing.step_seconds(running, prefill)
         self.modeled_s += seconds
-        self._sleep(seconds)
+        self._wait(t0, seconds)
         return finished
+
+    def _wait(self, t0: float, seconds: float) -> None:
+        """Sleep until ``seconds`` after ``t0`` less what earlier steps overshot; keep this
+        sleep's overshoot (or the debt left when the step is shorter than it) for the next."""
+        want = seconds - self.late_s - (self._clock() - t0)
+        if want > 0:
+            self._sleep(want)
+        self.late_s = max(0.0, self._clock() - t0 - (seconds - self.late_s))
 
     def _write(self, req: _Scripted, finished: list[Finished]) -> None:
         token = req.script[len(req.token_ids)]
