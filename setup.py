@@ -51,6 +51,8 @@ setup(
             "mlflow-skinny>=3",
             "pyarrow",
             "datasets",
+            # The real router in front of built-in engines (tests/generation/test_router.py).
+            "sglang-router>=0.3.2,<0.4",
         ],
         # Problem sets in Parquet and folders written by datasets' save_to_disk (data.train).
         "data": ["pyarrow", "datasets"],
@@ -61,7 +63,10 @@ setup(
         "wandb": ["wandb>=0.19"],
         "mlflow": ["mlflow-skinny>=3"],
         # GPU clusters. Apex is built from source (see README); SGLang pinned to the API we speak.
-        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "sglang-router"],
+        "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "sglang-router>=0.3.2,<0.4"],
+        # sglang-router alone (it runs on CPU): the release our client and launch scripts are
+        # tested with (generation/protocol.py ROUTER_VERSION).
+        "router": ["sglang-router>=0.3.2,<0.4"],
     },
     entry_points={"console_scripts": ["megatron-rl = megatron_rl.cli:main"]},
 )

@@ -1,24 +1,30 @@
-"""Weight-update time: ``WeightBroadcaster.sync()`` against one raw broadcast of the same bytes.
+"""Weight-update time: ``WeightBroadcaster.sync()``, streamed and per bucket, against one raw
+broadcast of the same bytes over the same group.
 
-    megatron-rl bench weight-sync [--hidden 512] [--layers 4] [--vocab 4096] [--bucket-mb 16]
+    megatron-rl bench weight-sync [--hidden 1024] [--layers 4] [--vocab 16384] [--bucket-mb 16]
                                   [--servers 1] [--repeats 5]
 
-Builds a random Llama-style model (fp32, saved with ``save_pretrained``), a ``PolicyTrainer`` on
-one gloo rank in this process, and ``--servers`` built-in engine servers (``EngineProcess``) from
-the same folder; a ``WeightBroadcaster`` joins them into one update group (gloo over loopback).
-Then, in this one run and over that one group:
+Builds a random Llama-style model (fp32, saved with ``save_pretrained``; the defaults make 80.7M
+parameters, 323 MB, so that the figure is about bandwidth and overlap, not fixed costs), a
+``PolicyTrainer`` on one gloo rank in this process, and ``--servers`` built-in engine servers
+(``EngineProcess``) from the same folder. Two ``WeightBroadcaster`` s join them, each on an update
+group of its own (gloo over loopback):
 
-- ``sync()``: the whole update as the RL loop runs it -- pause, HF conversion of the Megatron
-  tensors, packing into ``--bucket-mb`` buckets, per bucket one ``/update_weights_from_distributed``
-  to every server and a broadcast, the servers' copy into their model, resume;
-- baseline: one broadcast of a single flat ``uint8`` tensor of the same number of bytes, which
-  the servers receive through ``POST /megatron_rl/receive_raw`` and discard: the transport alone.
+- streamed (``stream: on``): pause and the whole update's manifest in one round trip, then the
+  ``--bucket-mb`` buckets as bare broadcasts, bucket k+1 packed while bucket k is on the wire,
+  the servers' checks overlapping the next bucket, the update swapped in whole at the end;
+- per bucket (``stream: off``, SGLang's protocol): one ``/update_weights_from_distributed`` per
+  bucket to every server with its broadcast, the servers' check and copy per bucket;
+- baseline: one broadcast of a single flat ``uint8`` tensor of the same number of bytes over the
+  streamed sync's group, which the servers receive through ``POST /megatron_rl/receive_raw`` and
+  discard: the transport alone.
 
-Each is run once untimed (first use of the group's connections), then ``--repeats`` times,
-alternating; the median is reported. After the timed syncs, every server's
-``/megatron_rl/weights_digest`` is checked against the trainer's HF tensors. The last line is one
-JSON object; ``broadcast_over_raw`` = sync seconds / raw broadcast seconds (1.0 would be a free
-update).
+Each is run once untimed (first use of the group's connections), then in ``--repeats``
+interleaved rounds (raw, streamed, raw, per bucket); medians are reported, with the breakdown of
+each sync (pack, waiting for the packer, broadcast, server apply, control). After the timed syncs,
+every server's ``/megatron_rl/weights_digest`` is checked against the trainer's HF tensors. The
+last line is one JSON object; ``broadcast_over_raw`` = streamed sync seconds / raw broadcast
+seconds (1.0 would be a free update), ``per_bucket_over_raw`` the same for the per-bucket path.
 """
 
 from __future__ import annotations
@@ -99,6 +105,26 @@ def _servers_hold(fleet, urls: list[str], trainer) -> bool:
     return all(fleet.weights_digest(u) == want for u in urls)
 
 
+def _sync_pair(trainer, fleet, args: argparse.Namespace):
+    """Two broadcasters of the trainer's weights to the same servers, each on a group of its own:
+    streamed (one manifest per update, packing overlapped) and per bucket (SGLang's protocol)."""
+    from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
+
+    out = []
+    for stream in ("on", "off"):
+        cfg = WeightSyncConfig(
+            backend="gloo",
+            master_port=_free_port(),
+            bucket_mb=args.bucket_mb,
+            group_name=f"bench_weight_sync_{stream}",
+            stream=stream,
+        )
+        bc = WeightBroadcaster(trainer.hf_tensors, fleet, cfg)
+        bc.connect()
+        out.append(bc)
+    return out
+
+
 def run(args: argparse.Namespace, folder: str) -> dict:
     from megatron_rl.algorithms.config import GRPOConfig
     from megatron_rl.batching.config import BatchingConfig
@@ -106,7 +132,6 @@ def run(args: argparse.Namespace, folder: str) -> dict:
     from megatron_rl.generation.engine.launch import EngineProcess
     from megatron_rl.training.config import TrainerConfig
     from megatron_rl.training.trainer import PolicyTrainer
-    from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
 
     params = make_model(folder, args)
     trainer = PolicyTrainer(folder, TrainerConfig(), GRPOConfig(), BatchingConfig())
@@ -117,72 +142,94 @@ def run(args: argparse.Namespace, folder: str) -> dict:
             s.start()
         urls = [s.url for s in servers]
         fleet = FleetClient(urls, api_key=api_key)
-        cfg = WeightSyncConfig(
-            backend="gloo", master_port=_free_port(), bucket_mb=args.bucket_mb, group_name="bench_weight_sync"
-        )
-        bc = WeightBroadcaster(trainer.hf_tensors, fleet, cfg)
-        bc.connect()
-        first = bc.sync(version=1)  # untimed: first use of the group's connections
+        streamed, per_bucket = _sync_pair(trainer, fleet, args)
+        first = streamed.sync(version=1)  # untimed: first use of the group's connections
+        per_bucket.sync(version=1)
         nbytes = int(first["weight_sync/bytes"])
         flat = torch.zeros(nbytes, dtype=torch.uint8)
-        syncs, raws = [], []
+        syncs, buckets, raws = [], [], []
         with ThreadPoolExecutor(len(urls)) as pool:
-            raw_broadcast(urls, bc.group, cfg.group_name, flat, pool, api_key)  # untimed
-            # Alternated, so that a busy spell of a shared machine hits both alike.
+            raw_broadcast(urls, streamed.group, streamed.cfg.group_name, flat, pool, api_key)  # untimed
+            # Interleaved rounds, so that a busy spell of a shared machine hits each alike.
             for i in range(args.repeats):
-                syncs.append(bc.sync(version=2 + i))
-                raws.append(raw_broadcast(urls, bc.group, cfg.group_name, flat, pool, api_key))
+                raws.append(raw_broadcast(urls, streamed.group, streamed.cfg.group_name, flat, pool, api_key))
+                syncs.append(streamed.sync(version=2 + 2 * i))
+                raws.append(raw_broadcast(urls, streamed.group, streamed.cfg.group_name, flat, pool, api_key))
+                buckets.append(per_bucket.sync(version=3 + 2 * i))
+        streamed.sync(version=2 + 2 * args.repeats)  # the servers end on the streamed update
         same = _servers_hold(fleet, urls, trainer)
-        bc.close()
+        streamed.close()
+        per_bucket.close()
         fleet.close()
     finally:
         for s in servers:
             s.stop()
         trainer.close()
-    sync_s = statistics.median(s["weight_sync/seconds"] for s in syncs)
-    pause_s = statistics.median(s["weight_sync/pause_s"] for s in syncs)
-    raw_s = statistics.median(raws)
+
+    def med(runs: list[dict], key: str) -> float:
+        return statistics.median(r[f"weight_sync/{key}"] for r in runs)
+
+    raw_s, sync_s, bucket_s = statistics.median(raws), med(syncs, "seconds"), med(buckets, "seconds")
     gb = nbytes / 1e9
     print(
-        f"model: Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: "
-        f"{params / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB fp32 (HF tensors); "
-        f"{args.servers} built-in server(s), gloo over loopback; buckets of "
-        f"{args.bucket_mb:g} MB ({int(first['weight_sync/buckets'])} per sync); median of "
-        f"{args.repeats}; servers "
-        f"hold the trainer's weights after the syncs: {'yes' if same else 'NO'}"
+        f"model: Llama-style hidden {args.hidden}, {args.layers} layers, ffn {args.ffn or 11 * args.hidden // 4}, "
+        f"vocab {args.vocab}: {params / 1e6:.1f}M parameters, {nbytes / 1e6:.1f} MB fp32 (HF tensors); "
+        f"{args.servers} built-in server(s), gloo over loopback; buckets of {args.bucket_mb:g} MB "
+        f"({int(first['weight_sync/buckets'])} per sync); median of {args.repeats} interleaved rounds "
+        f"(raw, streamed, raw, per bucket); servers hold the trainer's weights after the syncs: "
+        f"{'yes' if same else 'NO'}"
     )
-    print(f"{'step':44} {'seconds':>8} {'GB/s':>7} {'÷ raw':>7}")
+    print(f"{'step':52} {'seconds':>8} {'GB/s':>7} {'÷ raw':>7}")
     for label, seconds in [
         ("raw broadcast, one uint8 tensor (baseline)", raw_s),
-        ("WeightBroadcaster.sync(), whole model", sync_s),
+        ("sync(), streamed (stream: on, built-in engine)", sync_s),
+        ("sync(), one HTTP call per bucket (stream: off)", bucket_s),
     ]:
-        print(f"{label:44} {seconds:8.3f} {gb / seconds:7.3f} {seconds / raw_s:7.2f}")
-    print(f"{'  of which pause + begin (HTTP round trips)':44} {pause_s:8.3f} {'':>7} {pause_s / raw_s:7.2f}")
+        print(f"{label:52} {seconds:8.3f} {gb / seconds:7.3f} {seconds / raw_s:7.2f}")
+    parts = ("pack_s", "pack_wait_s", "broadcast_s", "apply_s", "control_s")
+    labels = {
+        "pack_s": "pack (on the packer thread, overlapped)",
+        "pack_wait_s": "waiting for the packer (not overlapped)",
+        "broadcast_s": "broadcast (the buckets on the wire)",
+        "apply_s": "server apply (swap in / check + copy)",
+        "control_s": "control (HTTP round trips, refresh)",
+    }
+    breakdown = {
+        "streamed": {p: med(syncs, p) for p in parts},
+        "per_bucket": {p: med(buckets, p) for p in parts},
+    }
+    print(f"{'breakdown, median seconds':52} {'stream':>8} {'bucket':>8}")
+    for p in parts:
+        print(f"  {labels[p]:50} {breakdown['streamed'][p]:8.3f} {breakdown['per_bucket'][p]:8.3f}")
     if not same:
         raise SystemExit("bench weight-sync: a server's weights differ from the trainer's")
     return {
         "broadcast_over_raw": round(sync_s / raw_s, 4),
+        "per_bucket_over_raw": round(bucket_s / raw_s, 4),
         "sync_s": round(sync_s, 5),
         "sync_gbps": round(gb / sync_s, 4),
+        "per_bucket_s": round(bucket_s, 5),
         "raw_s": round(raw_s, 5),
         "raw_gbps": round(gb / raw_s, 4),
         "bytes": nbytes,
         "buckets": int(first["weight_sync/buckets"]),
         "bucket_mb": args.bucket_mb,
-        "pause_s": round(pause_s, 5),
+        **{f"stream_{p}": round(v, 5) for p, v in breakdown["streamed"].items()},
+        **{f"per_bucket_{p}": round(v, 5) for p, v in breakdown["per_bucket"].items()},
         "servers": args.servers,
         "params": params,
+        "repeats": args.repeats,
     }
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--ffn", type=int, default=0, help="MLP width (0: 11/4 x hidden)")
-    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=16384)
     ap.add_argument("--bucket-mb", type=float, default=16.0, help="bytes per sync broadcast")
     ap.add_argument("--servers", type=int, default=1, help="built-in engine servers to update")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")

@@ -5,8 +5,9 @@
 #   MASTER=10.0.0.1 NNODES=2 NODE_RANK=0 SERVERS="http://10.0.1.1:30000 http://10.0.1.2:30000" \
 #     examples/launch/torchrun_multinode.sh examples/magistral_small_rl.yaml
 #
-# Start each SGLang server (same SGLang as the client: 0.5.23) with
-#   python -m sglang.launch_server --model-path MODEL --tp 8 --host 0.0.0.0 --port 30000
+# Start each SGLang server (same SGLang as the client: 0.5.23) with the flags the recipe implies:
+#   python -m sglang.launch_server --model-path MODEL --tp-size 8 --host 0.0.0.0 --port 30000 \
+#     $(megatron-rl sglang-args server RECIPE.yaml) --api-key "$MEGATRON_RL_API_KEY"
 set -euo pipefail
 RECIPE=${1:?usage: torchrun_multinode.sh RECIPE.yaml [overrides...]}; shift
 : "${MASTER:?address of trainer node 0}" "${NNODES:?number of trainer nodes}"

@@ -3,6 +3,7 @@
     megatron-rl bench collation            # benchmark programs under tools/ (bench_NAME.py)
     megatron-rl config RECIPE.yaml [k=v]   # resolve and check a recipe, print it as YAML
     megatron-rl train RECIPE.yaml          # the RL loop (see README for what is available)
+    megatron-rl sglang-args server|router RECIPE.yaml   # SGLang launch flags the recipe implies
 
 Also runnable as ``python -m megatron_rl``.
 """
@@ -88,6 +89,29 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sglang_args(args: argparse.Namespace) -> int:
+    """Print the SGLang server (or sglang-router) flags that follow from a recipe, as shell
+    words, for launch scripts: ``python -m sglang.launch_server ... $(megatron-rl sglang-args
+    server R.yaml)``."""
+    import shlex  # lazy: each verb imports only what it runs
+
+    from megatron_rl.config import ConfigError  # lazy: as above
+    from megatron_rl.generation.protocol import router_launch_args, server_launch_args  # lazy: as above
+    from megatron_rl.orchestration.recipe import load_config  # lazy: the recipe imports torch
+
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"megatron-rl sglang-args: {e}", file=sys.stderr)
+        return 2
+    if args.target == "router":
+        words = router_launch_args(request_timeout_s=cfg.fleet.request_timeout_s)
+    else:
+        words = server_launch_args(deterministic=cfg.fleet.deterministic)
+    print(shlex.join(words))
+    return 0
+
+
 def _passthrough(module: str):
     def run(args: argparse.Namespace) -> int:
 
@@ -112,6 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also check that every path the recipe names exists (train always does)",
     )
     c.set_defaults(func=_config)
+    g = sub.add_parser("sglang-args", help="print the SGLang server or router flags a recipe implies")
+    g.add_argument(
+        "target",
+        choices=("server", "router"),
+        help="server: python -m sglang.launch_server; router: python -m sglang_router.launch_router",
+    )
+    g.add_argument("recipe", help="YAML recipe")
+    g.add_argument("overrides", nargs="*", help="dotted overrides, e.g. fleet.deterministic=true")
+    g.set_defaults(func=_sglang_args)
     from megatron_rl.cli.reward import (
         build_parser as reward_parser,  # lazy: each verb imports only what it runs, so --help stays quick
     )

@@ -53,7 +53,7 @@ import http.client
 import json
 import threading
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
@@ -61,6 +61,7 @@ from typing import TYPE_CHECKING, NoReturn
 import aiohttp
 
 from megatron_rl.generation.api import GenRequest, GenResult
+from megatron_rl.generation.engine.weights import ENGINE_CAPABILITY, STREAM_ROUTE
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
     ROUTES,
@@ -72,8 +73,13 @@ from megatron_rl.generation.protocol import (
     check_api_key,
     generate_payload,
     init_group_payload,
+    memory_payload,
     parse_generate,
+    parse_weights_checker,
     pause_payload,
+    update_group_ranks,
+    update_weights_from_tensor_payload,
+    weights_checker_payload,
 )
 
 if TYPE_CHECKING:
@@ -155,8 +161,10 @@ def _post_json(
     """``body`` (None: no body) sent as JSON, with ``api_key`` ("" for none) as a bearer token;
     the answer parsed as JSON (its text if it is not)."""
     # Only routes the SGLang contract test has checked (protocol.ROUTES), with their method; our
-    # own extensions of the built-in engine live under /megatron_rl/.
-    if ROUTES.get(route, "GET" if route.startswith("/megatron_rl/") else None) != method:
+    # own extensions of the built-in engine live under /megatron_rl/ (GET, but the streamed
+    # weight update, a POST).
+    extension = "POST" if route == STREAM_ROUTE else "GET" if route.startswith("/megatron_rl/") else None
+    if ROUTES.get(route, extension) != method:
         raise ProtocolError(
             f"{method} {route} is not a route of SGLang {SGLANG_VERSION}'s API "
             "that the client speaks (generation/protocol.py ROUTES)"
@@ -196,9 +204,13 @@ class FleetClient:
         initial_version: int = 0,
         max_connections: int = 0,
         api_key: str | None = None,
+        deterministic: bool = False,
     ) -> None:
         """``max_connections``: generation connections open at once over the whole fleet (each
-        request in flight holds one; 0: no limit). The timeouts are in seconds, finite, > 0."""
+        request in flight holds one; 0: no limit). The timeouts are in seconds, finite, > 0.
+        ``deterministic``: refuse (:class:`ProtocolError`) a server whose ``/server_info`` says
+        it runs without ``--enable-deterministic-inference`` (SGLang ignores request seeds
+        then); the built-in engine does not report the flag: it always samples from the seed."""
         for name, value in (
             ("request_timeout_s", request_timeout_s),
             ("connect_timeout_s", connect_timeout_s),
@@ -218,6 +230,7 @@ class FleetClient:
         self.connect_timeout_s = connect_timeout_s
         self.control_timeout_s = control_timeout_s
         self.initial_version = initial_version
+        self.deterministic = deterministic
         self.lost: list[tuple[str, str]] = []  # (request_id, server url), in order of loss
         self.timed_out: list[tuple[str, str]] = []  # (request_id, server url): aborted there
         self._lock = threading.Lock()
@@ -301,10 +314,11 @@ class FleetClient:
                     raise
                 s.alive, s.info = self._answers(s.url), None
                 continue
+            self._check_server(s.url, info)
             s.alive, s.info = True, info
             s.capacity_tokens = int(info.get("max_total_num_tokens") or 0)
             s.max_running = int(info.get("max_running_requests") or 0)
-            s.tp_size = int(info.get("tp_size") or 1)
+            s.tp_size = update_group_ranks(info, s.url)
         self._update_capacity = 0
         routed = {s.url for s in self.servers}
         for u in self.update_urls:
@@ -312,13 +326,23 @@ class FleetClient:
                 continue
             try:
                 info = self._call(u, "/server_info", None, method="GET", timeout=self.control_timeout_s)
+                self._check_server(u, info)
                 self._update_capacity += int(info.get("max_total_num_tokens") or 0)
-                self._update_tp[u] = int(info.get("tp_size") or 1)
+                self._update_tp[u] = update_group_ranks(info, u)
             except ServerError as e:
                 if e.status == 401:
                     raise
             except ServerLost:
                 pass
+
+    def _check_server(self, url: str, info: dict[str, JsonValue]) -> None:
+        """Refuse a server whose settings contradict the client's (see ``deterministic``)."""
+        if self.deterministic and info.get("enable_deterministic_inference") is False:
+            raise ProtocolError(
+                f"{url}: fleet.deterministic is true, but this server runs without "
+                "--enable-deterministic-inference, so it ignores the requests' sampling seeds; "
+                "restart it with the flags `megatron-rl sglang-args server RECIPE` prints"
+            )
 
     def revive(self, url: str) -> bool:
         """Put a (restarted) server back into routing if it answers; return whether it did."""
@@ -465,16 +489,21 @@ class FleetClient:
         server that does not answer either is found out by its next request)."""
         with self._lock:
             self.timed_out.append((req.request_id, server.url))
-        try:
-            async with self._aux.post(
-                server.url + "/abort_request",
-                data=json.dumps(abort_payload(req.request_id)).encode(),
-                headers={"Content-Type": "application/json"},
-                timeout=_ABORT_TIMEOUT,
-            ) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            pass
+        body = json.dumps(abort_payload(req.request_id)).encode()
+
+        async def abort_at(url: str) -> None:
+            try:
+                async with self._aux.post(
+                    url + "/abort_request",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=_ABORT_TIMEOUT,
+                ) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, OSError, TimeoutError):
+                pass
+
+        await asyncio.gather(*(abort_at(u) for u in self._abort_urls(server)))
         return GenResult(
             request_id=req.request_id,
             prompt_ids=list(req.input_ids),
@@ -505,8 +534,20 @@ class FleetClient:
                     pending[self.submit(req, exclude=tried)] = (req, tried)
 
     def abort(self, request_id: str | None = None) -> None:
-        """Abort one request (every server is asked) or all of them."""
-        self._broadcast_control("/abort_request", abort_payload(request_id))
+        """Abort one request (every server is asked) or all of them; behind a router, its
+        workers are asked (the router has no ``/abort_request``)."""
+        urls = sorted({u for s in self.alive for u in self._abort_urls(s)})
+        self._broadcast_control("/abort_request", abort_payload(request_id), urls)
+
+    def _abort_urls(self, server: ServerState) -> list[str]:
+        """Where an abort of a request sent to ``server`` must go: the server itself, or, when
+        it is a router (it answers but has no ``/server_info``; sglang-router forwards only
+        generation), every update target behind it."""
+        if server.info is None and server.alive:
+            behind = [u for u in self.update_urls if u != server.url]
+            if behind:
+                return behind
+        return [server.url]
 
     # ------------------------------------------------------------------ weight updates
 
@@ -521,14 +562,24 @@ class FleetClient:
         """Pause every update target; ``in_place`` keeps running requests and their KV cache."""
         self._broadcast_control("/pause_generation", pause_payload(mode), self._live_update_urls())
 
+    def pause_async(self, mode: str = "in_place") -> list[Future[JsonValue]]:
+        """:meth:`pause` without waiting: one future per live update target."""
+        body = pause_payload(mode)
+        return [
+            self._control.submit(self._call, u, "/pause_generation", body, timeout=self.control_timeout_s)
+            for u in self._live_update_urls()
+        ]
+
     def resume(self) -> None:
         self._broadcast_control("/continue_generation", {}, self._live_update_urls())
 
     def begin_update(self) -> None:
         self._broadcast_control("/begin_weight_update", {}, self._live_update_urls())
 
-    def end_update(self) -> None:
-        self._broadcast_control("/end_weight_update", {}, self._live_update_urls())
+    def end_update(self) -> list[JsonValue]:
+        """Close every live target's update session; returns their answers (a built-in engine
+        that received a streamed update answers its outcome and timings there)."""
+        return self._broadcast_control("/end_weight_update", {}, self._live_update_urls())
 
     def _live_update_urls(self) -> list[str]:
         dead = {s.url for s in self.servers if not s.alive}
@@ -587,6 +638,26 @@ class FleetClient:
             for u in self.update_urls
         ]
 
+    def update_weights_stream_async(self, payload: dict[str, object]) -> list[Future[JsonValue]]:
+        """Post a whole update's manifest (``engine/weights.py``) to every update target; each
+        answers once it is ready for the broadcasts, or refuses the manifest (nothing sent yet)."""
+        return [
+            self._control.submit(self._call, u, STREAM_ROUTE, payload, timeout=self.control_timeout_s)
+            for u in self.update_urls
+        ]
+
+    def takes_streamed_updates(self) -> bool:
+        """Whether every update target is a built-in engine that takes streamed weight updates
+        (its ``/server_info`` says so; SGLang's does not)."""
+        for u in self.update_urls:
+            try:
+                info = self.server_info(u)
+            except (ServerLost, ServerError):
+                return False
+            if not isinstance(info, dict) or info.get(ENGINE_CAPABILITY) != STREAM_ROUTE:
+                return False
+        return True
+
     def server_info(self, url: str) -> dict[str, JsonValue]:
         return self._call(url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
 
@@ -595,6 +666,23 @@ class FleetClient:
         return self._call(
             url, "/megatron_rl/weights_digest", None, method="GET", timeout=self.control_timeout_s
         )
+
+    def weights_checksums(self, url: str) -> dict[tuple[int, int], str]:
+        """SGLang's own weight check (``/weights_checker``, action ``checksum``) of one server:
+        a checksum per worker, keyed by ``(pp_rank, tp_rank)``."""
+        body = self._call(url, "/weights_checker", weights_checker_payload(), timeout=self.control_timeout_s)
+        return parse_weights_checker(body, url)
+
+    def flush_cache(self) -> list[str]:
+        """Ask every live update target to empty its prefix cache; the URLs that refused
+        (SGLang flushes only when no request runs or waits)."""
+        refused = []
+        for u in self._live_update_urls():
+            try:
+                self._call(u, "/flush_cache", None, timeout=self.control_timeout_s)
+            except ServerError:
+                refused.append(u)
+        return refused
 
     def destroy_update_group(self, group_name: str) -> None:
         """Ask every live update target to leave the group (best effort)."""
@@ -608,6 +696,37 @@ class FleetClient:
                 )
             except (ServerLost, ServerError):
                 pass
+
+    # ------------------------------------------------------------------ colocated mode
+
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Ask every live update target to free the memory of ``tags`` (``protocol.MEMORY_TAGS``;
+        None: all) while the trainer uses the device; a server with requests running refuses."""
+        self._broadcast_control("/release_memory_occupation", memory_payload(tags), self._live_update_urls())
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Ask every live update target to take the memory of ``tags`` (None: all) back."""
+        self._broadcast_control("/resume_memory_occupation", memory_payload(tags), self._live_update_urls())
+
+    def update_weights_from_tensor(self, serialized: str, *, weight_version: int) -> None:
+        """Post one ``/update_weights_from_tensor`` to every live update target: ``serialized``
+        (``protocol.serialize_named_tensors``) once per tensor-parallel rank of each, inside the
+        session that :meth:`begin_update` opened."""
+        tp = {**self._update_tp, **{s.url: s.tp_size for s in self.servers}}
+        futs = [
+            self._control.submit(
+                self._call,
+                u,
+                "/update_weights_from_tensor",
+                update_weights_from_tensor_payload(
+                    [serialized] * tp.get(u, 1), weight_version=weight_version
+                ),
+                timeout=self.control_timeout_s,
+            )
+            for u in self._live_update_urls()
+        ]
+        for f in futs:
+            f.result()
 
     def close(self) -> None:
         """Stop: requests still in flight fail with :class:`ServerLost` (their servers abort

@@ -19,9 +19,27 @@ Routes and payloads (all JSON):
 ``POST /end_weight_update``               ``{}``
 ``POST /destroy_weights_update_group``    ``{"group_name": ...}``
 ``POST /abort_request``                   ``{"rid": ...}`` or ``{"abort_all": true}``
-``GET  /server_info``                     ``max_total_num_tokens`` (KV capacity), ...
+``POST /flush_cache``                     empties the radix (prefix) cache; SGLang does it
+                                          only when no request runs or waits
+``POST /weights_checker``                 :func:`weights_checker_payload` ->
+                                          :func:`parse_weights_checker`
+``GET  /server_info``                     ``max_total_num_tokens`` (KV capacity), the layout
+                                          (``tp_size``, ``pp_size``, ``dp_size``:
+                                          :func:`update_group_ranks`), ...
+``POST /release_memory_occupation``       :func:`memory_payload` (colocated mode: free the KV
+                                          cache / weights while the trainer runs; idle only)
+``POST /resume_memory_occupation``        :func:`memory_payload` (take the memory back)
+``POST /update_weights_from_tensor``      :func:`update_weights_from_tensor_payload` (named
+                                          tensors by reference: CUDA IPC, or CPU shared memory)
 ``GET  /health``                          200 when the server is up
 ========================================  ==================================================
+
+**sglang-router** (``ROUTER_VERSION``) forwards ``/generate`` to its workers and answers
+``/health``; it has no ``/abort_request``, ``/pause_generation`` or ``/server_info`` (404). So
+behind a router, aborts, pauses and weight updates go to the workers themselves (the fleet's
+``update_urls``), and the router's own request timeout (``--request-timeout-secs``, 1800 s by
+default) is set from the recipe (``fleet.request_timeout_s``) so that it never cuts a
+generation the client still waits for.
 
 **API key.** A server started with ``--api-key KEY`` (SGLang's flag; the built-in engine also
 reads ``$MEGATRON_RL_API_KEY``) answers every route but its health checks with 401
@@ -43,12 +61,16 @@ tensors' bytes back to back in ``names`` order, each starting at a multiple of i
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import io
+import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
+from torch.multiprocessing.reductions import rebuild_storage_filename
 
 from megatron_rl.generation.api import GenRequest, GenResult
 
@@ -58,6 +80,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "API_KEY_ENV",
+    "MEMORY_TAGS",
+    "ROUTER_VERSION",
     "ROUTES",
     "SGLANG_VERSION",
     "ProtocolError",
@@ -69,13 +93,21 @@ __all__ = [
     "dtype_name",
     "generate_payload",
     "init_group_payload",
+    "memory_payload",
     "pack_bucket",
     "parse_generate",
+    "parse_weights_checker",
     "pause_payload",
+    "router_launch_args",
+    "serialize_named_tensors",
+    "server_launch_args",
     "tensor_digest",
     "unpack_bucket",
+    "update_group_ranks",
+    "update_weights_from_tensor_payload",
     "update_weights_payload",
     "versions_per_token",
+    "weights_checker_payload",
 ]
 
 SGLANG_VERSION = "0.5.23"
@@ -92,9 +124,18 @@ ROUTES = {
     "/end_weight_update": "POST",
     "/destroy_weights_update_group": "POST",
     "/abort_request": "POST",
+    "/flush_cache": "POST",
+    "/weights_checker": "POST",
+    "/release_memory_occupation": "POST",
+    "/resume_memory_occupation": "POST",
+    "/update_weights_from_tensor": "POST",
     "/server_info": "GET",
     "/health": "GET",
 }
+
+#: The sglang-router release our launch scripts start and ``tests/generation/test_router.py`` runs
+#: in front of built-in engines (the ``router`` extra pins ``sglang-router`` to this minor).
+ROUTER_VERSION = "0.3.2"
 
 
 #: The environment variable holding the API key ("" or unset: no key) for ``serve-engine``, the
@@ -208,7 +249,12 @@ def parse_generate(
         ),
         finish_reason=reason,
         server=server,
-        meta={"finish_reason": finish, "weight_version": meta.get("weight_version")},
+        meta={
+            "finish_reason": finish,
+            "weight_version": meta.get("weight_version"),
+            # Prompt tokens served from SGLang's prefix cache (KV possibly of older weights).
+            "cached_tokens": int(meta.get("cached_tokens") or 0),
+        },
     )
 
 
@@ -319,3 +365,168 @@ def tensor_digest(t: torch.Tensor) -> str:
     return hashlib.sha256(
         t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     ).hexdigest()
+
+
+def update_group_ranks(info: dict[str, JsonValue], url: str = "server") -> int:
+    """How many ranks of the weight-update group a server takes, from its ``/server_info``.
+
+    SGLang 0.5.23 joins each worker process at ``rank_offset + tp_rank`` (its
+    ``ModelRunner`` weight updater) and refuses the distributed update with data-parallel
+    replicas (the tokenizer manager asserts ``dp_size == 1``). So a server takes ``tp_size``
+    ranks; ``pp_size > 1`` would make the stages' workers claim the same ranks, and ``dp_size
+    > 1`` is refused by SGLang itself: both raise :class:`ProtocolError` naming the server and
+    the field, before any group is made (run one server per replica, behind the router).
+    Fields a server does not report (a router, an old build) count as 1."""
+    sizes = {}
+    for field in ("tp_size", "pp_size", "dp_size"):
+        raw = info.get(field, 1)
+        try:
+            value = int(raw) if raw is not None else 1
+        except (TypeError, ValueError):
+            raise ProtocolError(f"{url}: /server_info {field} is not an integer: {raw!r}") from None
+        if value < 1:
+            raise ProtocolError(f"{url}: /server_info {field} must be >= 1, got {value}")
+        sizes[field] = value
+    if sizes["dp_size"] > 1:
+        raise ProtocolError(
+            f"{url}: dp_size={sizes['dp_size']}: SGLang {SGLANG_VERSION} refuses weight updates "
+            "from distributed with data-parallel replicas; start one server per replica "
+            "(behind sglang-router) instead of --dp-size"
+        )
+    if sizes["pp_size"] > 1:
+        raise ProtocolError(
+            f"{url}: pp_size={sizes['pp_size']}: SGLang {SGLANG_VERSION} joins each worker to "
+            "the update group at rank_offset + tp_rank, so the pipeline stages' workers would "
+            "claim the same ranks; serve with --pp-size 1"
+        )
+    return sizes["tp_size"]
+
+
+def weights_checker_payload() -> dict[str, object]:
+    """``/weights_checker``: a checksum of every weight of the server (per worker rank)."""
+    return {"action": "checksum"}
+
+
+def parse_weights_checker(body: JsonValue, url: str = "server") -> dict[tuple[int, int], str]:
+    """The ``per_gpu_checksum`` of each worker of a ``/weights_checker`` checksum reply, keyed
+    by ``(pp_rank, tp_rank)`` (two servers with the same layout and weights agree key by key)."""
+    if not isinstance(body, dict) or not body.get("success"):
+        message = body.get("message") if isinstance(body, dict) else body
+        raise ProtocolError(f"{url}: /weights_checker failed: {message!r}")
+    out: dict[tuple[int, int], str] = {}
+    try:
+        for rank in body["ranks"]:
+            placement = rank["parallelism_info"]
+            if isinstance(placement, list):  # one entry per role; the target model's first
+                placement = next(p for p in placement if p.get("role", "target") == "target")
+            out[int(placement["pp_rank"]), int(placement["tp_rank"])] = str(rank["per_gpu_checksum"])
+    except (KeyError, TypeError, ValueError, StopIteration) as e:
+        raise ProtocolError(f"{url}: /weights_checker reply lacks {e}") from None
+    if not out:
+        raise ProtocolError(f"{url}: /weights_checker reply has no ranks")
+    return out
+
+
+def server_launch_args(*, deterministic: bool, weight_version: int = 0) -> list[str]:
+    """The flags of ``python -m sglang.launch_server`` that follow from a recipe (the launch
+    scripts add the model, the layout, host and port; ``megatron-rl sglang-args`` prints these).
+
+    ``deterministic``: ``--enable-deterministic-inference``. Without it SGLang ignores the
+    per-request ``sampling_seed`` our requests carry (its sampler reads the seed only in that
+    mode), so the same prompt and seed give different completions; with it SGLang switches to
+    batch-invariant kernels, which cost throughput (SGLang's own figures: about 35% slower
+    decode with FlashInfer/FA3 attention; measure on your model). ``--weight-version`` makes the
+    server's initial weights read as the trainer's version, not ``"default"``."""
+    args = ["--weight-version", str(int(weight_version))]
+    if deterministic:
+        args.append("--enable-deterministic-inference")
+    return args
+
+
+#: How much longer than the client's own ``request_timeout_s`` the router waits on a worker: the
+#: client's timeout fires first and aborts the request at its worker (the router cannot).
+ROUTER_TIMEOUT_MARGIN_S = 60
+
+
+def router_launch_args(*, request_timeout_s: float) -> list[str]:
+    """The flags of ``python -m sglang_router.launch_router`` that follow from a recipe: its
+    request timeout (``--request-timeout-secs``, 1800 s by default in sglang-router 0.3.2, less
+    than a long reasoning trace may take) set above the client's ``fleet.request_timeout_s``."""
+    if not 0 < request_timeout_s < float("inf"):
+        raise ValueError(
+            f"request_timeout_s: must be a finite number of seconds > 0, got {request_timeout_s!r}"
+        )
+    return ["--request-timeout-secs", str(math.ceil(request_timeout_s) + ROUTER_TIMEOUT_MARGIN_S)]
+
+
+# ---------------------------------------------------------------------------- colocated mode
+
+#: SGLang 0.5.23's memory regions (``GPU_MEMORY_ALL_TYPES``, ``srt/constants.py``) that
+#: ``/release_memory_occupation`` and ``/resume_memory_occupation`` take as ``tags``; none or an
+#: empty list means all of them.
+MEMORY_TAGS = ("kv_cache", "weights", "cuda_graph")
+
+
+def memory_payload(tags: Sequence[str] | None = None) -> dict[str, object]:
+    """``/release_memory_occupation`` or ``/resume_memory_occupation``: the regions ``tags``
+    (``MEMORY_TAGS``), or every region when ``tags`` is None."""
+    if tags is None:
+        return {}
+    bad = [t for t in tags if t not in MEMORY_TAGS]
+    if bad or not tags:
+        raise ValueError(f"tags: each one of {', '.join(MEMORY_TAGS)}, got {list(tags)!r}")
+    return {"tags": list(tags)}
+
+
+def _reduce_cpu_storage(storage: torch.UntypedStorage) -> tuple[Callable[..., object], tuple[object, ...]]:
+    """A CPU storage pickled by the name of a shared-memory segment (torch's ``file_system``
+    sharing), whatever the process's sharing strategy: the default ``file_descriptor`` passes
+    the descriptor through a socket authenticated with the *sender's* multiprocessing key, which
+    a server we did not fork cannot present. Moves ``storage`` into shared memory in place."""
+    manager, handle, size = storage._share_filename_cpu_()
+    storage._shared_incref()  # the receiver's rebuild takes this reference back
+    return rebuild_storage_filename, (type(storage), manager, handle, size)
+
+
+def serialize_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's ``MultiprocessingSerializer.serialize(list of (name, tensor), output_str=True)``:
+    a ``ForkingPickler`` pickle, base64. Only handles travel, never the bytes: a CUDA tensor as a
+    CUDA IPC handle (what SGLang on the same GPU opens), a CPU tensor as a shared-memory segment
+    (what the built-in engine on the same host maps, ``engine/colocate.py``). CPU tensors are
+    copied into shared memory first (the caller's own tensors stay where they are); the caller
+    keeps the returned payload's tensors alive by keeping ``named``'s tensors until the server
+    has answered."""
+    from multiprocessing.reduction import ForkingPickler  # lazy: only the colocated push needs it
+
+    class _Pickler(ForkingPickler):
+        def __init__(self, file: io.BytesIO) -> None:
+            super().__init__(file)
+            self.dispatch_table[torch.UntypedStorage] = _reduce_cpu_storage
+
+    items: list[tuple[str, torch.Tensor]] = []
+    for name, t in named:
+        t = t.detach()
+        items.append((str(name), t.contiguous() if t.is_cuda else t.contiguous().clone()))
+    buf = io.BytesIO()
+    _Pickler(buf).dump(items)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def update_weights_from_tensor_payload(
+    serialized: Sequence[str], *, weight_version: int, load_format: str | None = None
+) -> dict[str, object]:
+    """``/update_weights_from_tensor``: ``serialized`` holds one :func:`serialize_named_tensors`
+    string per tensor-parallel rank of the server (SGLang's rank ``i`` opens entry ``i``).
+    Flushes the prefix cache (SGLang's default: its entries hold keys and values of the old
+    weights, and in colocated mode nothing runs that would keep them) and aborts nothing."""
+    if not serialized:
+        raise ValueError("serialized: one entry per tensor-parallel rank, got none")
+    payload: dict[str, object] = {
+        "serialized_named_tensors": list(serialized),
+        "flush_cache": True,
+        "abort_all_requests": False,
+        "weight_version": str(int(weight_version)),
+    }
+    if load_format is not None:
+        payload["load_format"] = load_format
+    return payload

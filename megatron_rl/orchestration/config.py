@@ -26,7 +26,9 @@ __all__ = [
 class LoopConfig:
     """The asynchronous GRPO loop (Magistral section 3): sizes are in *sequences*."""
 
-    mode: Literal["async", "sync"] = "async"  # async: generators never wait; sync: for comparison
+    # async: generators never wait; sync: for comparison; colocated: sync, with the fleet's memory
+    # released while the trainer runs and weights pushed by reference (one node, shared devices)
+    mode: Literal["async", "sync", "colocated"] = "async"
     group_size: int = 16  # G completions per prompt
     n_batch: int = 256  # sequences per training step (whole groups: a multiple of group_size)
     n_minibatch: int = 0  # sequences per optimizer step; 0 = n_batch (one step per batch)
@@ -43,6 +45,7 @@ class LoopConfig:
     max_dropped_batches: int = 8
 
     def __post_init__(self) -> None:
+        check_choice("mode", self.mode, ("async", "sync", "colocated"))
         check_range("group_size", self.group_size, low=2)
         check_range("n_batch", self.n_batch, low=self.group_size)
         if self.n_batch % self.group_size:
@@ -172,6 +175,10 @@ class FleetConfig:
     # "" = $MEGATRON_RL_API_KEY, and if that is unset too: none for urls, a random one for the
     # local servers (they are never open). Never written to the run directory's config.yaml.
     api_key: str = ""
+    # Reproducible sampling: every request carries a seed, but SGLang uses it only when started
+    # with --enable-deterministic-inference (slower kernels). true: the launch scripts pass that
+    # flag (`megatron-rl sglang-args`), and the client refuses a server that reports it off.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         try:

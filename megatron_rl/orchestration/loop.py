@@ -1,4 +1,5 @@
-"""The GRPO loop: asynchronous as in Magistral (generators never wait), or synchronous.
+"""The GRPO loop: asynchronous as in Magistral (generators never wait), synchronous, or
+colocated (trainer and generators take turns on the same devices).
 
 **Async** (``loop.mode: async``). A generation thread keeps issuing groups of G requests while
 fewer than ``n_async`` sequences are generating (``n_async`` also capped at ``max_async_ratio *
@@ -14,6 +15,12 @@ on with its KV cache; later tokens carry the new version.
 **Sync** (``loop.mode: sync``). Generate until ``n_batch`` sequences of kept groups exist, train,
 update, repeat; the fleet idles while the trainer works. Surplus kept groups are re-issued next
 step (so a batch is always on-policy and the same run replays identically from a checkpoint).
+
+**Colocated** (``loop.mode: colocated``, one node: the trainer and the engine share its GPUs, or
+its cores here). A sync step whose fleet gives its memory back while the trainer works: generate
+a batch, ``/release_memory_occupation`` (KV cache, weights, CUDA graphs), train, then the weight
+update resumes the weights, writes the new ones by reference (``/update_weights_from_tensor``,
+no update group) and resumes the KV cache (``weight_sync/colocated.py``).
 
 Collective over the trainer's ranks: rank 0 orchestrates (fleet, verifier pool, sampler,
 metrics, run directory) and sends each minibatch to the other ranks; every rank runs the
@@ -61,7 +68,9 @@ class Trainer(Protocol):
 
 class Broadcaster(Protocol):
     """What the loop needs of the weight update: a
-    :class:`~megatron_rl.weight_sync.broadcast.WeightBroadcaster`, or a stand-in."""
+    :class:`~megatron_rl.weight_sync.broadcast.WeightBroadcaster`, or a stand-in. A colocated
+    loop needs a :class:`~megatron_rl.weight_sync.colocated.TensorPusher`: one with a
+    ``release()`` too, whose ``sync`` gives the fleet its memory back."""
 
     def sync(self, version: int) -> dict[str, float]:
         """Send the trainer's weights to the fleet as policy ``version``; its timings."""
@@ -298,6 +307,7 @@ class Orchestrator:
             for rec in stale:
                 r.reissue(rec)
         t_wait = time.monotonic() - t0
+        release_stats = self._release_fleet()
         per_mini = n_mini // self.loop.group_size
         chunks = [groups[i : i + per_mini] for i in range(0, len(groups), per_mini)]
         n_chunks = self.broadcast_object(len(chunks))
@@ -314,9 +324,9 @@ class Orchestrator:
             stats_list.append(self.trainer.rl_step(batch))
         t_train = time.monotonic() - t0 - t_wait
         new_version = int(self.trainer.step)
-        sync_stats: dict[str, float] = {}
+        sync_stats: dict[str, float] = dict(release_stats)
         if self.sync_weights and self.broadcaster is not None:
-            sync_stats = self.broadcaster.sync(new_version)
+            sync_stats.update(self.broadcaster.sync(new_version))  # colocated: resumes the fleet too
         if r is None:  # not rank 0: no batch of its own, no metrics
             return StepResult(new_version, {}, [])
         for rec in groups:
@@ -325,6 +335,20 @@ class Orchestrator:
             groups, stale, stats_list, versions, version, new_version, t_wait, t_train, sync_stats
         )
         return StepResult(new_version, metrics, groups)
+
+    def _release_fleet(self) -> dict[str, float]:
+        """Colocated mode: the fleet frees its memory before the trainer runs (the broadcaster's
+        next ``sync`` takes it back); every other mode keeps it."""
+        if self.loop.mode != "colocated" or not self.sync_weights or self.broadcaster is None:
+            return {}
+        release = getattr(self.broadcaster, "release", None)
+        if release is None:
+            raise TypeError(
+                f"loop.mode: colocated needs a weight update that can release the fleet's memory "
+                f"(weight_sync.colocated.TensorPusher), got {type(self.broadcaster).__name__}"
+            )
+        stats: dict[str, float] = release()
+        return stats
 
     def broadcast_object(self, obj: _T) -> _T:
         """``obj`` from rank 0 on every trainer rank (pickled; a no-op on one rank)."""
@@ -393,6 +417,11 @@ class Orchestrator:
         m["generator/busy_fraction"] = min(1.0, (busy - self._last["busy"]) / dt)
         m["throughput/generated_tokens_per_s"] = (stats["generated_tokens"] - self._last["tokens"]) / dt
         m["throughput/completions_per_s"] = (stats["completions"] - self._last["completions"]) / dt
+        # Prompt tokens SGLang served from its prefix cache since the last step: their KV may be
+        # of older weights (weight_sync.prefix_cache: keep); 0 with the built-in engine.
+        prompt = stats["prompt_tokens"] - self._last.get("prompt", 0)
+        cached = stats["prefix_cached_tokens"] - self._last.get("cached", 0)
+        m["generator/prefix_cached_fraction"] = cached / prompt if prompt else 0.0
         m["throughput/train_tokens_per_s"] = sum(
             len(s.completion.token_ids) + len(rec.prompt_ids) for rec in groups for s in rec.all_scored()
         ) / max(t_train, 1e-9)
@@ -407,5 +436,7 @@ class Orchestrator:
             "tokens": stats["generated_tokens"],
             "busy": busy,
             "completions": stats["completions"],
+            "prompt": stats["prompt_tokens"],
+            "cached": stats["prefix_cached_tokens"],
         }
         return m

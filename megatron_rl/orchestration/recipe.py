@@ -49,6 +49,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.check_curriculum()
+        if self.weight_sync.prefix_cache == "flush" and self.loop.mode == "async":
+            raise ConfigFieldError(
+                "weight_sync.prefix_cache",
+                "flush needs loop.mode sync or colocated: SGLang flushes its prefix cache only "
+                "when no request runs or waits, and the async loop keeps requests in flight across "
+                "every update (keep counts the cached share as generator/prefix_cached_fraction)",
+            )
 
     def check_curriculum(self) -> None:
         """Check every stage as it will be applied, before anything starts: each stage's values

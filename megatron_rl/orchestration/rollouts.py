@@ -504,6 +504,8 @@ class Rollouts:
             self._length_ema = n if not self._length_ema else 0.95 * self._length_ema + 0.05 * n
             self._stats["generated_tokens"] += n
             self._stats["completions"] += 1
+            self._stats["prompt_tokens"] += len(result.prompt_ids)
+            self._stats["prefix_cached_tokens"] += int(result.meta.get("cached_tokens") or 0)
             self._cond.notify_all()
         text = decode_completion(self.tok, result.token_ids)
         inp = reward_input(rec.problem, text, num_tokens=n, group_id=f"{rec.problem.id}@{rec.epoch}")

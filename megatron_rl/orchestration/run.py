@@ -62,6 +62,7 @@ from megatron_rl.training.checkpoint import (
 )
 from megatron_rl.training.trainer import PolicyTrainer
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster
+from megatron_rl.weight_sync.colocated import TensorPusher
 
 # JsonValue and YamlValue are Any: a record read back from JSON (eval.jsonl, the checkpoint's
 # extra state) or YAML (config.yaml) has no static shape; the code reading a field checks it.
@@ -448,6 +449,7 @@ class _Run:
             update_urls=cfg.fleet.update_urls or None,
             request_timeout_s=cfg.fleet.request_timeout_s,
             api_key=api_key,
+            deterministic=cfg.fleet.deterministic,
         )
         stack.callback(fleet.close)
         pool = VerifierPool(cfg.reward.workers, warmup=verifier_warmup(cfg.reward))
@@ -462,15 +464,19 @@ class _Run:
         return fleet, pool, sampler
 
     def _connect_broadcaster(self) -> WeightBroadcaster | None:
-        """Data-parallel rank 0 of every stage joins the update group; the fleet then gets the
-        trainer's weights (the initial or the checkpoint's) before it generates anything."""
+        """Data-parallel rank 0 of every stage joins the update group (none in colocated mode); the
+        fleet then gets the trainer's weights (the initial or the checkpoint's) before it
+        generates anything."""
         from megatron.core import (
             parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
         )
 
         if ps.get_data_parallel_rank() != 0:
             return None
-        broadcaster = WeightBroadcaster(self.trainer.hf_tensors, self.fleet, self.cfg.weight_sync)
+        # Colocated: no update group; the weights go by reference and the fleet's memory is
+        # released while the trainer runs (weight_sync/colocated.py).
+        kind = TensorPusher if self.cfg.loop.mode == "colocated" else WeightBroadcaster
+        broadcaster = kind(self.trainer.hf_tensors, self.fleet, self.cfg.weight_sync)
         broadcaster.connect()
         self.stack.callback(broadcaster.close)
         broadcaster.sync(self.trainer.step)

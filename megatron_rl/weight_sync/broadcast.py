@@ -16,6 +16,20 @@ their KV cache), ``/begin_weight_update``, then per bucket ``/update_weights_fro
 rank 0 broadcasts the bucket's bytes, ``/end_weight_update``, ``/continue_generation``. Tokens
 sampled after it carry the new version; tokens before it keep the old one.
 
+**Streamed** (``stream``: ``auto`` picks it when every update target is a built-in engine, which
+says so in ``/server_info``; SGLang servers keep the per-bucket protocol): the pause and one
+``/megatron_rl/update_weights_stream`` carrying the whole update's manifest go together, and
+every server checks the manifest before a byte is sent (a refusal costs a round trip, never a
+broadcast left waiting). The buckets then follow as broadcasts alone, no HTTP per bucket, with
+bucket k+1 packed on a thread of its own while bucket k is on the wire (``weight_sync/stream.py``,
+two reused buffers); ``/end_weight_update`` answers once the servers applied the update, whole
+or not at all (``generation/engine/weights.py``). The manifest needs the buckets' names and
+shapes up front: the first streamed sync reads them in one extra pass over the tensors. A
+broadcast that fails drops our end of the group at once, so the other servers' receives fail
+then too instead of at the group's timeout. ``sync``'s stats split the time into
+``pack_s`` (overlapped), ``pack_wait_s`` (not), ``broadcast_s``, ``apply_s`` (the servers') and
+``control_s`` (HTTP round trips).
+
 Tensors go in the model's dtype (``cast_dtype`` to change it, e.g. bf16 for a bf16 fleet).
 Megatron keeps norms in fp32 inside a bf16 model; those go as fp32 unless cast.
 
@@ -26,6 +40,7 @@ new one, on the next port, with the servers still alive.
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -36,13 +51,24 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigFieldError, check_choice, check_range
+from megatron_rl.generation.engine.weights import (
+    ENGINE_CAPABILITY,
+    STREAM_ABORT,
+    TRAILER_BYTES,
+    BucketSpec,
+    stream_payload,
+    write_trailer,
+)
 from megatron_rl.generation.protocol import pack_bucket, tensor_digest, update_weights_payload
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
+from megatron_rl.weight_sync.stream import BucketPacker, LayoutChanged, bucket_spec
 
 if TYPE_CHECKING:
     from megatron_rl.generation.client import FleetClient
 
-__all__ = ["WeightBroadcaster", "WeightSyncConfig"]
+__all__ = ["WeightBroadcaster", "WeightSyncConfig", "checksums_agree"]
+
+log = logging.getLogger("megatron_rl.weight_sync")
 
 
 @dataclass(kw_only=True)
@@ -59,10 +85,23 @@ class WeightSyncConfig:
     cast_dtype: str | None = None  # e.g. "bfloat16"; None: the parameters' dtype
     pause_mode: str = "in_place"  # in_place keeps the KV cache; abort ends running requests
     timeout_s: float = 300.0
-    verify: bool = False  # after each sync, check the servers' weight digests (built-in engine)
+    # After each sync, check what the servers hold: the built-in engine's per-tensor digests must
+    # equal what was sent; SGLang's own /weights_checker checksums must agree across its servers
+    # of one layout (its tensors are in SGLang's fused, sharded layout, not ours).
+    verify: bool = False
+    # The servers' prefix (radix) cache after an update holds KV of the old weights. keep: leave
+    # it (the loop logs the cached share of prompt tokens, generator/prefix_cached_fraction);
+    # flush: /flush_cache after every update (SGLang flushes only an idle server: sync loops).
+    prefix_cache: str = "keep"
+    # on: one manifest per update, buckets packed while the previous is broadcast (built-in
+    # engines only); off: SGLang's one /update_weights_from_distributed per bucket; auto: on when
+    # every update target says it takes streamed updates (the built-in engine), else off.
+    stream: str = "auto"
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, ("auto", "nccl", "gloo"))
+        check_choice("stream", self.stream, ("auto", "on", "off"))
+        check_choice("prefix_cache", self.prefix_cache, ("keep", "flush"))
         if self.backend == "auto":
             self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         check_choice("pause_mode", self.pause_mode, ("in_place", "abort"))
@@ -92,6 +131,10 @@ class WeightBroadcaster:
         self.group: dist.ProcessGroup | None = None  # the update group (rank 0, once connected)
         self._members: tuple[str, ...] = ()
         self._port = cfg.master_port
+        self.streaming = False  # rank 0: whether this group's updates are streamed (connect)
+        self._specs: list[BucketSpec] | None = None  # the model's bucket layout, once read
+        self._buffers: list[torch.Tensor] = []  # the packer's two flat buffers, kept between syncs
+        self._broken = False  # our end of the group was dropped after a failed broadcast
 
     @property
     def fleet(self) -> FleetClient:
@@ -138,13 +181,24 @@ class WeightBroadcaster:
         for f in futs:
             f.result()
         self._members = tuple(self.fleet.update_urls)
+        if self.cfg.stream == "off":
+            self.streaming = False
+        else:
+            self.streaming = self.fleet.takes_streamed_updates()
+            if self.cfg.stream == "on" and not self.streaming:
+                raise RuntimeError(
+                    "weight_sync.stream: on, but not every update target takes streamed updates "
+                    "(only the built-in engine does; use auto or off for SGLang servers)"
+                )
 
     def close(self) -> None:
         """Leave the update group (servers still alive are asked to leave it too)."""
-        if self.group is not None:
+        if self.group is not None or self._broken:
             self.fleet.destroy_update_group(self.cfg.group_name)
-            destroy_update_group(self.group)
+            if self.group is not None:
+                destroy_update_group(self.group)
             self.group = None
+            self._broken = False
 
     def _rebuild_if_membership_changed(self) -> None:
         live = set(self.fleet.live_update_urls())
@@ -191,22 +245,78 @@ class WeightBroadcaster:
         servers still alive and the update is sent again, once.
         """
         t0 = time.perf_counter()
+        times = {"control_s": 0.0, "pack_s": 0.0, "pack_wait_s": 0.0, "broadcast_s": 0.0, "apply_s": 0.0}
         if self.rank == 0:
             self.fleet.refresh()
             self._rebuild_if_membership_changed()
+        streaming = self._agree(self.streaming)
+        if streaming and self._agree(self._specs is None):
+            self._read_layout()
+        times["control_s"] += time.perf_counter() - t0
+        digests: dict[str, str] = {}
+        send = self._send_stream if streaming else self._send_buckets
+        nbytes, n_buckets, n_tensors, failure = send(version, digests, times)
+        if self._agree(failure is not None):
+            if not _retry:
+                raise RuntimeError(f"weight sync failed twice: {failure}") from failure
+            if self.rank == 0:
+                self.fleet.refresh()
+                self.close()
+                self.connect()
+            self._specs = None if isinstance(failure, LayoutChanged) else self._specs
+            return self.sync(version, _retry=False)
+        seconds = time.perf_counter() - t0
+        stats = {
+            "weight_sync/seconds": seconds,
+            "weight_sync/pause_s": times.pop("pause_s", 0.0),
+            "weight_sync/bytes": float(nbytes),
+            "weight_sync/buckets": float(n_buckets),
+            "weight_sync/tensors": float(n_tensors),
+            "weight_sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
+            "weight_sync/version": float(version),
+            "weight_sync/streamed": float(streaming),
+            **{f"weight_sync/{k}": v for k, v in times.items()},
+        }
+        if self.rank == 0 and self.cfg.verify:
+            stats["weight_sync/verified"] = float(self.verify(digests))
+        return stats
+
+    def _read_layout(self) -> None:
+        """Every rank: one pass over the model's tensors for the buckets' names, dtypes and shapes
+        (what a streamed update announces up front); rank 0 keeps them and sizes its buffers."""
+        specs = [bucket_spec(b) for b in self._buckets()]
+        if self.rank != 0:
+            return
+        if not specs:
+            raise RuntimeError("weight sync: the model yields no tensors to send")
+        self._specs = specs
+        need = max(s.nbytes for s in specs) + TRAILER_BYTES
+        if not self._buffers or self._buffers[0].numel() < need:
+            device = "cpu" if self.cfg.backend == "gloo" else "cuda"
+            self._buffers = [torch.empty(need, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def _send_buckets(
+        self, version: int, digests: dict[str, str], times: dict[str, float]
+    ) -> tuple[int, int, int, BaseException | None]:
+        """SGLang's protocol: pause, begin, one ``/update_weights_from_distributed`` per bucket
+        with its broadcast, end, continue. Returns bytes, buckets, tensors sent and the failure."""
+        tc = time.perf_counter()
+        if self.rank == 0:
             self.fleet.pause(self.cfg.pause_mode)
             self.fleet.begin_update()
-        t_paused = time.perf_counter()
+        times["pause_s"] = time.perf_counter() - tc
+        times["control_s"] += times["pause_s"]
         nbytes, n_buckets, n_tensors = 0, 0, 0
         failure: BaseException | None = None
-        digests: dict[str, str] = {}
         try:
             for bucket in self._buckets():
                 if failure is not None:
                     continue  # keep the collective gather in step; nothing more is sent
                 if self.cfg.verify:
                     digests.update((n, tensor_digest(t)) for n, t in bucket)
+                tp = time.perf_counter()
                 names, dtypes, shapes, flat = pack_bucket(bucket)
+                times["pack_s"] += time.perf_counter() - tp
                 group = self.group
                 if group is None:  # buckets exist on rank 0 only, which connected above
                     raise RuntimeError("weight sync: rank 0 holds no update group (connect() first)")
@@ -220,9 +330,13 @@ class WeightBroadcaster:
                     )
                 )
                 try:
+                    tb = time.perf_counter()
                     broadcast(flat, group, src=0)
+                    times["broadcast_s"] += time.perf_counter() - tb
+                    tw = time.perf_counter()
                     for f in futs:
                         f.result()
+                    times["apply_s"] += time.perf_counter() - tw  # the servers' check and copy
                 except Exception as e:  # noqa: BLE001 - a server died mid-update
                     failure = e
                     continue
@@ -231,41 +345,142 @@ class WeightBroadcaster:
                 n_tensors += len(names)
         finally:
             if self.rank == 0:
-                for call in (self.fleet.end_update, self.fleet.resume):
+                failure = self._finish(failure, times)
+        return nbytes, n_buckets, n_tensors, failure
+
+    def _finish(self, failure: BaseException | None, times: dict[str, float]) -> BaseException | None:
+        """End the update on every server and let them continue; the first failure, if any. A
+        streamed update's outcome and the servers' apply time come back from ``end``."""
+        tc = time.perf_counter()
+        apply_s = 0.0
+        try:
+            for answer in self.fleet.end_update():
+                stream = answer.get("stream") if isinstance(answer, dict) else None
+                if isinstance(stream, dict):  # the server's wait for its last checks, and the swap
+                    server_s = sum(float(stream.get(k, 0.0)) for k in ("check_wait_s", "apply_s"))
+                    apply_s = max(apply_s, server_s)
+        except Exception as e:  # noqa: BLE001
+            failure = failure or e
+        if self.cfg.prefix_cache == "flush" and failure is None:
+            refused = self.fleet.flush_cache()
+            times["flush_refused"] = float(len(refused))
+            if refused:
+                log.warning(
+                    "prefix cache not flushed on %s: requests were running or waiting", ", ".join(refused)
+                )
+        try:
+            self.fleet.resume()
+        except Exception as e:  # noqa: BLE001
+            failure = failure or e
+        times["apply_s"] += apply_s
+        times["control_s"] += time.perf_counter() - tc - apply_s
+        return failure
+
+    def _send_stream(
+        self, version: int, digests: dict[str, str], times: dict[str, float]
+    ) -> tuple[int, int, int, BaseException | None]:
+        """The built-in engine's streamed update: the manifest once (its round trip, and the
+        pause's, overlap packing the first bucket), then the buckets back to back, bucket k+1
+        packed while bucket k is broadcast; the servers apply it whole at ``end``."""
+        if self.rank != 0:
+            for _ in self._buckets():  # take part in the gathers; rank 0 sends
+                pass
+            return 0, 0, 0, None
+        specs, group = self._specs, self.group
+        if specs is None or group is None:
+            raise RuntimeError("weight sync: rank 0 holds no update group or layout (connect() first)")
+        on_bucket = (
+            (lambda b: digests.update((n, tensor_digest(t)) for n, t in b)) if self.cfg.verify else None
+        )
+        packer = BucketPacker(self._buckets(), specs, self._buffers, on_bucket).start()
+        nbytes, n_buckets, n_tensors = 0, 0, 0
+        failure: BaseException | None = None
+        tc = time.perf_counter()
+        try:
+            # The pause and the manifest travel together (the built-in engine applies the update
+            # between two steps whenever it lands); both round trips overlap the first pack.
+            payload = stream_payload(group_name=self.cfg.group_name, weight_version=version, buckets=specs)
+            futs = self.fleet.pause_async(self.cfg.pause_mode)
+            futs += self.fleet.update_weights_stream_async(payload)
+            for f in futs:
+                f.result()  # ready: the manifest passed every server's checks
+        except Exception as e:  # noqa: BLE001 - refused (400 naming the field) or a server gone
+            failure = e
+            packer.stop()
+        times["pause_s"] = time.perf_counter() - tc
+        times["control_s"] += times["pause_s"]
+        it = iter(packer)
+        try:
+            while True:
+                tw = time.perf_counter()
+                try:
+                    packed = next(it)
+                except StopIteration:
+                    break
+                times["pack_wait_s"] += time.perf_counter() - tw
+                if failure is None:
+                    tb = time.perf_counter()
                     try:
-                        call()
-                    except Exception as e:  # noqa: BLE001
-                        failure = failure or e
-        if self._agree(failure is not None):
-            if not _retry:
-                raise RuntimeError(f"weight sync failed twice: {failure}") from failure
-            if self.rank == 0:
-                self.fleet.refresh()
-                self.close()
-                self.connect()
-            return self.sync(version, _retry=False)
-        seconds = time.perf_counter() - t0
-        stats = {
-            "weight_sync/seconds": seconds,
-            "weight_sync/pause_s": t_paused - t0,
-            "weight_sync/bytes": float(nbytes),
-            "weight_sync/buckets": float(n_buckets),
-            "weight_sync/tensors": float(n_tensors),
-            "weight_sync/gb_per_s": nbytes / 1e9 / max(seconds, 1e-9),
-            "weight_sync/version": float(version),
-        }
-        if self.rank == 0 and self.cfg.verify:
-            stats["weight_sync/verified"] = float(self.verify(digests))
-        return stats
+                        broadcast(packed.flat, group, src=0)
+                    except Exception as e:  # noqa: BLE001 - a server died mid-update
+                        failure = e
+                        packer.stop()
+                        self._drop_broken_group()
+                    times["broadcast_s"] += time.perf_counter() - tb
+                    if failure is None:
+                        nbytes += packed.flat.numel() - TRAILER_BYTES
+                        n_buckets += 1
+                        n_tensors += packed.tensors
+                packer.release(packed)
+        except Exception as e:  # noqa: BLE001 - the packer failed: tell the servers, stop
+            if failure is None:
+                failure = e
+                if n_buckets < len(specs):  # else every announced bucket went: nothing to stop
+                    self._abort_stream(specs[n_buckets], group)
+        finally:
+            packer.stop()
+            packer.join()
+            times["pack_s"] += packer.pack_s
+            del group
+            failure = self._finish(failure, times)
+        return nbytes, n_buckets, n_tensors, failure
+
+    def _abort_stream(self, spec: BucketSpec, group: dist.ProcessGroup) -> None:
+        """Send bucket-sized bytes with the abort trailer: the servers stop and apply nothing."""
+        flat = self._buffers[0][: spec.nbytes + TRAILER_BYTES]
+        write_trailer(flat, spec.nbytes, STREAM_ABORT)
+        try:
+            broadcast(flat, group, src=0)
+        except Exception:  # noqa: BLE001 - the group is gone too: the servers' receive fails
+            self._drop_broken_group()
+
+    def _drop_broken_group(self) -> None:
+        """Tear down our end of a group whose broadcast failed, at once: the surviving servers'
+        receives then fail now (their peer closed) instead of at the group's timeout."""
+        if self.group is not None:
+            destroy_update_group(self.group)
+            self.group = None
+            self._broken = True
 
     def verify(self, digests: dict[str, str]) -> bool:
-        """Compare the servers' ``/megatron_rl/weights_digest`` (built-in engine only) with the
-        digests of what was sent; raises naming the first server and tensor that differ."""
+        """Check what every update target holds after a sync; raises naming the server (and
+        tensor or worker) that differs.
+
+        A built-in engine (it advertises its ``/megatron_rl/`` routes) reports a digest per
+        tensor: each must equal the digest of what was sent. An SGLang server holds its own fused,
+        TP-sharded tensors, so its ``/weights_checker`` checksums cannot be compared with ours;
+        instead every SGLang server of the same layout must report the same checksum per worker
+        (a server that missed or mangled the update stands out)."""
+        checksums: dict[str, dict[tuple[int, int], str]] = {}
         for url in self.fleet.update_urls:
+            if self.fleet.server_info(url).get(ENGINE_CAPABILITY) is None:
+                checksums[url] = self.fleet.weights_checksums(url)
+                continue
             theirs = self.fleet.weights_digest(url)
             bad = [n for n, d in digests.items() if theirs.get(n) != d]
             if bad:
                 raise RuntimeError(f"weight sync: {url} holds different {bad[0]} ({len(bad)} tensors differ)")
+        checksums_agree(checksums)
         return True
 
 
@@ -283,3 +498,19 @@ def _sync_group() -> dist.ProcessGroup | None:
     except ImportError:
         pass
     return None
+
+
+def checksums_agree(checksums: dict[str, dict[tuple[int, int], str]]) -> None:
+    """Raise, naming the server and worker, unless every server of one layout (the same set of
+    ``(pp_rank, tp_rank)`` workers) reports the same ``/weights_checker`` checksum per worker as
+    the first server of that layout."""
+    first: dict[frozenset[tuple[int, int]], tuple[str, dict[tuple[int, int], str]]] = {}
+    for url, sums in checksums.items():
+        ref_url, ref = first.setdefault(frozenset(sums), (url, sums))
+        bad = sorted(k for k in sums if sums[k] != ref[k])
+        if bad:
+            pp, tp = bad[0]
+            raise RuntimeError(
+                f"weight sync: {url} (pp_rank {pp}, tp_rank {tp}) holds different weights from "
+                f"{ref_url}: /weights_checker checksums differ on {len(bad)} worker(s)"
+            )

@@ -22,6 +22,7 @@ from megatron_rl.generation.engine.engine import EngineConfig
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.generation.engine.server import GET_ROUTES, OPEN_ROUTES, POST_ROUTES, EngineServer
 from megatron_rl.generation.engine.timing import TimingConfig, TimingEngine
+from megatron_rl.generation.engine.weights import STREAM_ROUTE, BucketSpec, stream_payload
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
     init_group_payload,
@@ -112,6 +113,11 @@ def _attacks(hf_weights: dict[str, torch.Tensor], digest_names: list[str]) -> di
         ),
         "/update_weight_version": {"new_version": "666", "abort_all_requests": True},
         "/megatron_rl/receive_raw": {"group_name": GROUP, "numel": 1 << 20},
+        STREAM_ROUTE: stream_payload(
+            group_name=GROUP,
+            weight_version=666,
+            buckets=[BucketSpec(tuple(names), tuple(dtypes), tuple(tuple(s) for s in shapes), 0)],
+        ),
     }
 
 
@@ -166,6 +172,7 @@ def test_refused_control_requests_change_nothing(server, hf_weights):
             "/update_weight_version",
             "/end_weight_update",
             "/megatron_rl/receive_raw",
+            STREAM_ROUTE,
             "/destroy_weights_update_group",
         ]
         for route in order:

@@ -41,18 +41,22 @@ import torch
 
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.protocol import (
+    MEMORY_TAGS,
     ROUTES,
     SGLANG_VERSION,
     abort_payload,
     bucket_layout,
     generate_payload,
     init_group_payload,
+    memory_payload,
     pack_bucket,
     parse_generate,
     pause_payload,
     unpack_bucket,
+    update_weights_from_tensor_payload,
     update_weights_payload,
     versions_per_token,
+    weights_checker_payload,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,12 +209,14 @@ def _routes(tree: ast.Module) -> dict[str, tuple[set[str], str | None]]:
 
 
 def _body_class(fn: ast.AsyncFunctionDef | ast.FunctionDef) -> str | None:
-    """``obj: X`` or ``obj: Annotated[X, Body()]`` -> ``"X"``."""
+    """``obj: X``, ``obj: Annotated[X, Body()]`` or ``Annotated[Optional[X], Body()]`` -> ``"X"``."""
     for arg in fn.args.args:
         if arg.arg == "obj" and arg.annotation is not None:
             ann = arg.annotation
             if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", "") == "Annotated":
                 ann = ann.slice.elts[0]
+            if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", "") == "Optional":
+                ann = ann.slice
             return getattr(ann, "id", None)
     return None
 
@@ -398,7 +404,21 @@ def _cases() -> list[tuple[str, str, dict]]:
         ("/begin_weight_update", "BeginWeightUpdateReqInput", {}),
         ("/end_weight_update", "EndWeightUpdateReqInput", {}),
         ("/destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", {"group_name": "megatron_rl"}),
+        ("/weights_checker", "CheckWeightsReqInput", weights_checker_payload()),
+        # Colocated mode (weight_sync/colocated.py).
+        ("/release_memory_occupation", "ReleaseMemoryOccupationReqInput", memory_payload()),
+        ("/release_memory_occupation", "ReleaseMemoryOccupationReqInput", memory_payload(MEMORY_TAGS)),
+        ("/resume_memory_occupation", "ResumeMemoryOccupationReqInput", memory_payload(["weights"])),
+        (
+            "/update_weights_from_tensor",
+            "UpdateWeightsFromTensorReqInput",
+            update_weights_from_tensor_payload(["c2VyaWFsaXplZA=="], weight_version=3),
+        ),
     ]
+
+
+# POST routes the client calls without a body (their SGLang handlers parse none).
+BODYLESS = {"/flush_cache"}
 
 
 def _json(x):
@@ -423,8 +443,10 @@ def test_each_body_is_checked_against_the_class_its_route_parses(src):
     routes = _routes(src.tree("srt/entrypoints/http_server.py"))
     for route, cls, _ in _cases():
         assert routes[route][1] == cls, f"{route} parses {routes[route][1]}, not {cls}"
+    for route in BODYLESS:
+        assert routes[route][1] is None, f"{route} parses {routes[route][1]}: send it a body"
     posted = {r for r, m in ROUTES.items() if m == "POST"}
-    assert posted == {r for r, _, _ in _cases()}, "a POST route in ROUTES has no contract case"
+    assert posted == {r for r, _, _ in _cases()} | BODYLESS, "a POST route in ROUTES has no contract case"
 
 
 def test_payloads_fit_sglang_request_classes(src):
@@ -704,3 +726,36 @@ def test_gate_and_route_checks_bite(src, api):
     bad = {"/get_server_info": "POST", "/update_weights": "POST"}
     errors = _route_errors(bad, _routes(src.tree("srt/entrypoints/http_server.py")))
     assert len(errors) == 2 and "accepts ['GET']" in errors[0] and "no such route" in errors[1]
+
+
+def test_weights_checker_reply_is_read_by_sglangs_field_names(src):
+    """``parse_weights_checker`` reads ``ranks[*].per_gpu_checksum`` and the placement's
+    ``pp_rank``/``tp_rank``: the names of SGLang's ``ChecksumInfo`` / ``ParallelismInfo`` and of
+    the keys its ``/weights_checker`` handler writes."""
+    from megatron_rl.generation.protocol import ProtocolError, parse_weights_checker
+
+    tree = src.tree(IO_STRUCT)
+    assert {"checksums", "per_gpu_checksum", "parallelism_info"} <= set(_class_fields(tree, "ChecksumInfo"))
+    assert {"tp_rank", "pp_rank", "role"} <= set(_class_fields(tree, "ParallelismInfo"))
+    handler = src.text("srt/entrypoints/http_server.py")
+    assert 'body["ranks"] = ranks' in handler and '"success": success' in handler
+    placement = dict(
+        role="target", tp_rank=1, tp_size=2, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1, rank=1, size=2
+    )
+    reply = {
+        "success": True,
+        "message": "",
+        "ranks": [
+            {
+                "checksums": {"w": "00"},
+                "per_gpu_checksum": "a",
+                "parallelism_info": [{**placement, "tp_rank": 0}],
+            },
+            {"checksums": {"w": "01"}, "per_gpu_checksum": "b", "parallelism_info": placement},
+        ],
+    }
+    assert parse_weights_checker(reply) == {(0, 0): "a", (0, 1): "b"}
+    with pytest.raises(ProtocolError, match="failed"):
+        parse_weights_checker({"success": False, "message": "no model"})
+    with pytest.raises(ProtocolError, match="lacks"):
+        parse_weights_checker({"success": True, "ranks": [{"per_gpu_checksum": "a"}]})

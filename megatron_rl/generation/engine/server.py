@@ -29,6 +29,8 @@ weight loads, abort) land *between* steps.
   tokens record: all or nothing, a 400 naming the first bad tensor otherwise. The receive does not hold the lock: decoding goes on while bytes
   arrive unless the caller paused first. ``flush_cache`` has nothing to flush (no prefix cache;
   running requests keep their KV cache either way).
+- ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/update_weights_from_tensor``:
+  colocated mode, as SGLang (``engine/colocate.py``).
 - ``/get_server_info``: ``max_total_num_tokens`` (KV capacity), ``max_running_requests``,
   ``context_length``, ``weight_version``, live counts in ``internal_states``.
 - Extensions (not SGLang): ``GET /megatron_rl/weights_digest`` -> sha256 of every parameter's
@@ -36,6 +38,9 @@ weight loads, abort) land *between* steps.
   ``POST /megatron_rl/receive_raw`` ``{"group_name": ..., "numel": N}`` receives one ``uint8``
   broadcast of N bytes from rank 0 of that update group and discards it (no session, no lock):
   the bare transport cost that ``tools/bench_weight_sync.py`` compares a weight update against.
+  ``POST /megatron_rl/update_weights_stream``: a whole update's manifest in one message; the
+  buckets follow as broadcasts with no HTTP per bucket, checked while the next arrives, applied
+  all or nothing; ``/end_weight_update`` answers its outcome (``engine/weights.py``).
 
 **API key**, as SGLang's ``--api-key`` (``sglang/srt/utils/auth.py``, 0.5.23): with a key
 (``--api-key KEY``, or ``$MEGATRON_RL_API_KEY``, which unlike argv does not show in ``ps``) every
@@ -52,38 +57,45 @@ an unexpected exception is a 500 ``internal error: <type>``, its traceback in th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import math
 import os
-import select
-import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_rl.fileio import atomic_write_text
+from megatron_rl.generation.engine.colocate import ColocateRoutes
 from megatron_rl.generation.engine.engine import TOP_K_OFF, Engine, EngineConfig, Finished
+from megatron_rl.generation.engine.http import (
+    BadRequest,
+    ClientGone,
+    EngineHTTPServer,
+    make_handler,
+)
 from megatron_rl.generation.engine.timing import TimingEngine
+from megatron_rl.generation.engine.updates import UpdateRoutes
+from megatron_rl.generation.engine.weights import (
+    ENGINE_CAPABILITY,
+    STREAM_ROUTE,
+    StreamReceiver,
+)
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
     api_key_from_env,
-    bucket_layout,
     check_api_key,
     tensor_digest,
-    unpack_bucket,
 )
-from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -114,7 +126,13 @@ POST_ROUTES: dict[str, str] = {
     "/update_weights_from_distributed": "update_weights",
     "/update_weight_version": "update_version",
     "/flush_cache": "flush_cache",
+    "/weights_checker": "weights_checker",
     "/megatron_rl/receive_raw": "receive_raw",
+    # Colocated mode (engine/colocate.py): free memory while the trainer runs, weights by reference.
+    "/release_memory_occupation": "release_memory",
+    "/resume_memory_occupation": "resume_memory",
+    "/update_weights_from_tensor": "update_weights_from_tensor",
+    STREAM_ROUTE: "update_weights_stream",
 }
 GET_ROUTES: dict[str, str] = {
     "/get_server_info": "server_info",
@@ -127,21 +145,9 @@ GET_ROUTES: dict[str, str] = {
 # probes and scrapers); we name our two health routes exactly, so no new route is open by its name.
 OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 
-# The most bytes of a refused request's body read (and dropped) before its connection closes:
-# closing with unread bytes makes the kernel send a reset, which can reach the client before the
-# 401 does; past this much we close anyway.
-_DISCARD_LIMIT = 16 << 20
-# The longest a refused connection is drained after its answer (_refuse_unread).
-_LINGER_S = 2.0
 # How often a handler waiting for its generation looks whether its client is still connected:
 # a disconnect is noticed within this, at one poll() per waiting request per interval.
 _POLL_S = 0.2
-
-
-class _BadRequest(Exception):
-    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 class _Waiter:
@@ -156,29 +162,6 @@ class _Waiter:
         if self.result is None:
             raise RuntimeError("a request was marked done without a result")
         return self.result
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    """A thread per connection, none of which holds up the process's exit."""
-
-    # An RL fleet opens a connection per in-flight sample, a thousand and more at once: the
-    # default backlog of 5 would refuse some, which a client must read as a dead server. The
-    # kernel caps it at net.core.somaxconn (4096 on current kernels).
-    request_queue_size = 4096
-    daemon_threads = True
-
-    def handle_error(self, request: object, client_address: object) -> None:
-        """A connection's unhandled exception: to the log (never to the client), quietly for a
-        client that hung up."""
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("connection from %s: %r", client_address, exc)
-        else:
-            log.exception("connection from %s failed", client_address)
-
-
-class _ClientGone(Exception):
-    """The client closed its connection while its request waited: nothing to answer."""
 
 
 @dataclass(kw_only=True)
@@ -203,9 +186,11 @@ class _Job:
     where: str
 
 
-class EngineServer:
+class EngineServer(UpdateRoutes, ColocateRoutes):
     """An :class:`Engine` behind SGLang-shaped HTTP routes. ``serve_forever`` blocks;
     ``start()`` serves from a daemon thread (tests), ``shutdown()`` stops both threads."""
+
+    _route_error = BadRequest  # what the colocated-mode routes (ColocateRoutes) raise
 
     def __init__(
         self,
@@ -232,6 +217,8 @@ class EngineServer:
         self._waiters: dict[str, _Waiter] = {}
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._session = False
+        self._stream: StreamReceiver | None = None  # the streamed update being received, if any
+        self._stream_lock = threading.Lock()  # one stream starts at a time, whatever races here
         self._stop = False
         self._rid_counter = 0
         self.stats = {
@@ -242,7 +229,7 @@ class EngineServer:
             "aborted_requests": 0,  # by any cause: abort routes, pause(abort), a failed step, a client gone
             "client_disconnects": 0,  # requests aborted because their client closed the connection
         }
-        self.httpd = _HTTPServer((host, port), _make_handler(self))
+        self.httpd = EngineHTTPServer((host, port), make_handler(self, POST_ROUTES, GET_ROUTES))
         bound_host, self.port = self.httpd.server_address[:2]
         # An AF_INET server's host is a str; typeshed allows bytes for other address families.
         self.host = bound_host.decode() if isinstance(bound_host, (bytes, bytearray)) else bound_host
@@ -359,43 +346,43 @@ class EngineServer:
             while not w.event.wait(_POLL_S):
                 if client_gone():
                     self._abandon([job.rid for job in jobs])
-                    raise _ClientGone
+                    raise ClientGone
         out = [self._reply(w.finished()) for w in waiters]
         return out if batch else out[0]
 
     def _generate_jobs(self, body: Body) -> tuple[bool, list[_Job]]:
-        """Whether ``body`` is a batch, and its requests, checked (``_BadRequest`` naming the field)."""
+        """Whether ``body`` is a batch, and its requests, checked (``BadRequest`` naming the field)."""
         if body.get("text") is not None or body.get("input_ids") is None:
-            raise _BadRequest(
+            raise BadRequest(
                 "input_ids: required (the built-in engine has no tokenizer; send token ids, not text)"
             )
         if body.get("stream"):
-            raise _BadRequest("stream: not supported by the built-in engine")
+            raise BadRequest("stream: not supported by the built-in engine")
         ids = body["input_ids"]
         if not isinstance(ids, list) or not ids:
-            raise _BadRequest("input_ids: must be a non-empty list of token ids, or a list of such lists")
+            raise BadRequest("input_ids: must be a non-empty list of token ids, or a list of such lists")
         batch = isinstance(ids[0], list)
         prompts = ids if batch else [ids]
         rids = body.get("rid")
         if rids is not None and batch != isinstance(rids, list):
-            raise _BadRequest("rid: one string per prompt (a list for a batch, a string for one prompt)")
+            raise BadRequest("rid: one string per prompt (a list for a batch, a string for one prompt)")
         rid_list = rids if isinstance(rids, list) else [rids] * len(prompts)
         params = body.get("sampling_params")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(rid_list) != len(prompts) or len(params_list) != len(prompts):
-            raise _BadRequest(f"rid / sampling_params: need one per prompt ({len(prompts)})")
+            raise BadRequest(f"rid / sampling_params: need one per prompt ({len(prompts)})")
         jobs: list[_Job] = []
         for i, (rid, prompt, sp) in enumerate(zip(rid_list, prompts, params_list)):
             where = f"[{i}]" if batch else ""
             if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
-                raise _BadRequest(f"input_ids{where}: must be a list of token ids (integers)")
+                raise BadRequest(f"input_ids{where}: must be a list of token ids (integers)")
             if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-                raise _BadRequest(f"rid{where}: must be a string, got {rid!r}")
+                raise BadRequest(f"rid{where}: must be a string, got {rid!r}")
             sampling = _sampling(sp, f"sampling_params{where}")
             jobs.append(_Job(str(rid) if rid is not None else "", prompt, sampling, where))
         named = [j.rid for j in jobs if j.rid]
         if len(set(named)) != len(named):
-            raise _BadRequest("rid: the same id twice in one batch")
+            raise BadRequest("rid: the same id twice in one batch")
         for job in jobs:
             job.rid = job.rid or self._next_rid()
         return batch, jobs
@@ -408,7 +395,7 @@ class EngineServer:
         with self._between_steps():
             for job in jobs:
                 if job.rid in self._waiters:
-                    raise _BadRequest(f"rid: {job.rid!r} is already in flight")
+                    raise BadRequest(f"rid: {job.rid!r} is already in flight")
             added: list[str] = []
             try:
                 for job in jobs:
@@ -430,7 +417,7 @@ class EngineServer:
             except (ValueError, TypeError) as e:
                 for rid in added:
                     self.engine.abort(rid)
-                raise _BadRequest(f"prompt{job.where}: {e}" if job.where else str(e)) from None
+                raise BadRequest(f"prompt{job.where}: {e}" if job.where else str(e)) from None
             for job in jobs:
                 w = _Waiter()
                 self._waiters[job.rid] = w
@@ -489,12 +476,12 @@ class EngineServer:
     def pause(self, body: Body) -> Body:
         mode = body.get("mode", "abort")
         if mode == "retract":
-            raise _BadRequest(
+            raise BadRequest(
                 "mode: retract is not supported by the built-in engine (it would "
                 "recompute prefixes); use in_place"
             )
         if mode not in ("in_place", "abort"):
-            raise _BadRequest(f"mode: must be in_place, abort or retract, got {mode!r}")
+            raise BadRequest(f"mode: must be in_place, abort or retract, got {mode!r}")
         with self._between_steps():  # taken between steps: the step in progress completes first
             self.engine.pause()
             if mode == "abort":
@@ -523,120 +510,8 @@ class EngineServer:
             self.cond.notify_all()
         return {"success": True, "message": f"aborted {n} request(s)"}
 
-    def init_group(self, body: Body) -> Body:
-
-        try:
-            name = body.get("group_name", "weight_update_group")
-            if name in self._groups:
-                raise _BadRequest(f"group_name: {name!r} already initialised")
-            self._groups[name] = init_update_group(
-                backend=body.get("backend", "nccl"),
-                master_address=body["master_address"],
-                master_port=int(body["master_port"]),
-                rank=int(body["rank_offset"]),
-                world_size=int(body["world_size"]),
-                group_name=name,
-            )
-        except KeyError as e:
-            raise _BadRequest(f"{e.args[0]}: required") from None
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise _BadRequest(f"Failed to initialize custom process group: {e}") from None
-        return {"success": True, "message": "Succeeded to initialize custom process group."}
-
-    def destroy_group(self, body: Body) -> Body:
-
-        group = self._groups.pop(body.get("group_name", "weight_update_group"), None)
-        if group is None:
-            raise _BadRequest("group_name: no such group")
-        destroy_update_group(group)
-        return {"success": True, "message": "destroyed"}
-
-    def begin_update(self, body: Body) -> Body:
-        self._session = True
-        return {"success": True, "message": "weight-update session open"}
-
-    def end_update(self, body: Body) -> Body:
-        if not self._session:
-            raise _BadRequest("no weight-update session is open; call begin_weight_update() first")
-        self._session = False
-        return {"success": True, "message": "weight-update session closed"}
-
-    def update_weights(self, body: Body) -> Body:
-        """All or nothing: the whole broadcast is received into fresh buffers, then every tensor
-        is checked (a parameter of this model, named once, its shape, a floating dtype, finite
-        values in the parameter's dtype), and only then copied in, in one section between
-        steps. A bad tensor: 400 naming the first, weights and weight version untouched.
-
-        The body itself is checked before anything is received (a broadcast of unknown size
-        cannot be received); past that the server takes part in the broadcast whatever the
-        tensors turn out to be, so the sender, which broadcasts regardless, is never left waiting.
-        """
-        if not self._session:
-            raise _BadRequest(
-                "update_weights_from_distributed must run between "
-                "begin_weight_update() and end_weight_update()"
-            )
-        names, dtypes, shapes, flattened = _update_spec(body)
-        version = None if body.get("weight_version") is None else _int_version(body["weight_version"])
-        group = self._groups.get(body.get("group_name", "weight_update_group"))
-        if group is None:
-            raise _BadRequest("group_name: call /init_weights_update_group first")
-        device = self.engine.cache.k.device
-        try:
-            if flattened:
-                _, total = bucket_layout(dtypes, shapes)
-                flat = torch.empty(total, dtype=torch.uint8, device=device)
-                broadcast(flat, group, src=0)
-                received = unpack_bucket(names, dtypes, shapes, flat)
-            else:
-                received = []
-                for n, d, shape in zip(names, dtypes, shapes):
-                    t = torch.empty(shape, dtype=getattr(torch, d), device=device)
-                    broadcast(t, group, src=0)
-                    received.append((n, t))
-        except RuntimeError as e:  # the group broke (a peer died): nothing was applied
-            raise _BadRequest(f"group_name: the broadcast failed: {str(e)[:300]}", 500) from None
-        params = self.engine.model.named_weights()
-        tensors, errors = _checked_update(received, params)
-        if errors:
-            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-            log.error("update_weights_from_distributed refused: %s%s", errors[0], more)
-            raise _BadRequest(f"{errors[0]}{more}; nothing was applied")
-        with self._between_steps():
-            with torch.no_grad():
-                for n, t in tensors:
-                    params[n].copy_(t)
-            if version is not None:
-                self.engine.set_version(version)
-            self.stats["weight_updates"] += 1
-        return {"success": True, "message": "Succeeded to update parameter online."}
-
     def flush_cache(self, body: Body) -> Body:
         return {"success": True, "message": "no prefix cache to flush"}
-
-    def receive_raw(self, body: Body) -> Body:
-
-        group = self._groups.get(body.get("group_name", "weight_update_group"))
-        if group is None:
-            raise _BadRequest("group_name: call /init_weights_update_group first")
-        try:
-            numel = int(body["numel"])
-        except (KeyError, TypeError, ValueError):
-            raise _BadRequest("numel: required, an integer number of bytes") from None
-        if numel < 1:
-            raise _BadRequest(f"numel: must be >= 1, got {numel}")
-        broadcast(torch.empty(numel, dtype=torch.uint8, device=self.engine.cache.k.device), group, src=0)
-        return {"success": True, "message": f"received {numel} bytes"}
-
-    def update_version(self, body: Body) -> Body:
-        if body.get("new_version") is None:
-            raise _BadRequest("new_version: required")
-        version = _int_version(body["new_version"], "new_version")
-        with self._between_steps():
-            if body.get("abort_all_requests", True):
-                self._abort_all()
-            self.engine.set_version(version)
-        return {"success": True, "message": "updated", "new_version": body["new_version"]}
 
     def server_info(self) -> Body:
         with self._between_steps():
@@ -648,6 +523,12 @@ class EngineServer:
                 "max_running_requests": e.config.max_slots,
                 "context_length": e.config.max_len,
                 "weight_version": str(e.version),
+                **self.memory_state(),  # colocated mode: released tags, weights_loaded
+                ENGINE_CAPABILITY: STREAM_ROUTE,  # takes streamed weight updates (engine/weights.py)
+                # One process holds the whole model: one rank of the weight-update group.
+                "tp_size": 1,
+                "pp_size": 1,
+                "dp_size": 1,
                 "internal_states": [
                     {
                         "num_running_reqs": e.running,
@@ -668,6 +549,26 @@ class EngineServer:
         with self._between_steps():
             return {n: tensor_digest(p) for n, p in self.engine.model.named_weights().items()}
 
+    def weights_checker(self, body: Body) -> Body:
+        """SGLang's ``/weights_checker`` reply shape for ``action: checksum`` (the one action we
+        use): a checksum per parameter and one over them all, for our single worker."""
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            raise BadRequest(f"action: only 'checksum' is supported, got {action!r}")
+        checksums = self.weights_digest()
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode() + checksums[name].encode())
+        per_gpu = overall.hexdigest()
+        placement = dict(role="target", tp_rank=0, tp_size=1, dp_rank=0, dp_size=1, pp_rank=0, pp_size=1)
+        rank = {
+            "checksums": checksums,
+            "per_gpu_checksum": per_gpu,
+            "parallelism_info": [{**placement, "rank": 0, "size": 1}],
+        }
+        engine = hashlib.sha256(per_gpu.encode()).hexdigest()
+        return {"success": True, "message": "", "ranks": [rank], "per_engine_checksum": engine}
+
     def health(self) -> Body:
         return {}
 
@@ -677,17 +578,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name, not an address
         return host == "localhost"
-
-
-def _int_version(v: JsonValue, field: str = "weight_version") -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    if isinstance(v, str):  # SGLang's versions are strings; ours are their integers
-        try:
-            return int(v)
-        except ValueError:
-            pass
-    raise _BadRequest(f"{field}: the built-in engine takes integer versions, got {v!r}")
 
 
 # SGLang 0.5.23's sampling parameters (``SamplingParams``, sglang/srt/sampling/sampling_params.py)
@@ -740,54 +630,54 @@ def _number(sp: dict[str, JsonValue], key: str, default: float, where: str) -> f
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _BadRequest(f"{where}.{key}: must be a finite number, got {v!r}")
+        raise BadRequest(f"{where}.{key}: must be a finite number, got {v!r}")
     return float(v)
 
 
 def _sampling(sp: JsonValue, where: str) -> _Sampling:
     """The checked sampling parameters of one request, as SGLang 0.5.23 reads and verifies them
-    (null: the default); ``_BadRequest`` naming the first bad field otherwise."""
+    (null: the default); ``BadRequest`` naming the first bad field otherwise."""
     if sp is None:
         sp = {}
     if not isinstance(sp, dict):
-        raise _BadRequest(f"{where}: must be an object, got {type(sp).__name__}")
+        raise BadRequest(f"{where}: must be an object, got {type(sp).__name__}")
     unknown = sorted(set(sp) - _SAMPLING_KEYS)
     if unknown:
-        raise _BadRequest(f"{where}.{unknown[0]}: not a sampling parameter (SGLang 0.5.23)")
+        raise BadRequest(f"{where}.{unknown[0]}: not a sampling parameter (SGLang 0.5.23)")
     for key, off in _SAMPLING_OFF.items():
         if not _is_off(sp.get(key), off):
-            raise _BadRequest(f"{where}.{key}: not supported by the built-in engine (only {off!r})")
+            raise BadRequest(f"{where}.{key}: not supported by the built-in engine (only {off!r})")
     for key in _SAMPLING_TEXT_FLAGS:
         if sp.get(key) is not None and not isinstance(sp[key], bool):
-            raise _BadRequest(f"{where}.{key}: must be true or false, got {sp[key]!r}")
+            raise BadRequest(f"{where}.{key}: must be true or false, got {sp[key]!r}")
     n = sp.get("n")
     if n is not None and (not _is_int(n) or n != 1):
-        raise _BadRequest(
+        raise BadRequest(
             f"{where}.n: must be 1, got {n!r}: the built-in engine draws one sample per request; "
             "send one request per sample (as the fleet client does, each with its own rid and seed)"
         )
     max_new = sp.get("max_new_tokens", 128)  # absent: SGLang's default; null: no limit
     if max_new is not None and (not _is_int(max_new) or max_new < 1):
-        raise _BadRequest(
+        raise BadRequest(
             f"{where}.max_new_tokens: must be an integer >= 1 (or null: up to the context length), "
             f"got {max_new!r}; the built-in engine returns no prompt log-probs, so 0 would answer nothing"
         )
     temperature = _number(sp, "temperature", 1.0, where)
     if temperature < 0:
-        raise _BadRequest(f"{where}.temperature: must be >= 0, got {temperature}")
+        raise BadRequest(f"{where}.temperature: must be >= 0, got {temperature}")
     top_p = _number(sp, "top_p", 1.0, where)
     if not 0.0 < top_p <= 1.0:
-        raise _BadRequest(f"{where}.top_p: must be in (0, 1], got {top_p}")
+        raise BadRequest(f"{where}.top_p: must be in (0, 1], got {top_p}")
     top_k = sp.get("top_k")
     top_k = TOP_K_OFF if top_k is None else top_k
     if not _is_int(top_k) or (top_k != TOP_K_OFF and top_k < 1):
-        raise _BadRequest(f"{where}.top_k: must be -1 (no cut) or an integer >= 1, got {top_k!r}")
+        raise BadRequest(f"{where}.top_k: must be -1 (no cut) or an integer >= 1, got {top_k!r}")
     seed = sp.get("sampling_seed")
     if seed is not None and not _is_int(seed):
-        raise _BadRequest(f"{where}.sampling_seed: must be an integer, got {seed!r}")
+        raise BadRequest(f"{where}.sampling_seed: must be an integer, got {seed!r}")
     stops = sp.get("stop_token_ids") or []
     if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
-        raise _BadRequest(f"{where}.stop_token_ids: must be a list of token ids, got {stops!r}")
+        raise BadRequest(f"{where}.stop_token_ids: must be a list of token ids, got {stops!r}")
     return _Sampling(
         max_new_tokens=max_new,
         temperature=temperature,
@@ -796,243 +686,6 @@ def _sampling(sp: JsonValue, where: str) -> _Sampling:
         seed=seed,
         stop_token_ids=stops,
     )
-
-
-def _update_spec(body: Body) -> tuple[list[str], list[str], list[list[int]], bool]:
-    """``names, dtypes, shapes, flattened`` of an ``/update_weights_from_distributed`` body,
-    checked before anything is received; ``_BadRequest`` naming the field otherwise."""
-    try:
-        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-    except KeyError as e:
-        raise _BadRequest(f"{e.args[0]}: required") from None
-    for key, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
-        if not isinstance(v, list) or not v:
-            raise _BadRequest(f"{key}: must be a non-empty list")
-    if not len(names) == len(dtypes) == len(shapes):
-        raise _BadRequest(
-            f"names / dtypes / shapes: one each per tensor, got {len(names)} / {len(dtypes)} / {len(shapes)}"
-        )
-    for i, (n, d, shape) in enumerate(zip(names, dtypes, shapes)):
-        if not isinstance(n, str) or not n:
-            raise _BadRequest(f"names[{i}]: must be a parameter name, got {n!r}")
-        if not isinstance(d, str) or not isinstance(getattr(torch, d, None), torch.dtype):
-            raise _BadRequest(f"dtypes[{i}]: not a torch dtype: {d!r} ({n})")
-        if not isinstance(shape, list) or not all(_is_int(x) and x >= 0 for x in shape):
-            raise _BadRequest(f"shapes[{i}]: must be a list of sizes >= 0, got {shape!r} ({n})")
-    load_format = body.get("load_format")
-    if load_format not in (None, "flattened_bucket"):
-        raise _BadRequest(f"load_format: {load_format!r} is not supported (null or flattened_bucket)")
-    if load_format is not None:
-        try:
-            bucket_layout(dtypes, shapes)
-        except ValueError as e:
-            raise _BadRequest(str(e)) from None
-    return names, dtypes, shapes, load_format is not None
-
-
-def _checked_update(
-    received: list[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor]
-) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """The received tensors in their parameters' dtypes, and what is wrong with them, in order.
-
-    A floating tensor is cast to its parameter's dtype (as SGLang's loaders ``copy_`` it: the
-    trainer's fp32 norms go into a bf16 engine), and the cast value must be finite: an fp32 value
-    past float16's range is as bad as a NaN.
-    """
-    out: list[tuple[str, torch.Tensor]] = []
-    errors: list[str] = []
-    seen: set[str] = set()
-    for n, t in received:
-        p = params.get(n)
-        if p is None:
-            errors.append(f"{n}: not a parameter of this model")
-        elif n in seen:
-            errors.append(f"{n}: sent twice in one update")
-        elif tuple(t.shape) != tuple(p.shape):
-            errors.append(f"{n}: shape {list(t.shape)}, the model has {list(p.shape)}")
-        elif not t.is_floating_point():
-            errors.append(f"{n}: dtype {t.dtype} is not floating point (the parameter is {p.dtype})")
-        else:
-            v = t if t.dtype == p.dtype else t.to(p.dtype)
-            bad = int((~torch.isfinite(v)).sum())
-            if bad:
-                errors.append(f"{n}: {bad} of {v.numel()} values are NaN or infinite in {p.dtype}")
-            out.append((n, v))
-        seen.add(n)
-    return out, errors
-
-
-def _error_body(message: str) -> Body:
-    """Every error's JSON (SGLang's ``message`` and ``error.message``; never a traceback)."""
-    return {"success": False, "message": message, "error": {"message": message}}
-
-
-def _make_handler(server: EngineServer) -> type[BaseHTTPRequestHandler]:
-    post: dict[str, Callable[[Body], Body | list[Body]]] = {
-        path: getattr(server, name) for path, name in POST_ROUTES.items()
-    }
-    get: dict[str, Callable[[], Body]] = {path: getattr(server, name) for path, name in GET_ROUTES.items()}
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        _peer_sent_more = False  # the client sent bytes past its request: stop watching for EOF
-
-        def log_message(
-            self, fmt: str, *args: object
-        ) -> None:  # quiet: one line per request is noise at RL rates
-            log.debug("%s %s", self.address_string(), fmt % args)
-
-        def _send(self, status: int, obj: object, headers: dict[str, str] | None = None) -> None:
-            data = json.dumps(obj).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-
-        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-            """The stdlib's own refusals (a bad request line, a header too long, a method with
-            no handler) as JSON, not its HTML page; the connection then closes. A request line
-            too broken to name its version still gets a status line (the stdlib would take it
-            for HTTP/0.9 and send the body bare)."""
-            self.close_connection = True
-            if self.request_version == "HTTP/0.9":
-                self.request_version = self.protocol_version
-            self._send(code, _error_body(message or HTTPStatus(code).phrase), {"Connection": "close"})
-
-        def _refused(self) -> bool:
-            """Answer 401 and end the connection unless the request may be served (the API key).
-
-            The body of a refused request is read in chunks and dropped (up to _DISCARD_LIMIT),
-            never parsed; the connection then closes, so it cannot be read as a next request."""
-            if server.authorized(self.path.split("?")[0], self.headers.get("Authorization")):
-                return False
-            try:
-                left = min(int(self.headers.get("Content-Length") or 0), _DISCARD_LIMIT)
-            except ValueError:
-                left = 0
-            while left > 0:
-                chunk = self.rfile.read(min(left, 1 << 16))
-                if not chunk:
-                    break
-                left -= len(chunk)
-            self.close_connection = True
-            self._send(
-                HTTPStatus.UNAUTHORIZED,
-                {"error": "Unauthorized"},
-                {"WWW-Authenticate": "Bearer", "Connection": "close"},
-            )
-            return True
-
-        def _refuse_unread(self, status: int, message: str) -> None:
-            """Answer an error without reading the body, then close: the write side first, then
-            a bounded drain of what the client still sends (a lingering close), so that its
-            kernel has our answer before a reset for unread bytes could overtake it."""
-            self.close_connection = True
-            self._send(status, _error_body(message), {"Connection": "close"})
-            sock = self.connection
-            try:
-                sock.shutdown(socket.SHUT_WR)
-                deadline, left = time.monotonic() + _LINGER_S, _DISCARD_LIMIT
-                while left > 0 and (wait := deadline - time.monotonic()) > 0:
-                    sock.settimeout(wait)
-                    chunk = sock.recv(min(left, 1 << 16))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-            except OSError:  # the client went first, or the drain timed out: nothing more to do
-                pass
-
-        def _body(self) -> bytes | None:
-            """The request body, at most ``server.max_body_bytes``; None once refused."""
-            if self.headers.get("Transfer-Encoding"):
-                self._refuse_unread(
-                    HTTPStatus.LENGTH_REQUIRED, "Transfer-Encoding: not supported; send Content-Length"
-                )
-                return None
-            values = self.headers.get_all("Content-Length") or []
-            if len(set(values)) > 1 or not all(v.strip().isdigit() for v in values):  # isdigit: no sign
-                self._refuse_unread(
-                    HTTPStatus.BAD_REQUEST, f"Content-Length: must be one integer >= 0, got {values}"
-                )
-                return None
-            length = int(values[0]) if values else 0
-            if length > server.max_body_bytes:
-                self._refuse_unread(
-                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    f"Content-Length: {length} bytes, more than this server's --max-body-mb "
-                    f"({server.max_body_bytes} bytes)",
-                )
-                return None
-            return self.rfile.read(length) if length else b""
-
-        def _client_gone(self) -> bool:
-            """Whether the client closed its connection (EOF or reset), without blocking or
-            consuming a byte. ``poll``, not ``select``: a server with a thousand connections has
-            descriptors past select's 1024. A client that half-closes its side after sending
-            reads as gone, as it does to SGLang's uvicorn."""
-            if self._peer_sent_more:
-                return False
-            p = select.poll()
-            p.register(self.connection, select.POLLIN | select.POLLERR | select.POLLHUP)
-            if not p.poll(0):
-                return False
-            try:
-                data = self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return False
-            except OSError:  # a reset
-                return True
-            self._peer_sent_more = bool(data)
-            return not data
-
-        def _dispatch(self, fn: Callable[..., object], *args: object) -> None:
-            try:
-                out = fn(*args)
-            except _BadRequest as e:
-                return self._send(e.status, _error_body(str(e)))
-            except _ClientGone:
-                self.close_connection = True
-                return None
-            except Exception as e:
-                log.exception("%s failed", self.path)  # the traceback goes to the log only
-                return self._send(
-                    HTTPStatus.INTERNAL_SERVER_ERROR, _error_body(f"internal error: {type(e).__name__}")
-                )
-            self._send(HTTPStatus.OK, out)
-
-        def do_GET(self) -> None:
-            if self._refused():
-                return None
-            fn = get.get(self.path.split("?")[0])
-            if fn is None:
-                return self._send(HTTPStatus.NOT_FOUND, _error_body(f"no route {self.path}"))
-            self._dispatch(fn)
-
-        def do_POST(self) -> None:
-            if self._refused():
-                return None
-            raw = self._body()
-            if raw is None:
-                return None
-            route = self.path.split("?")[0]
-            fn = post.get(route)
-            if fn is None:
-                return self._send(HTTPStatus.NOT_FOUND, _error_body(f"no route {self.path}"))
-            try:
-                body = json.loads(raw or b"{}")
-                if not isinstance(body, dict):
-                    raise ValueError("the body must be a JSON object")
-            except (ValueError, RecursionError) as e:  # RecursionError: nesting past Python's limit
-                return self._send(HTTPStatus.BAD_REQUEST, _error_body(f"bad JSON body: {e}"))
-            if route == "/generate":
-                return self._dispatch(server.generate, body, self._client_gone)
-            self._dispatch(fn, body)
-
-    return Handler
 
 
 def _raise_open_files_limit() -> None:

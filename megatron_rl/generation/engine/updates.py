@@ -1,0 +1,296 @@
+"""The weight-update routes of the built-in engine server, SGLang 0.5.23's and our streamed one:
+``/init_weights_update_group``, ``/destroy_weights_update_group``, ``/begin_weight_update``,
+``/end_weight_update``, ``/update_weights_from_distributed``, ``/update_weight_version``, and the
+extensions ``/megatron_rl/update_weights_stream`` and ``/megatron_rl/receive_raw``.
+
+:class:`UpdateRoutes` is a base class of :class:`~.server.EngineServer`. Every update is checked
+before it changes anything: a body is checked before a byte of the broadcast is received, and the
+received tensors (``weights.checked_update``) before any is copied in, in one section between
+engine steps; a bad one is a 400 naming it, with the weights and the version untouched. The
+streamed update's manifest, receiver and all-or-nothing apply are in ``engine/weights.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import AbstractContextManager
+from http import HTTPStatus
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_rl.generation.engine.http import BadRequest
+from megatron_rl.generation.engine.weights import (
+    STREAM_ROUTE,
+    ManifestError,
+    StreamReceiver,
+    checked_update,
+    install,
+    parse_manifest,
+)
+from megatron_rl.generation.protocol import bucket_layout, unpack_bucket
+from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from megatron_rl.fileio import JsonValue
+    from megatron_rl.generation.engine.engine import Engine
+    from megatron_rl.generation.engine.timing import TimingEngine
+
+    Body = dict[str, JsonValue]
+
+__all__ = ["UpdateRoutes", "int_version"]
+
+log = logging.getLogger("megatron_rl.engine_server")
+
+# The longest /end_weight_update waits for a streamed update still arriving: past the update
+# group's own timeout (init_update_group's 120 s), by when a stalled broadcast has failed.
+_STREAM_WAIT_S = 300.0
+
+
+class UpdateRoutes:
+    """The weight-update routes of :class:`~.server.EngineServer` (see the module docstring).
+
+    The server provides what is declared here: its engine and stats, the update groups by name,
+    the weight-update session flag, the streamed update being received and the lock that starts
+    one at a time, the engine lock (taken through ``_between_steps``) and ``_abort_all``."""
+
+    engine: Engine | TimingEngine
+    stats: dict[str, float]
+    _groups: dict[str, dist.ProcessGroup]
+    _session: bool
+    _stream: StreamReceiver | None
+    _stream_lock: threading.Lock
+
+    def _between_steps(self) -> AbstractContextManager[None]:
+        """The engine lock, taken before the engine's next step (the server's)."""
+        raise NotImplementedError
+
+    def _abort_all(self) -> int:
+        """Abort every queued and running request (the server's); how many."""
+        raise NotImplementedError
+
+    def init_group(self, body: Body) -> Body:
+
+        try:
+            name = body.get("group_name", "weight_update_group")
+            if name in self._groups:
+                raise BadRequest(f"group_name: {name!r} already initialised")
+            self._groups[name] = init_update_group(
+                backend=body.get("backend", "nccl"),
+                master_address=body["master_address"],
+                master_port=int(body["master_port"]),
+                rank=int(body["rank_offset"]),
+                world_size=int(body["world_size"]),
+                group_name=name,
+            )
+        except KeyError as e:
+            raise BadRequest(f"{e.args[0]}: required") from None
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise BadRequest(f"Failed to initialize custom process group: {e}") from None
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: Body) -> Body:
+
+        group = self._groups.pop(body.get("group_name", "weight_update_group"), None)
+        if group is None:
+            raise BadRequest("group_name: no such group")
+        destroy_update_group(group)
+        return {"success": True, "message": "destroyed"}
+
+    def begin_update(self, body: Body) -> Body:
+        self._session = True
+        return {"success": True, "message": "weight-update session open"}
+
+    def end_update(self, body: Body) -> Body:
+        """Close the session; a streamed update still arriving is waited for first, and its
+        outcome is the answer (400 / 500 naming what was wrong: nothing was applied)."""
+        if not self._session:
+            raise BadRequest("no weight-update session is open; call begin_weight_update() first")
+        stream = self._stream
+        if stream is not None:
+            result = stream.wait(_STREAM_WAIT_S)
+            if result is None:
+                raise BadRequest(
+                    f"the streamed update is still arriving after {_STREAM_WAIT_S:g} s; "
+                    "nothing was applied yet",
+                    HTTPStatus.SERVICE_UNAVAILABLE,
+                )
+            self._stream = None
+            self._session = False
+            if result.status != HTTPStatus.OK:
+                log.error("streamed weight update refused: %s", result.message)
+                raise BadRequest(result.message, result.status)
+            return {"success": True, "message": result.message, "stream": dict(result.timings)}
+        self._session = False
+        return {"success": True, "message": "weight-update session closed"}
+
+    def _no_stream(self, route: str) -> None:
+        """Refuse ``route`` while a streamed update owns the update group's broadcasts."""
+        if self._stream is not None and not self._stream.done():
+            raise BadRequest(f"{route}: a streamed weight update is being received; end it first")
+
+    def update_weights_stream(self, body: Body) -> Body:
+        """``/megatron_rl/update_weights_stream``: check a whole update's manifest against the
+        model (400 naming the field, before any broadcast), then receive its buckets on a thread
+        of its own and answer at once that the server is ready. Opens the weight-update session
+        if none is open; ``/end_weight_update`` answers the outcome (``engine/weights.py``)."""
+        with self._stream_lock:
+            return self._start_stream(body)
+
+    def _start_stream(self, body: Body) -> Body:
+        self._no_stream(STREAM_ROUTE)
+        if self._stream is not None:  # a finished stream nobody ended: its outcome is dropped
+            log.warning("a streamed update ended without /end_weight_update: %s", self._stream.result)
+            self._stream = None
+        params = self.engine.model.named_weights()
+        try:
+            group_name, version, buckets = parse_manifest(body, params)
+        except ManifestError as e:
+            raise BadRequest(f"{e}; nothing will be received") from None
+        group = self._groups.get(group_name)
+        if group is None:
+            raise BadRequest("group_name: call /init_weights_update_group first")
+
+        def apply(tensors: list[tuple[str, torch.Tensor]], version: int) -> float:
+            with self._between_steps():
+                t0 = time.perf_counter()
+                install(params, tensors)
+                self.engine.set_version(version)
+                self.stats["weight_updates"] += 1
+                return time.perf_counter() - t0
+
+        self._session = True
+        self._stream = StreamReceiver(
+            group=group,
+            buckets=buckets,
+            params=params,
+            version=version,
+            device=self.engine.cache.k.device,
+            apply=apply,
+        ).start()
+        n = sum(len(b.names) for b in buckets)
+        return {"success": True, "message": "ready", "buckets": len(buckets), "tensors": n}
+
+    def update_weights(self, body: Body) -> Body:
+        """All or nothing: the whole broadcast is received into fresh buffers, then every tensor
+        is checked (a parameter of this model, named once, its shape, a floating dtype, finite
+        values in the parameter's dtype), and only then copied in, in one section between
+        steps. A bad tensor: 400 naming the first, weights and weight version untouched.
+
+        The body itself is checked before anything is received (a broadcast of unknown size
+        cannot be received); past that the server takes part in the broadcast whatever the
+        tensors turn out to be, so the sender, which broadcasts regardless, is never left waiting.
+        """
+        self._no_stream("/update_weights_from_distributed")
+        if not self._session:
+            raise BadRequest(
+                "update_weights_from_distributed must run between "
+                "begin_weight_update() and end_weight_update()"
+            )
+        names, dtypes, shapes, flattened = _update_spec(body)
+        version = None if body.get("weight_version") is None else int_version(body["weight_version"])
+        group = self._groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            raise BadRequest("group_name: call /init_weights_update_group first")
+        device = self.engine.cache.k.device
+        try:
+            if flattened:
+                _, total = bucket_layout(dtypes, shapes)
+                flat = torch.empty(total, dtype=torch.uint8, device=device)
+                broadcast(flat, group, src=0)
+                received = unpack_bucket(names, dtypes, shapes, flat)
+            else:
+                received = []
+                for n, d, shape in zip(names, dtypes, shapes):
+                    t = torch.empty(shape, dtype=getattr(torch, d), device=device)
+                    broadcast(t, group, src=0)
+                    received.append((n, t))
+        except RuntimeError as e:  # the group broke (a peer died): nothing was applied
+            raise BadRequest(f"group_name: the broadcast failed: {str(e)[:300]}", 500) from None
+        params = self.engine.model.named_weights()
+        tensors, errors = checked_update(received, params)
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            log.error("update_weights_from_distributed refused: %s%s", errors[0], more)
+            raise BadRequest(f"{errors[0]}{more}; nothing was applied")
+        with self._between_steps():
+            with torch.no_grad():
+                for n, t in tensors:
+                    params[n].copy_(t)
+            if version is not None:
+                self.engine.set_version(version)
+            self.stats["weight_updates"] += 1
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def receive_raw(self, body: Body) -> Body:
+        self._no_stream("/megatron_rl/receive_raw")
+        group = self._groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:
+            raise BadRequest("group_name: call /init_weights_update_group first")
+        try:
+            numel = int(body["numel"])
+        except (KeyError, TypeError, ValueError):
+            raise BadRequest("numel: required, an integer number of bytes") from None
+        if numel < 1:
+            raise BadRequest(f"numel: must be >= 1, got {numel}")
+        broadcast(torch.empty(numel, dtype=torch.uint8, device=self.engine.cache.k.device), group, src=0)
+        return {"success": True, "message": f"received {numel} bytes"}
+
+    def update_version(self, body: Body) -> Body:
+        if body.get("new_version") is None:
+            raise BadRequest("new_version: required")
+        version = int_version(body["new_version"], "new_version")
+        with self._between_steps():
+            if body.get("abort_all_requests", True):
+                self._abort_all()
+            self.engine.set_version(version)
+        return {"success": True, "message": "updated", "new_version": body["new_version"]}
+
+
+def int_version(v: JsonValue, field: str = "weight_version") -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, str):  # SGLang's versions are strings; ours are their integers
+        try:
+            return int(v)
+        except ValueError:
+            pass
+    raise BadRequest(f"{field}: the built-in engine takes integer versions, got {v!r}")
+
+
+def _update_spec(body: Body) -> tuple[list[str], list[str], list[list[int]], bool]:
+    """``names, dtypes, shapes, flattened`` of an ``/update_weights_from_distributed`` body,
+    checked before anything is received; ``BadRequest`` naming the field otherwise."""
+    try:
+        names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    except KeyError as e:
+        raise BadRequest(f"{e.args[0]}: required") from None
+    for key, v in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
+        if not isinstance(v, list) or not v:
+            raise BadRequest(f"{key}: must be a non-empty list")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise BadRequest(
+            f"names / dtypes / shapes: one each per tensor, got {len(names)} / {len(dtypes)} / {len(shapes)}"
+        )
+    for i, (n, d, shape) in enumerate(zip(names, dtypes, shapes)):
+        if not isinstance(n, str) or not n:
+            raise BadRequest(f"names[{i}]: must be a parameter name, got {n!r}")
+        if not isinstance(d, str) or not isinstance(getattr(torch, d, None), torch.dtype):
+            raise BadRequest(f"dtypes[{i}]: not a torch dtype: {d!r} ({n})")
+        if not isinstance(shape, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
+        ):
+            raise BadRequest(f"shapes[{i}]: must be a list of sizes >= 0, got {shape!r} ({n})")
+    load_format = body.get("load_format")
+    if load_format not in (None, "flattened_bucket"):
+        raise BadRequest(f"load_format: {load_format!r} is not supported (null or flattened_bucket)")
+    if load_format is not None:
+        try:
+            bucket_layout(dtypes, shapes)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+    return names, dtypes, shapes, load_format is not None

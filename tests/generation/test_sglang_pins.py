@@ -1,0 +1,158 @@
+"""Every SGLang route, server flag and router flag we rely on, pinned to SGLang's own definitions.
+
+The definitions are read from the pinned releases' source by ``tools/sglang_fixture.py`` and
+kept in ``fixtures/sglang-<version>.json``, so these checks run on any machine; where the sources
+are present (``make install`` puts SGLang's in ``.cache``, the test extra installs sglang-router)
+the last test regenerates the fixture and requires it to equal the committed file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.generation.engine.server import GET_ROUTES, POST_ROUTES
+from megatron_rl.generation.protocol import (
+    ROUTER_VERSION,
+    ROUTES,
+    SGLANG_VERSION,
+    ProtocolError,
+    router_launch_args,
+    server_launch_args,
+    update_group_ranks,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURE = Path(__file__).parent / "fixtures" / f"sglang-{SGLANG_VERSION}.json"
+LAUNCH = REPO / "examples" / "launch"
+sys.path.insert(0, str(REPO / "tools"))
+import sglang_fixture  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pins() -> dict:
+    return json.loads(FIXTURE.read_text(encoding="utf-8"))
+
+
+def _flags(words: list[str]) -> list[str]:
+    return [w for w in words if w.startswith("--")]
+
+
+def _commands(script: Path, program: str) -> list[str]:
+    """Each command line of ``script`` that runs ``python -m program`` (continuations joined)."""
+    text = script.read_text(encoding="utf-8").replace("\\\n", " ")
+    return [
+        line for line in text.splitlines() if f"-m {program}" in line and not line.lstrip().startswith("#")
+    ]
+
+
+def test_fixture_is_of_the_pinned_releases(pins):
+    assert pins["sglang_version"] == SGLANG_VERSION
+    assert pins["router_version"] == ROUTER_VERSION
+    setup = (REPO / "setup.py").read_text(encoding="utf-8")
+    assert f'"sglang=={SGLANG_VERSION}"' in setup
+    assert f'"sglang-router>={ROUTER_VERSION},<0.4"' in setup
+
+
+def test_every_route_the_client_calls_is_sglangs(pins):
+    for route, method in ROUTES.items():
+        assert route in pins["routes"], f"{route}: not a route of SGLang {SGLANG_VERSION}"
+        assert method in pins["routes"][route], (
+            f"{route}: SGLang answers {pins['routes'][route]}, not {method}"
+        )
+
+
+def test_built_in_engine_answers_sglang_routes_with_sglangs_methods(pins):
+    """The built-in engine's SGLang routes take the methods SGLang's do (ours under
+    /megatron_rl/ are extensions)."""
+    for table, method in ((POST_ROUTES, "POST"), (GET_ROUTES, "GET")):
+        for route in table:
+            if route.startswith("/megatron_rl/"):
+                continue
+            assert route in pins["routes"], f"built-in engine route {route} is not SGLang's"
+            assert method in pins["routes"][route], f"{route}: SGLang answers {pins['routes'][route]}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_server_flags_we_print_are_sglangs(pins, deterministic):
+    for flag in _flags(server_launch_args(deterministic=deterministic)):
+        assert flag in pins["server_flags"], f"{flag}: not a flag of sglang.launch_server {SGLANG_VERSION}"
+    assert (
+        "--enable-deterministic-inference" in server_launch_args(deterministic=deterministic)
+    ) == deterministic
+
+
+def test_router_timeout_outlasts_the_clients(pins):
+    """The router's own default (1800 s) would cut a long trace the client still waits on: the
+    flag we print is the router's, and its value outlasts ``fleet.request_timeout_s``."""
+    assert pins["router_defaults"]["request_timeout_secs"] == 1800
+    words = router_launch_args(request_timeout_s=3600.0)
+    assert _flags(words) == ["--request-timeout-secs"]
+    assert words[0] in pins["router_flags"]
+    assert int(words[1]) > 3600
+    with pytest.raises(ValueError, match="request_timeout_s"):
+        router_launch_args(request_timeout_s=float("inf"))
+
+
+@pytest.mark.parametrize("script", sorted(LAUNCH.glob("*")), ids=lambda p: p.name)
+def test_launch_scripts_parse_and_use_only_pinned_flags(pins, script):
+    """Each launch script is valid bash, and every flag it gives SGLang's server or router is one
+    of theirs (argparse takes a prefix such as ``--tp`` only while it is unambiguous, and a later
+    release adding ``--tp-...`` flags breaks it: we use full names)."""
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    for program, known in (
+        ("sglang.launch_server", "server_flags"),
+        ("sglang_router.launch_router", "router_flags"),
+    ):
+        for line in _commands(script, program):
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", line.split(f"-m {program}", 1)[1]):
+                assert flag in pins[known], f"{script.name}: {flag} is not a flag of {program}"
+
+
+def test_sglang_args_verb_prints_the_recipes_flags(tmp_path):
+    """What the launch scripts splice in: ``megatron-rl sglang-args server|router RECIPE``."""
+    recipe = REPO / "examples" / "magistral_medium.yaml"
+    run = [sys.executable, "-m", "megatron_rl", "sglang-args"]
+    out = subprocess.run(
+        [*run, "server", str(recipe), "fleet.deterministic=true"], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert shlex.split(out.stdout) == server_launch_args(deterministic=True)
+    out = subprocess.run(
+        [*run, "router", str(recipe), "fleet.request_timeout_s=7200"], capture_output=True, text=True
+    )
+    assert shlex.split(out.stdout) == router_launch_args(request_timeout_s=7200)
+    bad = subprocess.run(
+        [*run, "server", str(recipe), "fleet.deterministic=maybe"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "fleet.deterministic" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_update_group_layout_follows_sglangs_rank_rule(pins):
+    """A server takes ``tp_size`` ranks (its workers join at ``rank_offset + tp_rank``);
+    pipeline stages would collide and data-parallel replicas are refused by SGLang itself."""
+    assert pins["facts"]["update_group_rank_is_rank_offset_plus_tp_rank"]
+    assert pins["facts"]["distributed_update_refuses_dp_replicas"]
+    assert update_group_ranks({"tp_size": 8, "pp_size": 1, "dp_size": 1}) == 8
+    assert update_group_ranks({}) == 1  # a router or an old build: one rank
+    with pytest.raises(ProtocolError, match=r"http://a:1: pp_size=2"):
+        update_group_ranks({"tp_size": 4, "pp_size": 2}, "http://a:1")
+    with pytest.raises(ProtocolError, match=r"dp_size=2.*one server per replica"):
+        update_group_ranks({"tp_size": 4, "dp_size": 2}, "http://a:1")
+    with pytest.raises(ProtocolError, match="tp_size is not an integer"):
+        update_group_ranks({"tp_size": "eight"})
+
+
+def test_fixture_matches_the_sources():
+    """Regenerated from the sources on this machine, the fixture is the committed one (run
+    ``python tools/sglang_fixture.py`` after moving the pins)."""
+    router = sglang_fixture.default_router_source()
+    if router is None or not sglang_fixture.DEFAULT_SGLANG.is_dir():
+        pytest.skip("SGLang's source (make install) or sglang-router (test extra) is not here")
+    assert sglang_fixture.build(sglang_fixture.DEFAULT_SGLANG, router) == json.loads(FIXTURE.read_text())
