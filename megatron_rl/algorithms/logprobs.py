@@ -19,6 +19,10 @@ rescales its ``s`` and ``w`` to the global max (``s_r * exp(m_r - M)``). That is
 than reducing ``s`` and the target logit separately, and the full vocabulary is never gathered.
 The backward needs no communication: each rank's gradient is ``onehot - softmax`` on its own shard.
 
+When every token fits in one chunk (and the vocabulary is not sharded), the chunking buys no memory
+and costs time: ``log_softmax`` + gather with autograd's own backward runs instead (~4x faster on
+CPU at 1k tokens x 4k vocabulary; its extra memory is one chunk's buffer at most).
+
 Entropy is returned detached: it is a metric here (Magistral has no entropy bonus).
 """
 
@@ -185,8 +189,43 @@ def token_logprobs(
         if lo < 0 or hi >= vocab:
             raise ValueError(f"target ids must lie in [0, {vocab}), got min {lo}, max {hi}")
     chunk = chunk_size or default_chunk_size(flat_logits.shape[-1])
-    logp, entropy = _TokenLogProbs.apply(flat_logits, flat_targets, float(temperature), chunk, tp_group)
+    if tp_group is None and flat_targets.numel() <= chunk:
+        logp, entropy = _one_chunk(flat_logits, flat_targets, float(temperature))
+    else:
+        logp, entropy = _TokenLogProbs.apply(flat_logits, flat_targets, float(temperature), chunk, tp_group)
     return logp.reshape(lead), entropy.reshape(lead)
+
+
+# fp32 elements of the entropy's per-chunk temporaries (256 KiB: they stay in cache).
+_ENTROPY_CHUNK_ELEMENTS = 1 << 16
+
+
+def _one_chunk(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`token_logprobs` for unsharded ``[N, V]`` logits whose tokens fit in one chunk:
+    ``log_softmax`` then gather, autograd's own backward.
+
+    Why a second path: chunking bounds memory when the logits are larger than one chunk; when
+    they fit in one, this path's extra memory is the one ``[N, V]`` fp32 log-softmax its
+    backward keeps (at most the ~64 MiB of one chunk buffer), and PyTorch's fused log-softmax
+    and its backward make fewer passes over ``[N, V]``: measured ~4x faster on CPU for 1k tokens
+    x 4k vocabulary (forward + backward). The entropy (detached) is summed in cache-sized row
+    chunks; ``p log p`` is taken as 0 where a logit is -inf (a masked id: ``0 * -inf`` is NaN).
+    """
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    logsm = torch.log_softmax(z, dim=-1)
+    logp = logsm.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        flat = logsm.detach()
+        entropy = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+        step = max(1, _ENTROPY_CHUNK_ELEMENTS // max(1, flat.shape[1]))
+        for lo in range(0, flat.shape[0], step):
+            ls = flat[lo : lo + step]
+            entropy[lo : lo + step] = -ls.exp().mul_(ls).nan_to_num_(nan=0.0).sum(-1)
+    return logp, entropy
 
 
 def naive_token_logprobs(

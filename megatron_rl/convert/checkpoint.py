@@ -40,12 +40,14 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import re
 import tempfile
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -55,16 +57,17 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_rl.fileio import atomic_output_dir
-from megatron_rl.hf.arch import padded_vocab_size, rope_parameters
+from megatron_rl.hf.arch import moe_settings, padded_vocab_size, rope_parameters
 from megatron_rl.hf.files import HFWeights, ShardWriter, copy_side_files, dtype_name, parse_dtype, parse_size
 from megatron_rl.hf.layout import HFConverter, WeightsMismatchError
-from megatron_rl.training.chunks import load_hf_into_chunk
+from megatron_rl.training.chunks import chunk_global_names, load_hf_into_chunk
 from megatron_rl.training.cpu_compat import apply_cpu_compat
 from megatron_rl.training.model import build_gpt_model, save_model_checkpoint, transformer_config_from_hf
 from megatron_rl.training.parallel import ParallelConfig, destroy_parallel, init_parallel
 
 if TYPE_CHECKING:
     # megatron-core ships no type information: to mypy this name is Any.
+    from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.models.gpt import GPTModel
     from transformers import PretrainedConfig
 
@@ -80,10 +83,15 @@ __all__ = [
     "check_same_architecture",
     "hf_to_mcore",
     "mcore_to_hf",
+    "output_summary",
     "plan_hf_to_mcore",
 ]
 
 META_FILE, MODEL_DIR, HF_FILES_DIR = "megatron_rl_model.json", "model", "hf"
+# dist_checkpointing stores MoE experts (SequentialMLP) under one key per weight, stacked
+# [layers, experts, ...]: "decoder.layers." + _EXPERTS_KEY + "linear_fc1.weight".
+_EXPERTS_KEY, _EXPERT_NAME = "mlp.experts.experts.", "mlp.experts.local_experts."
+_EXPERT_PARAM = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 FORMAT, FORMAT_VERSION = "megatron-rl/mcore-model", 1
 
 
@@ -115,7 +123,7 @@ def _architecture(config: dict[str, JsonValue]) -> dict[str, JsonValue]:
     hf = config_from_dict(config)
     heads = hf.num_attention_heads
     window = getattr(hf, "sliding_window", None)
-    if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
+    if hf.model_type.startswith("qwen") and not getattr(hf, "use_sliding_window", False):
         window = None
     arch: dict[str, JsonValue] = {
         "model_type": hf.model_type,
@@ -133,6 +141,14 @@ def _architecture(config: dict[str, JsonValue]) -> dict[str, JsonValue]:
         "mlp_bias": bool(getattr(hf, "mlp_bias", False)),
         "sliding_window": window,
     }
+    moe = moe_settings(hf)
+    if moe is not None:
+        arch.update(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.ffn,
+            norm_topk_prob=moe.norm_topk_prob,
+        )
     rope = rope_parameters(hf)  # the same reading the model builder uses
     arch["rope_theta"] = rope.pop("rope_theta")
     arch.update({f"rope_parameters.{k}": v for k, v in sorted(rope.items()) if k != "type"})
@@ -329,13 +345,64 @@ def _filled_chunk(plan: HFPlan, tp: int, pp: int) -> GPTModel:
     )
     chunk = build_gpt_model(hf_config, parallel, config=config, params_dtype=plan.params_dtype)
     weights = HFWeights(plan.hf_dir)
+    # Rank 0's bar: the HF tensors its own stage reads (every stage reads its share alike).
+    sources = [s for n in chunk_global_names(chunk).values() for s in plan.converter.hf_sources(n)]
+    total = sum(math.prod(weights.shape(s)) * weights.dtype(s).itemsize for s in sources)
+    bar = tqdm(
+        total=total,
+        desc="hf -> mcore",
+        unit="B",
+        unit_scale=True,
+        disable=None if dist.get_rank() == 0 else True,
+    )
     try:
         load_hf_into_chunk(
-            chunk, plan.converter, weights, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp
+            chunk,
+            plan.converter,
+            _CountedReads(weights, bar),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            tp_size=tp,
         )
     finally:
+        bar.close()
         weights.close()
     return chunk
+
+
+class _CountedReads(Mapping[str, torch.Tensor]):
+    """``weights`` as a mapping that advances ``bar`` by each tensor's bytes as it is read, and
+    shows how many tensors have been read."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], bar: tqdm):
+        self._weights, self._bar, self._count = weights, bar, 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._weights[name]
+        self._count += 1
+        self._bar.set_postfix(tensors=self._count, refresh=False)
+        self._bar.update(t.numel() * t.element_size())
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+
+def output_summary(path: str | os.PathLike) -> tuple[int, int]:
+    """``(tensors, bytes)`` of what a conversion wrote at ``path``: an HF folder (its safetensors
+    tensors) or an :func:`hf_to_mcore` output (its tensors per layer and expert, full shapes).
+    Reads headers and metadata only."""
+    path = Path(path)
+    if (path / META_FILE).is_file():
+        ckpt = McoreCheckpoint(path)
+        return len(ckpt.shapes), sum(math.prod(s) * ckpt.dtypes[n].itemsize for n, s in ckpt.shapes.items())
+    weights = HFWeights(path)
+    try:
+        return len(weights), weights.nbytes()
+    finally:
+        weights.close()
 
 
 def _versions() -> dict[str, str | None]:
@@ -437,38 +504,62 @@ class McoreCheckpoint:
                 self.shapes[name], self.dtypes[name] = sub, dtype
 
     def _names(self, key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+        """The per-layer (and per-expert) canonical names and shapes of a stored tensor."""
         if not key.startswith("decoder.layers."):
             return [(key, shape)]
         suffix = key.removeprefix("decoder.layers.")
+        if suffix.startswith(_EXPERTS_KEY):  # stacked [layers, experts, ...]
+            rest = suffix.removeprefix(_EXPERTS_KEY)
+            return [
+                (f"decoder.layers.{i}.{_EXPERT_NAME}{e}.{rest}", shape[2:])
+                for i in range(shape[0])
+                for e in range(shape[1])
+            ]
         return [(f"decoder.layers.{i}.{suffix}", shape[1:]) for i in range(shape[0])]
+
+    def _request(self, name: str) -> ShardedTensor:
+        """A ShardedTensor asking for the stored slice that is canonical tensor ``name``."""
+        from megatron.core.dist_checkpointing import (
+            ShardedTensor,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
+
+        m = _EXPERT_PARAM.match(name)
+        if m:  # a (1, 1, ...) slice of the [layers, experts, ...] stack
+            i, e = int(m.group(1)), int(m.group(2))
+            key = f"decoder.layers.{_EXPERTS_KEY}{m.group(3)}"
+            shape, dtype = self._stored[key]
+            data = torch.empty((1, 1, *shape[2:]), dtype=dtype)
+            return ShardedTensor.from_rank_offsets(
+                key, data, (0, i, shape[0]), (1, e, shape[1]), replica_id=0
+            )
+        parts = name.split(".")
+        if name.startswith("decoder.layers.") and parts[2].isdigit():
+            i, key = int(parts[2]), "decoder.layers." + ".".join(parts[3:])
+            shape, dtype = self._stored[key]
+            # A (1, ...) slice of the layer-stacked tensor: a plain (non-prepended)
+            # ShardedTensor, which dist_checkpointing reads partially in one process.
+            data = torch.empty((1, *shape[1:]), dtype=dtype)
+            return ShardedTensor.from_rank_offsets(key, data, (0, i, shape[0]), replica_id=0)
+        shape, dtype = self._stored[name]
+        return ShardedTensor.from_rank_offsets(name, torch.empty(shape, dtype=dtype), replica_id=0)
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Load the canonical ``names`` (any mix of layers) from the checkpoint."""
         from megatron.core import (
             dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
         )
-        from megatron.core.dist_checkpointing import (
-            ShardedTensor,  # lazy: megatron-core takes seconds to import; only this path needs it
-        )
 
-        request = {}
-        for name in names:
-            parts = name.split(".")
-            if name.startswith("decoder.layers.") and parts[2].isdigit():
-                i, key = int(parts[2]), "decoder.layers." + ".".join(parts[3:])
-                shape, dtype = self._stored[key]
-                # A (1, ...) slice of the layer-stacked tensor: a plain (non-prepended)
-                # ShardedTensor, which dist_checkpointing reads partially in one process.
-                data = torch.empty((1, *shape[1:]), dtype=dtype)
-                request[name] = ShardedTensor.from_rank_offsets(key, data, (0, i, shape[0]), replica_id=0)
-            else:
-                shape, dtype = self._stored[name]
-                request[name] = ShardedTensor.from_rank_offsets(
-                    name, torch.empty(shape, dtype=dtype), replica_id=0
-                )
+        request = {name: self._request(name) for name in names}
         with _process_group():
             loaded = dist_checkpointing.load(request, str(self.dist_dir), validate_access_integrity=False)
-        return {n: t[0] if n.startswith("decoder.layers.") else t for n, t in loaded.items()}
+        out = {}
+        for n, t in loaded.items():
+            if _EXPERT_PARAM.match(n):
+                t = t[0, 0]
+            elif n.startswith("decoder.layers."):
+                t = t[0]
+            out[n] = t
+        return out
 
     def padded_vocab(self, vocab_size: int) -> int:
         """Rows of the stored embedding, checked against ``vocab_size`` (names the field)."""
@@ -585,8 +676,10 @@ def _write_hf(
     with atomic_output_dir(out_dir, overwrite=overwrite) as tmp:
         writer = ShardWriter(tmp, shard_bytes)
         written: dict[str, torch.dtype] = {}
-        groups = _layer_groups(converter.mcore_names())
-        for group in tqdm(groups, desc="mcore -> hf", unit="group", disable=None):
+        names = converter.mcore_names()
+        total = sum(math.prod(ckpt.shapes[n]) * ckpt.dtypes[n].itemsize for n in names)
+        bar = tqdm(total=total, desc="mcore -> hf", unit="B", unit_scale=True, disable=None)
+        for group in _layer_groups(names):
             loaded = ckpt.read(group)
             for name in group:  # model order, whatever order the loader returns
                 tensor = loaded.pop(name)
@@ -594,6 +687,9 @@ def _write_hf(
                     t = t.to(_hf_dtype(ckpt, out_dtype, hf_name, tensor.dtype))
                     writer.add(hf_name, t)
                     written[hf_name] = t.dtype
+                bar.update(tensor.numel() * tensor.element_size())
+            bar.set_postfix(tensors=len(written))
+        bar.close()
         writer.close()
         config = dict(config, dtype=dtype_name(written["model.embed_tokens.weight"]))
         if "torch_dtype" in config:

@@ -16,12 +16,25 @@ does not appear (outputs are written to a temporary folder and renamed into plac
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 __all__ = ["build_parser", "main"]
 
 _DTYPES = ("keep", "bf16", "fp16", "fp32")
+
+
+def _summary(out: Path, seconds: float, what: str) -> str:
+    """The one line a conversion ends with: what it wrote, how much, how fast, where."""
+    from megatron_rl.convert.checkpoint import output_summary  # lazy: torch; the parser must not
+
+    tensors, nbytes = output_summary(out)
+    return (
+        f"megatron-rl convert: wrote {tensors} tensors, {nbytes / 1e9:.3g} GB, in {seconds:.1f} s "
+        f"to {out} ({what})"
+    )
 
 
 def _hf_to_mcore(args: argparse.Namespace) -> int:
@@ -36,11 +49,9 @@ def _hf_to_mcore(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         overwrite=args.overwrite,
     )
-    print(
-        f"megatron-rl convert: {args.hf} -> {out} (written at TP={args.tp} PP={args.pp}) in "
-        f"{time.perf_counter() - start:.1f} s",
-        file=sys.stderr,
-    )
+    seconds = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line, not one per rank
+        print(_summary(out, seconds, f"from {args.hf}, at TP={args.tp} PP={args.pp}"), file=sys.stderr)
     return 0
 
 
@@ -56,9 +67,7 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
     )
-    print(
-        f"megatron-rl convert: {args.mcore} -> {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr
-    )
+    print(_summary(out, time.perf_counter() - start, f"from {args.mcore}"), file=sys.stderr)
     return 0
 
 

@@ -1,5 +1,5 @@
 """What an HF config says about an architecture, for every part that needs it: the families we
-support, the HF config itself (``config.json`` read locally, never from a hub), RoPE settings in
+support (and which have q/k norms or experts), the MoE settings, the HF config itself (``config.json`` read locally, never from a hub), RoPE settings in
 either transformers layout, and the vocabulary padding that keeps checkpoint shapes TP-independent.
 
 Layer 1: imports nothing of megatron_rl above layer 0.
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -18,15 +20,23 @@ if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
 
 __all__ = [
+    "MOE_MODEL_TYPES",
+    "QK_NORM_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "VOCAB_DIVISIBLE_BY",
     "HFConfigLike",
+    "MoESettings",
     "load_hf_config",
+    "moe_settings",
     "padded_vocab_size",
     "rope_parameters",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+#: Families with an RMSNorm over each query / key head before RoPE (``q_norm``, ``k_norm``).
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+#: Families whose MLPs are mixtures of experts (softmax router, top-k, no shared expert).
+MOE_MODEL_TYPES = ("qwen3_moe",)
 
 # Megatron pads the vocabulary so each TP shard is a multiple of 128 (GEMM-friendly) ids.
 VOCAB_DIVISIBLE_BY = 128
@@ -50,6 +60,54 @@ def load_hf_config(hf_config: HFConfigLike) -> PretrainedConfig:
     raise TypeError(
         f"hf_config: expected a transformers.PretrainedConfig or a folder path, "
         f"got {type(hf_config).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """The mixture-of-experts part of an HF config (Qwen3-MoE's fields)."""
+
+    num_experts: int  # experts per MoE layer
+    top_k: int  # num_experts_per_tok: experts each token is sent to
+    ffn: int  # moe_intermediate_size: SwiGLU inner width of one expert
+    norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
+
+
+def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings | None:
+    """The MoE settings of an HF config (object or config.json dict), or None for a dense family.
+
+    Every layer must be an MoE layer (``decoder_sparse_step`` 1, ``mlp_only_layers`` empty, as in
+    the released Qwen3-MoE models): dense layers mixed in are refused, naming the field.
+    """
+
+    def get(name: str, default: JsonValue = None) -> JsonValue:
+        if isinstance(hf, Mapping):
+            return hf.get(name, default)
+        return getattr(hf, name, default)
+
+    if get("model_type") not in MOE_MODEL_TYPES:
+        return None
+    if get("decoder_sparse_step", 1) != 1:
+        raise ValueError(
+            f"decoder_sparse_step: only 1 (every layer an MoE layer) is supported, got {get('decoder_sparse_step')}"
+        )
+    if get("mlp_only_layers") or []:
+        raise ValueError(
+            f"mlp_only_layers: dense layers among the MoE layers are not supported, got {get('mlp_only_layers')}"
+        )
+    if get("shared_expert_intermediate_size") or 0:
+        raise ValueError("shared_expert_intermediate_size: shared experts are not supported")
+    values = {n: get(n) for n in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+    if values["num_experts"] is None:  # transformers >= 5 writes num_experts as num_local_experts
+        values["num_experts"] = get("num_local_experts")
+    for name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    experts, top_k, ffn = (cast(int, v) for v in values.values())
+    if top_k > experts:
+        raise ValueError(f"num_experts_per_tok: {top_k} is more than num_experts={experts}")
+    return MoESettings(
+        num_experts=experts, top_k=top_k, ffn=ffn, norm_topk_prob=bool(get("norm_topk_prob", False))
     )
 
 

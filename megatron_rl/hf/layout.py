@@ -1,6 +1,7 @@
 """Hugging Face <-> Megatron-Core names and layouts, one converter per architecture.
 
-The single source of truth for how a Llama / Mistral / Qwen2 ``*ForCausalLM`` state dict maps onto
+The single source of truth for how a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE ``*ForCausalLM``
+state dict (as saved in safetensors files) maps onto
 the ``GPTModel`` of :mod:`megatron_rl.training.model`. The offline checkpoint converter
 (:mod:`megatron_rl.convert`) and the live weight broadcast to the generators both go through it;
 nothing here reads or writes files.
@@ -34,12 +35,21 @@ g = num_key_value_heads, d = head_dim, V = vocab_size, Vp = padded vocabulary):
   ``decoder.final_layernorm.weight`` <-> ``model.norm.weight``.
 - ``output_layer.weight [Vp, h]`` <-> ``lm_head.weight [V, h]``; with tied embeddings there is no
   ``lm_head`` and the last pipeline stage's copy of the embedding maps to nothing.
+- Qwen3 / Qwen3-MoE: ``...self_attention.q_layernorm.weight [d]`` / ``k_layernorm`` <->
+  ``self_attn.q_norm`` / ``k_norm`` (one RMSNorm shared by every head, before RoPE).
+- Qwen3-MoE (E = num_experts, m = moe_intermediate_size): ``...mlp.router.weight [E, h]`` <->
+  ``mlp.gate.weight``; expert ``e``'s ``...mlp.experts.local_experts.e.linear_fc1.weight [2m, h]``
+  <-> ``[mlp.experts.e.gate_proj; mlp.experts.e.up_proj]`` and ``linear_fc2 [h, m]`` <->
+  ``mlp.experts.e.down_proj``. The HF names are those of the files (and of SGLang's loader):
+  transformers >= 5 fuses the experts into 3-D ``gate_up_proj`` / ``down_proj`` parameters in
+  memory and splits them again on save. Expert numbers are global (no expert parallelism).
 
 Tensor parallelism (:func:`tp_split`, :func:`shard_for_tp`, :func:`gather_from_tp`): column-
 parallel weights split dim 0 (fused QKV -- contiguous because it is laid out by query group -- the
 vocabulary of the embedding and output layer), row-parallel ones dim 1 (``linear_proj``,
 ``linear_fc2``); SwiGLU's ``fc1`` splits gate and up separately so that rank r holds
-``[gate_r; up_r]``; norms and row-parallel biases are replicated.
+``[gate_r; up_r]`` (each expert's ``fc1`` alike: experts are TP-sharded like the dense MLP); norms,
+the router and row-parallel biases are replicated.
 
 Pipeline parallelism: a stage (or virtual-pipeline chunk) numbers its layers from 0; the global
 number adds the stage's :func:`layer_offset` (:func:`to_global_name`, :func:`to_local_name`).
@@ -55,7 +65,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from megatron_rl.hf.arch import load_hf_config, padded_vocab_size
+from megatron_rl.hf.arch import load_hf_config, moe_settings, padded_vocab_size
 
 if TYPE_CHECKING:
     from megatron_rl.hf.arch import HFConfigLike
@@ -68,6 +78,8 @@ __all__ = [
     "MistralConverter",
     "ModelDims",
     "Qwen2Converter",
+    "Qwen3Converter",
+    "Qwen3MoeConverter",
     "TPSplit",
     "WeightsMismatchError",
     "canonical_name",
@@ -82,6 +94,10 @@ __all__ = [
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# An expert's number inside a per-layer suffix, either side (replaced by "E" for shape lookups).
+_EXPERT = re.compile(r"(?<=experts\.)\d+(?=\.)")
+_HF_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_MCORE_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 # Local-spec module names of the two pre-norms -> the TE / checkpoint spelling.
 _LOCAL_TO_FUSED = {
@@ -107,6 +123,19 @@ _LAYER_MAP: dict[str, tuple[str, ...]] = {
     "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
     "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+}
+# Qwen3's per-head q/k norms, and Qwen3-MoE's router and experts (E: the expert's number).
+_QK_NORM_MAP = {
+    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight",),
+    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight",),
+}
+_MOE_MAP = {
+    "mlp.router.weight": ("mlp.gate.weight",),
+    "mlp.experts.local_experts.E.linear_fc1.weight": (
+        "mlp.experts.E.gate_proj.weight",
+        "mlp.experts.E.up_proj.weight",
+    ),
+    "mlp.experts.local_experts.E.linear_fc2.weight": ("mlp.experts.E.down_proj.weight",),
 }
 _EMBEDDING, _FINAL_NORM, _OUTPUT = (
     "embedding.word_embeddings.weight",
@@ -220,6 +249,9 @@ _TP_RULES: tuple[tuple[str, TPSplit], ...] = (
     (".mlp.linear_fc1.bias", TPSplit.SWIGLU),
     (".mlp.linear_fc2.weight", TPSplit.ROW),
     (".mlp.linear_fc2.bias", TPSplit.REPLICATED),
+    (".mlp.router.weight", TPSplit.REPLICATED),  # every TP rank routes all its tokens
+    (".linear_fc1.weight", TPSplit.SWIGLU),  # an expert's fc1 (...local_experts.e.linear_fc1)
+    (".linear_fc2.weight", TPSplit.ROW),
     (".layer_norm_weight", TPSplit.REPLICATED),
     (".layer_norm_bias", TPSplit.REPLICATED),
     ("layernorm.weight", TPSplit.REPLICATED),  # input_ / pre_mlp_ / final_layernorm
@@ -297,6 +329,8 @@ class ModelDims:
     padded_vocab: int  # Megatron's padded vocabulary (rows of the embedding / output layer)
     layers: int  # num_hidden_layers
     tied: bool  # tie_word_embeddings
+    experts: int = 0  # num_experts of an MoE family (0: dense MLPs)
+    moe_ffn: int = 0  # moe_intermediate_size: one expert's SwiGLU inner width
 
     @classmethod
     def from_hf_config(
@@ -308,6 +342,7 @@ class ModelDims:
         explicit = getattr(hf, "head_dim", None)
         vocab = hf.vocab_size
         padded = padded_vocab if padded_vocab is not None else padded_vocab_size(vocab, tensor_parallel)
+        moe = moe_settings(hf)
         if padded < vocab:
             raise WeightsMismatchError(
                 "vocab_size", f"vocab_size={vocab} is larger than the padded vocabulary of {padded} rows"
@@ -324,6 +359,8 @@ class ModelDims:
             padded_vocab=padded,
             layers=hf.num_hidden_layers,
             tied=bool(getattr(hf, "tie_word_embeddings", False)),
+            experts=moe.num_experts if moe else 0,
+            moe_ffn=moe.ffn if moe else 0,
         )
 
 
@@ -341,11 +378,13 @@ class HFConverter:
     """Names, layouts and shape checks for one architecture; build one with :meth:`for_config`.
 
     Megatron tensors here are full (TP-gathered) with global layer numbers. Subclasses differ in
-    which optional tensors exist (Qwen2's q/k/v biases).
+    which optional tensors exist (Qwen2's q/k/v biases, Qwen3's q/k norms, Qwen3-MoE's experts).
     """
 
     model_type: ClassVar[str] = ""
     qkv_bias: ClassVar[bool] = False
+    qk_norm: ClassVar[bool] = False  # per-head RMSNorm on q and k (Qwen3)
+    moe: ClassVar[bool] = False  # router + experts instead of the dense MLP (Qwen3-MoE)
 
     def __init__(self, dims: ModelDims):
         if dims.model_type != self.model_type:
@@ -356,7 +395,12 @@ class HFConverter:
             raise WeightsMismatchError(
                 "num_key_value_heads", f"{dims.kv_heads} does not divide num_attention_heads={dims.heads}"
             )
+        if self.moe != (dims.experts > 0):
+            raise WeightsMismatchError(
+                "num_experts", f"{self.model_type!r} needs num_experts >= 1 exactly when it is an MoE family"
+            )
         self.dims = dims
+        self._map = self._per_layer_map()
 
     @staticmethod
     def for_config(
@@ -377,8 +421,27 @@ class HFConverter:
 
     # ----------------------------------------------------------------- names
 
+    def _per_layer_map(self) -> dict[str, tuple[str, ...]]:
+        """Per-layer Megatron suffix -> its HF suffixes for this family, in model order."""
+        out: dict[str, tuple[str, ...]] = {}
+        for suffix, sources in _LAYER_MAP.items():
+            if suffix.endswith("linear_qkv.bias") and not self.qkv_bias:
+                continue
+            if self.moe and suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
+                continue
+            out[suffix] = sources
+            if suffix == "self_attention.linear_proj.weight" and self.qk_norm:
+                out.update(_QK_NORM_MAP)
+        if self.moe:  # the router, then expert by expert
+            out["mlp.router.weight"] = _MOE_MAP["mlp.router.weight"]
+            per_expert = [(k, v) for k, v in _MOE_MAP.items() if ".E." in k]
+            for e in range(self.dims.experts):
+                for suffix, sources in per_expert:
+                    out[suffix.replace(".E.", f".{e}.")] = tuple(s.replace(".E.", f".{e}.") for s in sources)
+        return out
+
     def _layer_suffixes(self) -> list[str]:
-        return [s for s in _LAYER_MAP if self.qkv_bias or not s.endswith("linear_qkv.bias")]
+        return list(self._map)
 
     def mcore_names(self) -> list[str]:
         """Canonical names of every Megatron weight, in model order (embedding, layers, final
@@ -401,11 +464,11 @@ class HFConverter:
         if name in _GLOBAL_MAP:
             return (_GLOBAL_MAP[name],)
         m = _LAYER.match(name)
-        if not m or m.group(2) not in self._layer_suffixes() or int(m.group(1)) >= self.dims.layers:
+        if not m or m.group(2) not in self._map or int(m.group(1)) >= self.dims.layers:
             raise KeyError(
                 f"{mcore_name!r} is not a weight of this {self.model_type} model ({self.dims.layers} layers)"
             )
-        return tuple(f"model.layers.{m.group(1)}.{s}" for s in _LAYER_MAP[m.group(2)])
+        return tuple(f"model.layers.{m.group(1)}.{s}" for s in self._map[m.group(2)])
 
     def hf_names(self) -> list[str]:
         """Every HF weight name, in model order (``lm_head.weight`` only when untied)."""
@@ -499,6 +562,14 @@ class HFConverter:
                 f"num_key_value_heads={d.kv_heads} x head_dim={d.head_dim}{derived} = "
                 f"{d.kv_heads * d.head_dim}",
             ),
+            "d": _Dim(d.head_dim, "head_dim", f"head_dim={d.head_dim}{derived}"),
+            "E": _Dim(d.experts, "num_experts", f"num_experts={d.experts}"),
+            "m": _Dim(d.moe_ffn, "moe_intermediate_size", f"moe_intermediate_size={d.moe_ffn}"),
+            "2m": _Dim(
+                2 * d.moe_ffn,
+                "moe_intermediate_size",
+                f"2 x moe_intermediate_size={d.moe_ffn} = {2 * d.moe_ffn}",
+            ),
             "qkv": _Dim(
                 (d.heads + 2 * d.kv_heads) * d.head_dim,
                 "num_attention_heads / num_key_value_heads / head_dim",
@@ -524,6 +595,12 @@ class HFConverter:
         "self_attn.q_proj.bias": ("q",),
         "self_attn.k_proj.bias": ("kv",),
         "self_attn.v_proj.bias": ("kv",),
+        "self_attn.q_norm.weight": ("d",),
+        "self_attn.k_norm.weight": ("d",),
+        "mlp.gate.weight": ("E", "h"),
+        "mlp.experts.E.gate_proj.weight": ("m", "h"),
+        "mlp.experts.E.up_proj.weight": ("m", "h"),
+        "mlp.experts.E.down_proj.weight": ("h", "m"),
     }
     _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
         _EMBEDDING: ("Vp", "h"),
@@ -536,17 +613,22 @@ class HFConverter:
         "self_attention.linear_proj.weight": ("h", "q"),
         "mlp.linear_fc1.weight": ("2f", "h"),
         "mlp.linear_fc2.weight": ("h", "f"),
+        "self_attention.q_layernorm.weight": ("d",),
+        "self_attention.k_layernorm.weight": ("d",),
+        "mlp.router.weight": ("E", "h"),
+        "mlp.experts.local_experts.E.linear_fc1.weight": ("2m", "h"),
+        "mlp.experts.local_experts.E.linear_fc2.weight": ("h", "m"),
     }
 
     def _hf_dims(self, hf_name: str) -> tuple[_Dim, ...]:
         m = _HF_LAYER.match(hf_name)
-        key = m.group(2) if m else hf_name
+        key = _EXPERT.sub("E", m.group(2)) if m else hf_name
         table = self._dims_table()
         return tuple(table[k] for k in self._HF_SHAPES[key])
 
     def _mcore_dims(self, name: str) -> tuple[_Dim, ...]:
         m = _LAYER.match(name)
-        key = m.group(2) if m else name
+        key = _EXPERT.sub("E", m.group(2)) if m else name
         table = self._dims_table()
         return tuple(table[k] for k in self._MCORE_SHAPES[key])
 
@@ -591,6 +673,7 @@ class HFConverter:
                 "the config says false, but the weights have no lm_head.weight (are they tied?)",
             )
         self._check_bias(any(n.endswith("q_proj.bias") for n in names), "q_proj.bias")
+        self._check_experts(names, _HF_EXPERT)
         self._check_names(names, set(self.hf_names()), "HF")
         for name in sorted(names, key=_priority):
             self._check_shape(name, tuple(shapes[name]), self._hf_dims(name))
@@ -609,6 +692,7 @@ class HFConverter:
                 f"checkpoint {'has' if _OUTPUT in names else 'has no'} a separate {_OUTPUT}",
             )
         self._check_bias(any(n.endswith("linear_qkv.bias") for n in names), "linear_qkv.bias")
+        self._check_experts(names, _MCORE_EXPERT)
         self._check_names(names, set(self.mcore_names()), "Megatron")
         for name in sorted(names, key=_priority):
             self._check_shape(name, tuple(shapes[name]), self._mcore_dims(name))
@@ -618,6 +702,15 @@ class HFConverter:
             found = f"{len(layers)} ({prefix}.{min(layers)}..{max(layers)})" if layers else "none"
             raise WeightsMismatchError(
                 "num_hidden_layers", f"the config has {self.dims.layers} layers, the weights have {found}"
+            )
+
+    def _check_experts(self, names: set[str], pattern: re.Pattern[str]) -> None:
+        """The expert numbers in ``names`` must be ``0 .. num_experts - 1`` (none if dense)."""
+        found = {int(m.group(1)) for n in names if (m := pattern.search(n))}
+        if found != set(range(self.dims.experts)):
+            have = f"experts {min(found)}..{max(found)} ({len(found)})" if found else "no experts"
+            raise WeightsMismatchError(
+                "num_experts", f"the config has {self.dims.experts} experts a layer, the weights have {have}"
             )
 
     def _check_bias(self, present: bool, what: str) -> None:
@@ -666,6 +759,24 @@ class Qwen2Converter(HFConverter):
     qkv_bias = True
 
 
+class Qwen3Converter(HFConverter):
+    """Qwen3 dense (``Qwen3ForCausalLM``): Llama's tensors plus per-head q/k RMSNorms, no biases;
+    head_dim (128 in the released models) is usually not hidden_size / num_attention_heads."""
+
+    model_type = "qwen3"
+    qk_norm = True
+
+
+class Qwen3MoeConverter(HFConverter):
+    """Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's attention, and in every layer a softmax
+    router over ``num_experts`` SwiGLU experts (no shared expert) instead of the dense MLP."""
+
+    model_type = "qwen3_moe"
+    qk_norm = True
+    moe = True
+
+
 CONVERTERS: dict[str, type[HFConverter]] = {
-    c.model_type: c for c in (LlamaConverter, MistralConverter, Qwen2Converter)
+    c.model_type: c
+    for c in (LlamaConverter, MistralConverter, Qwen2Converter, Qwen3Converter, Qwen3MoeConverter)
 }

@@ -471,7 +471,7 @@ class _Run:
             parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
         )
 
-        if ps.get_data_parallel_rank() != 0:
+        if ps.get_expert_data_parallel_rank() != 0:  # = dp rank without EP; EP peers join the gathers
             return None
         # Colocated: no update group; the weights go by reference and the fleet's memory is
         # released while the trainer runs (weight_sync/colocated.py).

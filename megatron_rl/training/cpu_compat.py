@@ -65,6 +65,7 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.transformer.dot_product_attention": "softmax_offset parameter on current_device",
     "megatron.core.transformer.attention": "inference KV cache allocated on current_device",
     "megatron.core.transformer.transformer_layer": "static inputs / attention mask on current_device",
+    "megatron.core.transformer.moe.router": "gating moves the router weight to current_device on every forward",
     "megatron.core.models.gpt.gpt_model": "inference sequence_len_offset on current_device",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "get_emb moves inv_freq to current_device on every first forward",
     "megatron.core.distributed.param_and_grad_buffer": "contiguous param/grad buffers on current_device",

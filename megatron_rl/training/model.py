@@ -1,4 +1,5 @@
-"""A Megatron-Core ``GPTModel`` from a Hugging Face config (Mistral / Llama / Qwen2 families).
+"""A Megatron-Core ``GPTModel`` from a Hugging Face config (Mistral / Llama / Qwen2 / Qwen3 /
+Qwen3-MoE families).
 
 Shapes, as Megatron uses them: the model takes ``input_ids [b, s]`` and ``position_ids [b, s]``
 (and ``attention_mask=None`` for plain causal attention) and, on the last pipeline stage, returns
@@ -24,7 +25,15 @@ from typing import TYPE_CHECKING, TypeAlias
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.hf.arch import SUPPORTED_MODEL_TYPES, load_hf_config, padded_vocab_size, rope_parameters
+from megatron_rl.hf.arch import (
+    QK_NORM_MODEL_TYPES,
+    SUPPORTED_MODEL_TYPES,
+    MoESettings,
+    load_hf_config,
+    moe_settings,
+    padded_vocab_size,
+    rope_parameters,
+)
 from megatron_rl.training.parallel import ParallelConfig, process_groups
 
 if TYPE_CHECKING:
@@ -107,8 +116,8 @@ def _check_supported(hf: PretrainedConfig) -> None:
     if float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor: only 1.0 is supported, got {hf.partial_rotary_factor}")
     window = getattr(hf, "sliding_window", None)
-    if hf.model_type == "qwen2" and not getattr(hf, "use_sliding_window", False):
-        window = None  # Qwen2 configs carry a window that only applies with use_sliding_window
+    if hf.model_type.startswith("qwen") and not getattr(hf, "use_sliding_window", False):
+        window = None  # Qwen configs carry a window that only applies with use_sliding_window
     if window is not None and window < hf.max_position_embeddings:
         raise ValueError(
             f"sliding_window: sliding-window attention ({window} tokens, smaller than "
@@ -116,6 +125,36 @@ def _check_supported(hf: PretrainedConfig) -> None:
             "sliding_window=None, or max_position_embeddings <= sliding_window if no sequence "
             "is longer than the window (then full causal attention is the same thing)"
         )
+    moe_settings(hf)  # refuses dense layers mixed into an MoE model, naming the field
+
+
+def _moe_config_kwargs(moe: MoESettings, tensor_parallel: int) -> dict[str, object]:
+    """``TransformerConfig`` MoE arguments that compute what HF's Qwen3-MoE block computes.
+
+    HF: ``p = softmax(router logits)`` over all experts, the top-k of ``p``, divided by their sum
+    when ``norm_topk_prob``. Megatron with ``moe_router_pre_softmax=False`` takes the top-k of the
+    logits and a softmax over those k -- the same renormalised weights, since softmax keeps the
+    order and ``exp(l_i) / sum_topk exp(l_j) = p_i / sum_topk p_j``; with ``pre_softmax=True`` it
+    is the top-k of ``p`` unnormalised. No token is dropped (no capacity factor), and the
+    load-balancing loss is off: it changes no logit, and RL fine-tuning trains without it here.
+    The "allgather" dispatcher runs on CPU over gloo; grouped GEMM needs CUDA kernels.
+    """
+    if moe.ffn % tensor_parallel:
+        raise ValueError(
+            f"moe_intermediate_size: {moe.ffn} is not divisible by tensor_parallel={tensor_parallel}"
+        )
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.top_k,
+        moe_ffn_hidden_size=moe.ffn,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_expert_capacity_factor=None,
+        moe_token_dispatcher_type="allgather",
+        moe_grouped_gemm=False,
+    )
 
 
 def transformer_config_from_hf(
@@ -125,11 +164,13 @@ def transformer_config_from_hf(
     params_dtype: torch.dtype = torch.float32,
     **overrides: object,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` for a Mistral / Llama / Qwen2 HF config and a layout.
+    """Megatron ``TransformerConfig`` for a Mistral / Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config
+    and a layout.
 
     RMSNorm (the config's eps), SwiGLU MLP, grouped-query attention, no linear biases except
-    Qwen2's q/k/v biases, no dropout (whatever the HF config says: RL training runs without it).
-    On CPU, weights are initialised on the CPU from the default generator *before* sharding, so
+    Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm (``qk_layernorm``), Qwen3-MoE's experts
+    (see :func:`_moe_config_kwargs`; split over ``parallel.expert_parallel`` ranks), no dropout (whatever the
+    HF config says: RL training runs without it). On CPU, weights are initialised on the CPU from the default generator *before* sharding, so
     the initial model is the same at every TP size, and all fused kernels are off. ``overrides``
     are passed to ``TransformerConfig`` last (e.g. ``recompute_granularity="full"``).
 
@@ -172,6 +213,7 @@ def transformer_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=hf.model_type == "qwen2",
+        qk_layernorm=hf.model_type in QK_NORM_MODEL_TYPES,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=getattr(hf, "initializer_range", 0.02),
@@ -192,6 +234,18 @@ def transformer_config_from_hf(
         masked_softmax_fusion=on_gpu,
         apply_rope_fusion=on_gpu and have_transformer_engine(),
     )
+    moe = moe_settings(hf)
+    if moe is not None:
+        kwargs.update(_moe_config_kwargs(moe, parallel.tensor_parallel))
+    if parallel.expert_parallel > 1 and moe is None:
+        raise ValueError(
+            f"expert_parallel: {parallel.expert_parallel} needs an MoE model; {hf.model_type!r} has no experts"
+        )
+    if moe is not None and moe.num_experts % parallel.expert_parallel:
+        raise ValueError(
+            f"expert_parallel: {parallel.expert_parallel} does not divide num_experts={moe.num_experts}"
+        )
+    kwargs["expert_model_parallel_size"] = parallel.expert_parallel
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -211,21 +265,53 @@ def gpt_model_kwargs_from_hf(
     )
 
 
+def _moe_without_transformer_engine() -> None:
+    """Let Megatron-Core 0.16.1's router run without Transformer Engine.
+
+    ``moe_utils`` imports ``te_general_gemm`` from TE inside a ``try`` and, when that fails, never
+    defines the name, yet the router's gating function tests ``te_general_gemm is not None``: a
+    NameError on every MoE forward without TE. Defining it as None selects the plain ``torch.mm``
+    path the function already has.
+    """
+    from megatron.core.transformer.moe import (
+        moe_utils,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _spec_kwargs(config: TransformerConfig) -> dict[str, object]:
+    """The layer-spec arguments the family decides: q/k norms (Qwen3) and experts (Qwen3-MoE,
+    one ``SequentialMLP`` of plain MLPs: grouped GEMM needs CUDA kernels)."""
+    if config.num_moe_experts:
+        _moe_without_transformer_engine()
+    return dict(qk_layernorm=config.qk_layernorm, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+
+
 def _layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Transformer Engine layers where TE is importable, plain PyTorch ones otherwise."""
+    """Transformer Engine layers where TE is importable, plain PyTorch ones otherwise; the plain
+    ones attend with :class:`~megatron_rl.training.attention.SegmentCausalAttention` (SDPA per
+    packed sequence, no ``[T, T]`` mask) instead of Megatron's ``DotProductAttention``."""
     from megatron.core.models.gpt.gpt_layer_specs import (  # lazy: megatron-core takes seconds to import; only this path needs it
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_rl.training.attention import (
+        SegmentCausalAttention,  # lazy: it imports megatron-core, which takes seconds; only this path needs it
+    )
+
     if have_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(**_spec_kwargs(config))
     if config.sequence_parallel:
         raise ValueError(
             "sequence_parallel: needs Transformer Engine (the plain PyTorch "
             "RMSNorm of Megatron's local layer spec does not support it)"
         )
-    return get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", **_spec_kwargs(config))
+    spec.submodules.self_attention.submodules.core_attention = SegmentCausalAttention
+    return spec
 
 
 def build_gpt_model(

@@ -1,4 +1,4 @@
-"""Parallel layout of the trainer (TP x PP x DP) and Megatron-Core's process groups.
+"""Parallel layout of the trainer (TP x PP x DP, and EP for MoE experts) and Megatron-Core's process groups.
 
 Launch (GPU, NCCL)::
 
@@ -9,6 +9,9 @@ call :func:`init_parallel` inside an already-initialised default group. A lone p
 torchrun environment gets a one-rank group of its own, so a model can be built in a notebook.
 
 Data parallel size is not configured: it is ``world_size / (tensor_parallel * pipeline_parallel)``.
+Expert parallelism splits each MoE layer's experts over ``expert_parallel`` ranks taken from the
+data-parallel ranks (Megatron's expert grid: every other weight stays replicated over them), so
+``expert_parallel`` must divide the data-parallel size.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ class ParallelConfig:
     pipeline_parallel: int = 1  # consecutive groups of layers on different ranks (PP)
     virtual_pipeline: int | None = None  # model chunks per PP rank (interleaved 1F1B); None = off
     sequence_parallel: bool = False  # shard norm/dropout activations over TP (needs TP > 1 and TE)
+    expert_parallel: int = 1  # ranks splitting each MoE layer's experts (EP); divides the DP size
     backend: str = "auto"  # torch.distributed backend: auto = nccl with CUDA, else gloo
 
     def __post_init__(self):
         check_range("tensor_parallel", self.tensor_parallel, low=1)
         check_range("pipeline_parallel", self.pipeline_parallel, low=1)
+        check_range("expert_parallel", self.expert_parallel, low=1)
         if self.virtual_pipeline is not None:
             check_range("virtual_pipeline", self.virtual_pipeline, low=2)
             if self.pipeline_parallel < 2:
@@ -75,7 +80,8 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_minutes: int = 30) 
     - Without CUDA, :func:`~megatron_rl.training.cpu_compat.apply_cpu_compat` redirects
       Megatron's CUDA-only calls to the CPU. With CUDA, the device is ``LOCAL_RANK``.
     - ``world_size`` must be a multiple of ``tensor_parallel * pipeline_parallel``; the quotient
-      is the data-parallel size.
+      is the data-parallel size, and a multiple of ``expert_parallel`` (the expert-parallel
+      groups are cut from the data-parallel ranks).
     - Seeds: ``torch.manual_seed(seed)`` (the CPU generator; also the default state of the
       Megatron RNG tracker on CPU) and ``model_parallel_cuda_manual_seed(seed)``, which gives each
       TP rank its own model-parallel stream (seed + 2718 + tp_rank) for dropout in TP regions.
@@ -109,12 +115,19 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_minutes: int = 30) 
             f"world size {world} is not a multiple of tensor_parallel x "
             f"pipeline_parallel = {cfg.tensor_parallel} x {cfg.pipeline_parallel}"
         )
+    if (world // cfg.model_parallel_size) % cfg.expert_parallel:
+        raise ConfigFieldError(
+            "expert_parallel",
+            f"{cfg.expert_parallel} does not divide the data-parallel size "
+            f"{world // cfg.model_parallel_size} (world size {world} / tensor_parallel x pipeline_parallel)",
+        )
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised; call destroy_parallel() first")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_parallel,
         pipeline_model_parallel_size=cfg.pipeline_parallel,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
+        expert_model_parallel_size=cfg.expert_parallel,
         distributed_timeout_minutes=timeout_minutes,
     )
     torch.manual_seed(seed)

@@ -41,18 +41,13 @@ With data-parallel replicas ``d = 1..D``, replica ``d`` running ``M_d`` microbat
   embeddings: ``finalize_model_grads`` sums the first and last stage copies' gradients.
 - MoE auxiliary losses would not be divided by ``M`` under this flag; MoE models are not built.
 
-Packed rows (several sequences per row, ``cu_seqlens``): with Transformer Engine the model gets
-``PackedSeqParams(qkv_format="thd")`` and TE's variable-length attention keeps each sequence to
-itself (RoPE restarts per sequence from ``cu_seqlens``). With Megatron's local layer spec the model
-gets the block-diagonal causal mask of :meth:`Microbatch.attention_mask`: the local
-``DotProductAttention`` hands it to ``FusedScaleMaskSoftmax``, whose PyTorch path uses a given mask
-instead of building the causal one (``attn_mask_type`` causal only builds a mask when none is
-given). Its fused CUDA kernel for the causal type (``ScaledUpperTriangMaskedSoftmax``) ignores
-the mask, so the trainer turns ``masked_softmax_fusion`` off (TE's attention never uses it). RoPE
-then rotates by the position in the row, not in the sequence; attention scores depend only on the
-difference of two positions, which is the same inside a segment, so results match the padded
-layout up to rounding (fp32 rounding of position x frequency: up to ~6e-8 rad per position of
-offset, ~1e-3 rad at 16k; exact per sequence on the TE path, which restarts RoPE at cu_seqlens).
+Packed rows (several sequences per row, ``cu_seqlens``): the model always gets
+``PackedSeqParams(qkv_format="thd")`` and no attention mask. With Transformer Engine, TE's
+variable-length attention keeps each sequence to itself; with Megatron's local layer spec,
+:class:`~megatron_rl.training.attention.SegmentCausalAttention` (``training/model.py`` puts it in
+the spec) runs one causal SDPA per sequence -- no dense ``[T, T]`` mask on either path. On both,
+Megatron's ``SelfAttention`` restarts RoPE at every ``cu_seqlens`` entry, so a packed sequence is
+computed exactly as it is alone (or in a padded row), up to fp32 reordering.
 """
 
 from __future__ import annotations
@@ -133,7 +128,6 @@ class StepContext:
     chunk_size: int | None = None  # tokens per log-prob chunk; None = automatic
     eps_low: float = 0.2  # GRPO clip range [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
-    thd: bool = False  # pass packed rows as PackedSeqParams (Transformer Engine) instead of a mask
     fp32_output: bool | None = None  # Float16Module's fp32_output (False: keep bf16 logits)
 
 
@@ -151,13 +145,30 @@ def mask_padded_vocab(
     return logits.masked_fill(padded, float("-inf"))
 
 
+def _fill_padded_vocab_(logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None) -> None:
+    """Set ids ``>= vocab_size`` of this rank's ``logits`` shard ``[..., V_local]`` to -inf in
+    place, without recording it for autograd (see :func:`taken_token_logprobs` for why)."""
+    v_local = logits.shape[-1]
+    start = v_local * (tp_group.rank() if tp_group is not None else 0)
+    first = max(0, vocab_size - start)
+    if first < v_local:
+        with torch.no_grad():
+            logits[..., first:].fill_(float("-inf"))
+
+
 def taken_token_logprobs(
     ctx: StepContext, logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob and entropy ``[R, S]`` (fp32) of ``labels`` ``[R, S]`` under the vocab-parallel
     ``logits`` ``[R, S, V_local]`` with the padded vocabulary masked. Labels were checked against
-    ``vocab_size`` when the batch was built, so no per-microbatch host sync here."""
-    logits = mask_padded_vocab(logits, ctx.vocab_size, ctx.tp_group)
+    ``vocab_size`` when the batch was built, so no per-microbatch host sync here.
+
+    The padded ids are set to -inf *in place*, outside autograd: :func:`mask_padded_vocab`'s copy
+    (and the copy its backward makes) would cost two passes over the largest activation of the
+    step. This is exact: no op before saved the logits for its backward (the output layer keeps
+    its input and weight), and the gradient that reaches a -inf logit from the log-softmax is
+    ``onehot - softmax = 0 - 0`` (labels are never padded ids), what the mask's backward gives."""
+    _fill_padded_vocab_(logits, ctx.vocab_size, ctx.tp_group)
     return token_logprobs(
         logits,
         labels,
@@ -264,14 +275,19 @@ def _to_device(mb: Microbatch, device: torch.device) -> Microbatch:
     return dataclasses.replace(mb, **moved)
 
 
-def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = None) -> dict[str, object]:
+def model_inputs(mb: Microbatch, *, device: torch.device | None = None) -> dict[str, object]:
     """``GPTModel.forward`` arguments for a (host) microbatch, on ``device`` (default: the
-    microbatch's). The mask is built on the host: ``Microbatch.attention_mask`` makes CPU tensors.
+    microbatch's).
 
     Padded rows: plain causal attention (``attention_mask=None``); right padding sits after every
-    real token, so no real token attends to it. Packed rows: ``PackedSeqParams`` when ``thd``
-    (Transformer Engine), else the block-diagonal causal mask (see the module docstring).
+    real token, so no real token attends to it. Packed rows: ``PackedSeqParams`` (``thd``) with
+    the segment starts ``cu_seqlens`` (the tail padding is a segment of its own) and no mask; the
+    attention keeps each segment to itself (see the module docstring).
     """
+    from megatron.core.packed_seq_params import (
+        PackedSeqParams,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
+
     device = device or mb.tokens.device
     inputs: dict[str, object] = {
         "input_ids": mb.tokens.to(device),
@@ -280,19 +296,12 @@ def model_inputs(mb: Microbatch, *, thd: bool, device: torch.device | None = Non
     }
     if mb.layout != "packed":
         return inputs
-    if thd:
-        from megatron.core.packed_seq_params import (
-            PackedSeqParams,  # lazy: megatron-core takes seconds to import; only this path needs it
-        )
-
-        starts = mb.packed_cu_seqlens()
-        cu = starts.to(device, torch.int32)
-        longest = int((starts[1:] - starts[:-1]).max())
-        inputs["packed_seq_params"] = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
-        )
-    else:
-        inputs["attention_mask"] = mb.attention_mask().to(device)
+    starts = mb.packed_cu_seqlens()
+    cu = starts.to(device, torch.int32)
+    longest = int((starts[1:] - starts[:-1]).max())
+    inputs["packed_seq_params"] = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
     return inputs
 
 
@@ -300,7 +309,7 @@ def _forward_step(
     ctx: StepContext, loss_fn: LossFn, data_iterator: Iterator[Microbatch], model: MegatronModule
 ) -> tuple[torch.Tensor, LossClosure]:
     mb = next(data_iterator)
-    kwargs = model_inputs(mb, thd=ctx.thd, device=ctx.device)
+    kwargs = model_inputs(mb, device=ctx.device)
     if ctx.fp32_output is not None:
         kwargs["fp32_output"] = ctx.fp32_output
     return model(**kwargs), partial(loss_fn, ctx, _to_device(mb, ctx.device))

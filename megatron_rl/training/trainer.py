@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,13 +41,13 @@ from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metri
 from megatron_rl.batching.collate import Microbatch, build_microbatches, collate
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
-from megatron_rl.hf.arch import load_hf_config, padded_vocab_size
+from megatron_rl.hf.arch import load_hf_config, moe_settings, padded_vocab_size
 from megatron_rl.hf.files import HFWeights, write_hf_folder
 from megatron_rl.hf.layout import HFConverter
 from megatron_rl.training.checkpoint import NonFiniteError, load_checkpoint, save_checkpoint
 from megatron_rl.training.chunks import iter_model_hf, load_hf_into_chunk
 from megatron_rl.training.config import TrainerConfig
-from megatron_rl.training.model import build_gpt_model, have_transformer_engine, transformer_config_from_hf
+from megatron_rl.training.model import build_gpt_model, transformer_config_from_hf
 from megatron_rl.training.parallel import destroy_parallel, init_parallel, process_groups
 from megatron_rl.training.steps import (
     LossMode,
@@ -175,9 +174,18 @@ class PolicyTrainer:
                 "kl_coef: a KL term needs a reference model, which the trainer does not build; use kl_coef 0"
             )
         self.cfg, self.grpo, self.batching = cfg, grpo, batching
+        hf = load_hf_config(hf_config)
+        p = cfg.parallel
+        if p.tensor_parallel > 1 and not p.sequence_parallel and moe_settings(hf) is not None:
+            # Megatron's MoE layer refuses it at the first training step; say so before building.
+            raise ValueError(
+                "trainer.parallel.tensor_parallel: Megatron trains an MoE model at "
+                f"tensor_parallel={p.tensor_parallel} only with sequence_parallel: true, which needs "
+                "Transformer Engine; without it train the MoE at tensor_parallel 1 (conversion and "
+                "generation work at any layout)"
+            )
         self._owns_parallel = _ensure_parallel(cfg)
         self.pgs = process_groups()
-        hf = load_hf_config(hf_config)
         self.hf_config = hf  # the architecture (weight names and shapes of hf_tensors)
         self.vocab_size = int(vocab_size or hf.vocab_size)
         self.params_dtype = cfg.params_dtype()
@@ -190,14 +198,6 @@ class PolicyTrainer:
             torch.set_num_threads(cfg.cpu_threads)  # process-wide: this rank's torch threads
         p = cfg.parallel
         self._uniform_shapes = bool(p.virtual_pipeline) and p.pipeline_parallel == 2
-        if batching.layout == "packed" and not have_transformer_engine() and batching.token_budget > 4096:
-            warnings.warn(
-                f"batching: packed rows of up to {batching.token_budget} tokens without "
-                "Transformer Engine attend through a dense [T, T] mask per row (O(T^2) "
-                "time and memory); on CPU prefer layout 'padded' or a token_budget of a "
-                "few thousand",
-                stacklevel=2,
-            )
         self.model = self._build_model(hf)
         self.optimizer, self.scheduler = self._build_optimizer()
         self.model[0].config.grad_scale_func = self.optimizer.scale_loss
@@ -220,9 +220,6 @@ class PolicyTrainer:
         p = self.cfg.parallel
         overrides: dict[str, object] = dict(
             calculate_per_token_loss=True,  # loss used as returned; DDP sums (see steps.py)
-            # The fused causal softmax kernel ignores a given mask; packed rows need the mask
-            # (local spec). Transformer Engine's attention does not use this softmax at all.
-            masked_softmax_fusion=False,
         )
         if self.cfg.recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -422,7 +419,7 @@ class PolicyTrainer:
         """Write the current weights as an HF folder ``out`` (config and tokenizer files from
         the HF folder ``like``), atomically; collective over the model-parallel ranks of the
         first data-parallel replica (call it on every rank). Returns ``out`` on rank 0."""
-        if self.pgs.dp.rank() != 0:
+        if self.pgs.expt_dp.rank() != 0:  # = dp rank without EP; EP peers join the expert gathers
             return None
         tensors = iter_model_hf(self.chunks, self.hf_converter(like))
         if dist.get_rank() != 0:
@@ -487,10 +484,10 @@ class PolicyTrainer:
             return self._skip(metrics, bad_loss, bad_norm, norm, time.perf_counter() - start)
         self._nonfinite_in_a_row = 0
         self.scheduler.step(1)  # the lr of this step (warm-up counts from step 1)
-        ok, grad_norm, _ = self.optimizer.step()
+        ok = self._clip_and_step(norm)
         elapsed = time.perf_counter() - start
         metrics.update(
-            grad_norm=float(grad_norm),
+            grad_norm=norm,
             lr=self.lr,
             update_successful=float(ok),
             step_time_s=elapsed,
@@ -503,11 +500,10 @@ class PolicyTrainer:
 
     def _nonfinite(self, loss: float) -> tuple[bool, bool, float]:
         """Whether the minibatch loss and the gradient norm are non-finite on any rank (agreed by
-        one MAX all-reduce over the world, so that no rank steps while another skips), and this
-        rank's gradient norm. The loss is already the same on every rank; the norm is computed
-        here, before ``optimizer.step()`` computes it again, because the step clips and updates
-        right after computing it. ``prepare_grads`` points the optimizer's main params at the
-        reduced grads; ``step()`` repeats that harmlessly (no grad scaler: bf16 and fp32 only)."""
+        one MAX all-reduce over the world, so that no rank steps while another skips), and the
+        gradient norm (before clipping), computed here once per step: :meth:`_clip_and_step`
+        clips with it. ``prepare_grads`` points the optimizer's main params at the reduced grads
+        (no grad scaler: bf16 and fp32 only, so it never reports an overflow)."""
         self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
         flags = torch.tensor(
@@ -516,6 +512,28 @@ class PolicyTrainer:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad_loss, bad_norm = (bool(f) for f in flags.tolist())
         return bad_loss, bad_norm, norm
+
+    def _clip_and_step(self, norm: float) -> bool:
+        """Clip the prepared main grads to ``clip_grad`` by the total ``norm`` of
+        :meth:`_nonfinite` and step: what ``optimizer.step()`` does after its own
+        ``prepare_grads`` and norm, without computing either again. Returns whether the update
+        was applied (Megatron's ``step_with_ready_grads``)."""
+        from megatron.core.optimizer import (
+            clip_grads,  # lazy: megatron-core takes seconds to import; only this path needs it
+        )
+
+        # A ChainedOptimizer clips each of its optimizers by the norm over all of them.
+        for opt in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+            params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+            if params and opt.config.clip_grad > 0.0:
+                # Looked up at call time: cpu_compat may have wrapped the module's function.
+                clip_grads.clip_grad_by_total_norm_fp32(
+                    params,
+                    max_norm=opt.config.clip_grad,
+                    total_norm=norm,
+                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+        return bool(self.optimizer.step_with_ready_grads())
 
     def _skip(
         self, metrics: dict[str, float], bad_loss: bool, bad_norm: bool, norm: float, elapsed: float
@@ -664,7 +682,6 @@ class PolicyTrainer:
             chunk_size=g.logprob_chunk_size or None,
             eps_low=g.eps_low,
             eps_high=g.eps_high,
-            thd=have_transformer_engine(),
             # Keep bf16 logits: token_logprobs upcasts chunk by chunk, never the whole tensor.
             fp32_output=False if self.params_dtype == torch.bfloat16 else None,
         )

@@ -493,7 +493,9 @@ def _sync_group() -> dist.ProcessGroup | None:
         )
 
         if ps.model_parallel_is_initialized():
-            g = ps.get_model_parallel_group()
+            # TP x EP x PP: the model-parallel group without EP; with it, also the EP peers
+            # that take part in the expert gathers.
+            g = ps.get_expert_tensor_model_pipeline_parallel_group()
             return g if dist.get_world_size(g) > 1 else None
     except ImportError:
         pass

@@ -6,6 +6,7 @@ megatron_rl.convert`` (the same parser that ``megatron-rl convert`` mounts)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import transformers
 
+from megatron_rl.hf.files import HFWeights
 from tests.convert.test_checkpoint import assert_same_weights
 from tests.hf.test_layout import hf_model
 
@@ -42,7 +44,7 @@ def test_cli_hf_to_mcore_at_tp2_and_back(tmp_path):
     src = tmp_path / "hf"
     hf_model("qwen2").save_pretrained(src, max_shard_size="200KB")
     tokenizer = tiny_tokenizer(src)
-    run(
+    proc = run(
         "tools/convert_checkpoint.py",
         "hf-to-mcore",
         "--hf",
@@ -55,7 +57,12 @@ def test_cli_hf_to_mcore_at_tp2_and_back(tmp_path):
     meta = json.loads((tmp_path / "mcore" / "megatron_rl_model.json").read_text())
     assert meta["written_at"] == {"tensor_parallel": 2, "pipeline_parallel": 1}
     assert "tokenizer.json" in meta["side_files"]
-    run(
+    # The one-line summary: 2 layers x 7 tensors (q/k/v biases fused) + embedding, norm, output.
+    assert re.fullmatch(
+        rf"megatron-rl convert: wrote 17 tensors, 0\.00\d+ GB, in [\d.]+ s to {tmp_path / 'mcore'} .*",
+        proc.stderr.strip().splitlines()[-1],
+    ), proc.stderr[-500:]
+    proc = run(
         "-m",
         "megatron_rl.convert",
         "mcore-to-hf",
@@ -67,6 +74,8 @@ def test_cli_hf_to_mcore_at_tp2_and_back(tmp_path):
         "200KB",
     )
     assert_same_weights(src, tmp_path / "back")
+    tensors = len(HFWeights(src))  # 2 layers x 12 + embedding, norm, lm_head
+    assert f"megatron-rl convert: wrote {tensors} tensors, " in proc.stderr.strip().splitlines()[-1]
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes(), name
     # (AutoTokenizer would pick Qwen2's tokenizer class from config.json for this toy vocab.)

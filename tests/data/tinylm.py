@@ -1,11 +1,13 @@
-"""A tiny character-level tokenizer with a chat template, and tiny Llama models saved with
-``save_pretrained`` (nothing downloaded), for the curation and evaluation tests.
+"""A tiny character-level tokenizer with a chat template, and tiny Llama (or Qwen3, Qwen3-MoE)
+models saved with ``save_pretrained`` (nothing downloaded), for the curation, evaluation and
+end-to-end training tests.
 
-:func:`answering_model` sets a one-layer Llama's weights by hand so that it is a *bigram* model
+:func:`answering_model` sets a one-layer model's weights by hand so that it is a *bigram* model
 that writes ``<think>hm</think>\\boxed{4}`` (probability ``p_four``) or ``...\\boxed{5}`` after the
 generation prompt, then EOS: the attention and MLP outputs are zero (``o_proj``, ``down_proj``),
 the embedding is a scaled one-hot code, so the last hidden state is the current token's code and
-``lm_head`` is a transition table. It runs through the real engine, chat template and verifiers
+``lm_head`` is a transition table (in every family: Qwen3's q/k norms act inside attention, whose
+output projection is zero, and each Qwen3-MoE expert's ``down_proj`` is zero). It runs through the real engine, chat template and verifiers
 like any checkpoint, and gets a known share of answers right.
 """
 
@@ -51,8 +53,22 @@ def make_tokenizer(folder: str | Path | None = None) -> transformers.PreTrainedT
     return fast
 
 
-def _config(vocab: int, hidden: int, eos: int) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
+#: family -> (config class, what it adds to the shared tiny shape)
+FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
+    "llama": (transformers.LlamaConfig, {}),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=16)),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True
+        ),
+    ),
+}
+
+
+def _config(vocab: int, hidden: int, eos: int, family: str = "llama") -> transformers.PretrainedConfig:
+    cls, extra = FAMILIES[family]
+    return cls(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=32,
@@ -64,32 +80,37 @@ def _config(vocab: int, hidden: int, eos: int) -> transformers.LlamaConfig:
         bos_token_id=None,
         pad_token_id=None,
         tie_word_embeddings=False,
+        **extra,
     )
 
 
-def random_model(folder: str | Path, seed: int = 0) -> transformers.PreTrainedTokenizerFast:
-    """A random one-layer Llama and the tokenizer, both saved in ``folder``."""
+def random_model(
+    folder: str | Path, seed: int = 0, family: str = "llama"
+) -> transformers.PreTrainedTokenizerFast:
+    """A random one-layer model of ``family`` and the tokenizer, both saved in ``folder``."""
     tok = make_tokenizer()
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(len(tok), 64, tok.eos_token_id))
+    model = transformers.AutoModelForCausalLM.from_config(_config(len(tok), 64, tok.eos_token_id, family))
     model.float().save_pretrained(folder)
     tok.save_pretrained(folder)
     return tok
 
 
 def answering_model(
-    folder: str | Path, p_four: float = 0.75, logit: float = 30.0
+    folder: str | Path, p_four: float = 0.75, logit: float = 30.0, family: str = "llama"
 ) -> transformers.PreTrainedTokenizerFast:
-    """The bigram model of the module docstring and its tokenizer, saved in ``folder``."""
+    """The bigram model of the module docstring (one layer of ``family``) and its tokenizer,
+    saved in ``folder``."""
     tok = make_tokenizer()
     vocab = len(tok)
     hidden = 1 << (vocab - 1).bit_length()  # >= vocab: room for a one-hot code per token
-    model = transformers.AutoModelForCausalLM.from_config(_config(vocab, hidden, tok.eos_token_id))
+    model = transformers.AutoModelForCausalLM.from_config(_config(vocab, hidden, tok.eos_token_id, family))
     ids = tok.convert_tokens_to_ids
     chain = ["<|assistant|>", "<think>", "h", "m", "</think>", "\\", "b", "o", "x", "e", "d", "{"]
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            # (transformers 5 holds a MoE layer's experts as one 3-D ``experts.down_proj``)
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 p.zero_()  # the layer adds nothing: the last hidden state is the token's embedding
         emb = model.model.embed_tokens.weight
         emb.zero_()

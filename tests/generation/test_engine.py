@@ -24,13 +24,34 @@ _COMMON = dict(
     pad_token_id=None,
 )
 
-# name -> (config class, extra config, randomise biases, save shard size)
+# name -> (config class, extra config, parameters to randomise by name suffix, save shard size)
 _MODELS = {
     # head_dim 24 != 64 / 4: the projections are not square, the rope width follows head_dim.
-    "llama": (transformers.LlamaConfig, dict(head_dim=24, rope_theta=500000.0), False, "40KB"),
-    "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True), False, None),
-    "qwen2": (transformers.Qwen2Config, dict(rope_theta=1000000.0, tie_word_embeddings=False), True, None),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=None), False, None),
+    "llama": (transformers.LlamaConfig, dict(head_dim=24, rope_theta=500000.0), (), "40KB"),
+    "llama_tied": (transformers.LlamaConfig, dict(tie_word_embeddings=True), (), None),
+    "qwen2": (
+        transformers.Qwen2Config,
+        dict(rope_theta=1000000.0, tie_word_embeddings=False),
+        (".bias",),
+        None,
+    ),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None), (), None),
+    # q/k norms (HF initialises them to ones) randomised; head_dim 32 != 64 / 4.
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False), ("norm.weight",), None),
+    # 4 experts, 2 per token, renormalised (as the released models): routing decides the logits.
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+        ("norm.weight", "gate.weight"),
+        None,
+    ),
 }
 
 
@@ -38,15 +59,15 @@ _MODELS = {
 def hf_models(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
     """name -> (saved folder, the transformers model), built once per module."""
     out = {}
-    for i, (name, (cls, extra, biases, shard)) in enumerate(_MODELS.items()):
+    for i, (name, (cls, extra, randomise, shard)) in enumerate(_MODELS.items()):
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_config(cls(**_COMMON, **extra))
         model = model.float().eval()
-        if biases:  # HF initialises biases to zero, which would not exercise them
-            with torch.no_grad():
-                for n, p in model.named_parameters():
-                    if n.endswith(".bias"):
-                        p.normal_(0.0, 0.5)
+        # HF initialises biases to zero and norms to one, which would not exercise them.
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(randomise):
+                    p.normal_(1.0 if "norm" in n else 0.0, 0.5)
         folder = tmp_path_factory.mktemp(name)
         model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
         out[name] = (str(folder), model)
@@ -81,13 +102,44 @@ def test_logits_match_transformers(hf_models, name):
     torch.testing.assert_close(model.full_logits(ids), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_sampled_logprobs_match_transformers(hf_models, name):
+    # What the engine reports for the tokens it sampled is what transformers gives those tokens.
+    folder, hf = hf_models[name]
+    engine = _engine(folder)
+    prompt = _prompt(6, 30)
+    engine.add_request("r", prompt, max_new_tokens=10, temperature=1.0, seed=3)
+    out = _run(engine)["r"]
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert len(out.token_ids) == 10
+    torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_moe_weights_are_the_files_per_expert_names(hf_models):
+    # transformers 5 fuses the experts in memory; the engine (like SGLang and the converter)
+    # uses the per-expert names of the safetensors files.
+    from megatron_rl.hf.files import HFWeights
+
+    folder, _ = hf_models["qwen3_moe"]
+    names = set(Decoder.from_pretrained(folder).named_weights())
+    files = HFWeights(folder)
+    try:
+        assert names == set(files)
+    finally:
+        files.close()
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert "model.layers.0.self_attn.q_norm.weight" in names
+
+
 def test_sharded_folder_was_sharded(hf_models):
     import os
 
     assert "model.safetensors.index.json" in os.listdir(hf_models["llama"][0])
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3"])
 def test_load_state_dict_takes_transformers_tensors(hf_models, name):
     folder, hf = hf_models[name]
     model = Decoder.from_pretrained(folder)
@@ -119,7 +171,7 @@ def test_named_weights_are_live(hf_models):
     assert not torch.allclose(model.full_logits(ids), before)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe"])
 def test_greedy_matches_generate(hf_models, name):
     folder, hf = hf_models[name]
     prompt = _prompt(9, 3)
@@ -325,3 +377,27 @@ def test_counts_capacity_and_validation(hf_models):
         engine.add_request("d", [1], max_new_tokens=1, top_p=0.0)
     with pytest.raises(ValueError, match="max_slots"):
         EngineConfig(max_slots=0)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("mlp_only_layers", [0]),
+        ("num_experts_per_tok", 9),
+        ("moe_intermediate_size", 0),
+        ("num_experts", None),
+    ],
+)
+def test_moe_configs_the_engine_cannot_run_are_refused_by_field(hf_models, field, value):
+    import json
+    from pathlib import Path
+
+    from megatron_rl.generation.engine.model import DecoderConfig
+
+    cfg = json.loads((Path(hf_models["qwen3_moe"][0]) / "config.json").read_text())
+    DecoderConfig.from_hf(cfg)  # as saved: fine
+    cfg = {k: v for k, v in cfg.items() if k != "num_local_experts"} | {field: value}
+    if field != "num_experts":
+        cfg["num_experts"] = 4
+    with pytest.raises(ValueError, match=field):
+        DecoderConfig.from_hf(cfg)

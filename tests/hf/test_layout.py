@@ -41,12 +41,25 @@ FAMILIES = {
         dict(head_dim=32, sliding_window=None, tie_word_embeddings=False),
     ),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=False)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),  # q/k norms
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,  # 4 experts, top 2, renormalised, as the released models
+        dict(
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
 def hf_model(family: str, seed: int = 0, **overrides):
-    """A random HF model whose biases and norms are random too (HF initialises them to 0 / 1);
-    ``overrides`` change the config (e.g. ``num_hidden_layers``)."""
+    """A random HF model whose biases and norms are random too (HF initialises them to 0 / 1),
+    and whose MoE routers are far from uniform; ``overrides`` change the config (e.g.
+    ``num_hidden_layers``)."""
     cls, extra = FAMILIES[family]
     config = cls(**{**TINY, **extra, **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)
@@ -55,7 +68,17 @@ def hf_model(family: str, seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.normal_(1.0 if "norm" in name else 0.0, 0.3)
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
     return model
+
+
+def hf_state(model) -> dict[str, torch.Tensor]:
+    """The model's tensors by the names its safetensors files use (transformers >= 5 fuses MoE
+    experts into 3-D parameters in memory and splits them again on save; this does the same)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, model.state_dict())
 
 
 def test_qkv_and_fc1_layout_by_hand():
@@ -115,7 +138,7 @@ def test_qkv_and_fc1_layout_by_hand():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_round_trip_and_shapes(family):
     model = hf_model(family)
-    hf = model.state_dict()
+    hf = hf_state(model)
     conv = HFConverter.for_config(model.config)
     mcore = conv.hf_to_mcore(hf)
     assert {n: tuple(t.shape) for n, t in mcore.items()} == conv.expected_mcore_shapes()
@@ -194,11 +217,12 @@ def test_names_and_pipeline_offsets():
                 ) == get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=r), (layers, pp, r, v)
 
 
-def test_tp_layout_agrees_with_megatron_parameters(single_rank):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_tp_layout_agrees_with_megatron_parameters(single_rank, family):
     from megatron_rl.training.model import build_gpt_model
     from megatron_rl.training.parallel import ParallelConfig
 
-    model = build_gpt_model(hf_model("qwen2").config, ParallelConfig())
+    model = build_gpt_model(hf_model(family).config, ParallelConfig())
     seen = set()
     for name, p in model.named_parameters():
         split = tp_split(name)
@@ -210,7 +234,7 @@ def test_tp_layout_agrees_with_megatron_parameters(single_rank):
             assert p.partition_dim == (1 if split is TPSplit.ROW else 0), name
     assert seen == set(TPSplit)
     names = chunk_global_names(model)
-    assert sorted(names.values()) == sorted(HFConverter.for_config(hf_model("qwen2").config).mcore_names())
+    assert sorted(names.values()) == sorted(HFConverter.for_config(hf_model(family).config).mcore_names())
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -221,7 +245,7 @@ def test_forward_matches_transformers_at_tp1(single_rank, family):
     reference = hf_model(family)
     conv = HFConverter.for_config(reference.config)
     model = build_gpt_model(reference.config, ParallelConfig())
-    hf = reference.state_dict()
+    hf = hf_state(reference)
     assert load_hf_into_chunk(model, conv, hf, tp_rank=0, tp_size=1) == len(list(model.parameters()))
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -232,3 +256,45 @@ def test_forward_matches_transformers_at_tp1(single_rank, family):
     back = dict(chunk_to_hf(model, conv))
     assert set(back) == set(conv.hf_names())
     assert all(torch.equal(back[n], hf[n]) for n in back)
+
+
+def test_qwen3_moe_names_and_mismatches_by_field():
+    conv = HFConverter.for_config(hf_model("qwen3_moe").config)
+    assert conv.hf_sources("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == (
+        "model.layers.1.mlp.experts.3.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+    )
+    assert conv.hf_sources("decoder.layers.0.mlp.router.weight") == ("model.layers.0.mlp.gate.weight",)
+    assert conv.hf_sources("decoder.layers.0.self_attention.k_layernorm.weight") == (
+        "model.layers.0.self_attn.k_norm.weight",
+    )
+    assert tp_split("decoder.layers.0.mlp.router.weight") is TPSplit.REPLICATED
+    assert tp_split("decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight") is TPSplit.SWIGLU
+    assert tp_split("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight") is TPSplit.ROW
+    assert tp_split("decoder.layers.0.self_attention.q_layernorm.weight") is TPSplit.REPLICATED
+    shapes = {n: t.shape for n, t in hf_state(hf_model("qwen3_moe")).items()}
+    with pytest.raises(WeightsMismatchError, match="num_experts") as err:
+        HFConverter.for_config(hf_model("qwen3_moe", num_experts=8).config).check_hf_weights(shapes)
+    assert err.value.field == "num_experts"
+    with pytest.raises(WeightsMismatchError, match="moe_intermediate_size"):
+        HFConverter.for_config(hf_model("qwen3_moe", moe_intermediate_size=16).config).check_hf_weights(
+            shapes
+        )
+    with pytest.raises(WeightsMismatchError, match="head_dim"):
+        HFConverter.for_config(hf_model("qwen3", head_dim=16).config).check_hf_weights(
+            {n: t.shape for n, t in hf_state(hf_model("qwen3")).items()}
+        )
+    # Dense Qwen3 weights under the MoE config: the experts are missing, named as such.
+    with pytest.raises(WeightsMismatchError, match="num_experts"):
+        conv.check_hf_weights({n: t.shape for n, t in hf_state(hf_model("qwen3")).items()})
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("mlp_only_layers", [1]), ("decoder_sparse_step", 2), ("num_experts_per_tok", 5)],
+)
+def test_moe_structures_we_cannot_build_are_refused_by_field(field, value):
+    config = hf_model("qwen3_moe").config
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=field):
+        HFConverter.for_config(config)

@@ -100,15 +100,16 @@ def test_loss_closures_equal_the_pure_functions_on_real_vocabulary_logits():
 def test_model_inputs_per_layout():
     seqs = _sequences(3)
     packed = collate(seqs, [0, 1, 2], layout="packed", pad_to_multiple=8)
-    inputs = model_inputs(packed, thd=False)
-    assert torch.equal(inputs["attention_mask"], packed.attention_mask())
-    thd = model_inputs(packed, thd=True)["packed_seq_params"]
+    inputs = model_inputs(packed)
+    assert inputs["attention_mask"] is None  # no dense [T, T] mask: the segments travel as cu_seqlens
+    thd = inputs["packed_seq_params"]
     assert thd.qkv_format == "thd" and thd.cu_seqlens_q.dtype == torch.int32
     assert torch.equal(thd.cu_seqlens_q, packed.cu_seqlens) and thd.cu_seqlens_kv is thd.cu_seqlens_q
     assert thd.max_seqlen_q == max(
         max(s.length for s in seqs), packed.tokens.shape[1] - sum(s.length for s in seqs)
     )
-    assert model_inputs(collate(seqs, [0, 1, 2], layout="padded"), thd=True)["attention_mask"] is None
+    padded = model_inputs(collate(seqs, [0, 1, 2], layout="padded"))
+    assert padded["attention_mask"] is None and "packed_seq_params" not in padded
 
 
 def test_build_sft_batch_weights_answer_tokens_only():

@@ -333,5 +333,8 @@ def test_bench_train_step_runs_both_layouts_from_the_same_weights():
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "TP=2 / TP=1 step time" in proc.stdout
     assert figures["tokens_per_s"] > 0 and figures["tp2_over_tp1_step_time"] > 0
+    # The plain PyTorch/HF baseline starts from the trainer's weights: the same first step.
+    assert figures["plain_torch_tokens_per_s"] > 0 and figures["trainer_over_plain_torch"] > 0
+    assert figures["plain_torch_first_step_match"] is True
     # CPU initialisation does not depend on TP: the two layouts' first steps are the same step.
     assert figures["tp1_tp2_first_step_match"] is True

@@ -1,11 +1,14 @@
-"""A plain-PyTorch decoder (Llama / Mistral / Qwen2) with HF parameter names and a per-slot KV cache.
+"""A plain-PyTorch decoder (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) with HF parameter names and
+a per-slot KV cache.
 
 The built-in engine's model. It computes what transformers' ``LlamaForCausalLM``,
-``MistralForCausalLM`` and ``Qwen2ForCausalLM`` compute (RMSNorm, SwiGLU MLP, rotary embeddings
-with the config's ``rope_theta`` and ``head_dim``, grouped-query attention, tied or untied
-embeddings, Qwen2's q/k/v biases), in fp32, and its parameters carry exactly the names
-transformers saves, so that a weight broadcast can assign HF-named tensors in place through
-:meth:`Decoder.named_weights`.
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``Qwen3MoeForCausalLM``
+compute (RMSNorm, SwiGLU MLP, rotary embeddings with the config's ``rope_theta`` and ``head_dim``,
+grouped-query attention, tied or untied embeddings, Qwen2's q/k/v biases, Qwen3's per-head q/k
+RMSNorm before RoPE, Qwen3-MoE's softmax top-k router over SwiGLU experts), in fp32, and its
+parameters carry exactly the names transformers saves (per-expert ``mlp.experts.e.gate_proj``, as
+in the files, not transformers 5's fused in-memory experts), so that a weight broadcast can assign
+HF-named tensors in place through :meth:`Decoder.named_weights`.
 
 The KV cache (:class:`KVCache`) is contiguous: ``[layers, slots, kv_heads, max_len, head_dim]``.
 A *slot* holds one running sequence; ``lengths[slot]`` is how many of its positions are valid.
@@ -35,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_rl.hf.arch import MOE_MODEL_TYPES, QK_NORM_MODEL_TYPES, moe_settings
 from megatron_rl.hf.files import HFWeights
 
 if TYPE_CHECKING:
@@ -42,14 +46,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Decoder", "DecoderConfig", "KVCache"]
 
-_SUPPORTED = ("llama", "mistral", "qwen2")
+_SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(kw_only=True)
 class DecoderConfig:
-    """The shape of a Llama / Mistral / Qwen2 decoder, read from an HF ``config.json``."""
+    """The shape of a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE decoder, read from an HF
+    ``config.json``."""
 
-    model_type: str  # one of llama, mistral, qwen2
+    model_type: str  # one of llama, mistral, qwen2, qwen3, qwen3_moe
     vocab_size: int  # rows of the embedding and of the output head
     hidden_size: int  # residual-stream width
     intermediate_size: int  # SwiGLU inner width
@@ -63,6 +68,11 @@ class DecoderConfig:
     qkv_bias: bool = False  # q/k/v projections have biases (Qwen2; Llama with attention_bias)
     o_bias: bool = False  # output projection has a bias (Llama with attention_bias only)
     mlp_bias: bool = False  # MLP projections have biases (Llama mlp_bias)
+    qk_norm: bool = False  # RMSNorm over each query / key head before RoPE (Qwen3)
+    num_experts: int = 0  # experts per MoE layer (Qwen3-MoE); 0: a dense MLP
+    num_experts_per_tok: int = 0  # experts each token goes to (top-k)
+    moe_intermediate_size: int = 0  # one expert's SwiGLU inner width
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     sliding_window: int | None = None  # Mistral/Qwen2 window; sequences must fit inside it
     eos_token_ids: tuple[int, ...] = ()  # from config.json, for the engine's default stop set
 
@@ -86,6 +96,18 @@ class DecoderConfig:
             )
         if self.rope_theta <= 0:
             raise ValueError(f"rope_theta: must be > 0, got {self.rope_theta}")
+        if (self.model_type in MOE_MODEL_TYPES) != (self.num_experts > 0):
+            raise ValueError(
+                f"num_experts: {self.model_type} needs num_experts >= 1 exactly when it is an MoE "
+                f"family, got {self.num_experts}"
+            )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok: must be in [1, num_experts={self.num_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size: must be >= 1, got {self.moe_intermediate_size}")
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, JsonValue]) -> DecoderConfig:
@@ -108,10 +130,11 @@ class DecoderConfig:
         qwen = model_type == "qwen2"
         attention_bias = bool(cfg.get("attention_bias", False))
         window = cfg.get("sliding_window")
-        if qwen and not cfg.get("use_sliding_window", False):
-            window = None
+        if model_type.startswith("qwen") and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen configs carry a window that applies only with use_sliding_window
         eos = cfg.get("eos_token_id")
         eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+        moe = moe_settings(cfg)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -129,6 +152,11 @@ class DecoderConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=window,
             eos_token_ids=eos_ids,
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
+            num_experts=moe.num_experts if moe else 0,
+            num_experts_per_tok=moe.top_k if moe else 0,
+            moe_intermediate_size=moe.ffn if moe else 0,
+            norm_topk_prob=moe.norm_topk_prob if moe else False,
         )
 
 
@@ -210,12 +238,15 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q_out, cfg.hidden_size, bias=cfg.o_bias)
+        # Qwen3: one RMSNorm of width head_dim, shared by the heads, on q and k before RoPE.
+        self.q_norm = _RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = _RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
 
 class _MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None):
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
@@ -224,13 +255,42 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _MoE(nn.Module):
+    """Qwen3-MoE's sparse block: ``gate`` (the router, ``[E, hidden]``) and ``experts.e``."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(_MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., hidden]`` -> the weighted sum of each token's top-k experts, same shape.
+
+        As transformers: softmax over all experts in fp32, top-k of those probabilities, divided
+        by their sum with ``norm_topk_prob``; each expert runs once on the tokens routed to it.
+        """
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e in chosen.unique().tolist():
+            token, slot = torch.where(chosen == e)
+            expert = cast("_MLP", self.experts[e])
+            out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        return out.reshape(x.shape)
+
+
 class _Block(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = _Attention(cfg)
         self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = _MLP(cfg)
+        self.mlp: nn.Module = _MoE(cfg) if cfg.num_experts else _MLP(cfg)
 
 
 class _Backbone(nn.Module):
@@ -261,7 +321,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder(nn.Module):
-    """Llama / Mistral / Qwen2 causal LM over a :class:`KVCache`; parameters named as in HF."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE causal LM over a :class:`KVCache`; parameters
+    named as in HF's files."""
 
     inv_freq: torch.Tensor  # a buffer (register_buffer below), declared for the type checker
 
@@ -362,6 +423,8 @@ class Decoder(nn.Module):
         q = attn.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
         k = attn.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = attn.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if attn.q_norm is not None and attn.k_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
         q = q * at.cos + _rotate_half(q) * at.sin
         k = k * at.cos + _rotate_half(k) * at.sin
         # Scatter the new keys/values to (slot, position): [B, T, kv_heads, head_dim] lands on
