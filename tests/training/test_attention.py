@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_rl.algorithms.config import GRPOConfig
@@ -19,6 +18,7 @@ from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.training.attention import SegmentCausalAttention, segment_causal_attention
 from megatron_rl.training.config import OptimConfig, TrainerConfig
 from megatron_rl.types import TrainBatch, TrainSequence
+from tests.training.conftest import tiny_llama_config
 
 HEADS, GROUPS, HEAD_DIM = 8, 2, 16
 
@@ -154,16 +154,7 @@ VOCAB = 200
 
 
 def _hf():
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-    )
+    return tiny_llama_config(VOCAB, 512)
 
 
 def _sequences(lengths: list[int], seed: int = 0) -> list[TrainSequence]:

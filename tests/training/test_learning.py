@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.builder import build_train_batch
@@ -19,6 +18,7 @@ from megatron_rl.batching.sft import build_sft_batch
 from megatron_rl.training.config import OptimConfig, TrainerConfig
 from megatron_rl.training.trainer import PolicyTrainer
 from megatron_rl.types import Completion, Group, Prompt, ScoredCompletion
+from tests.training.conftest import tiny_llama_config
 
 VOCAB = 32  # real vocabulary (padded to 1024 by the model; the padded ids are never sampled)
 
@@ -35,16 +35,7 @@ def _one_thread():
 
 
 def _trainer(lr: float, seed: int) -> PolicyTrainer:
-    hf = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-    )
+    hf = tiny_llama_config(VOCAB, 64)
     torch.manual_seed(seed)  # CPU initialisation draws from the default generator
     return PolicyTrainer(
         hf,

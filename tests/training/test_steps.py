@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import transformers
 
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.algorithms.logprobs import naive_token_logprobs, token_logprobs
@@ -28,6 +27,7 @@ from megatron_rl.training.steps import (
     sft_loss_fn,
 )
 from megatron_rl.types import TrainBatch, TrainSequence
+from tests.training.conftest import tiny_llama_config
 
 VOCAB = 100  # padded to 1024 by the model
 
@@ -155,17 +155,7 @@ def test_auto_settings_resolve_for_this_machine():
 
 
 def _hf(tied: bool = False):
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=tied,
-    )
+    return tiny_llama_config(VOCAB, 128, tied=tied)
 
 
 def _trainer(optim: OptimConfig | None = None, tied: bool = False, recompute: bool = False):
