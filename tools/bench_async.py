@@ -727,7 +727,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="real tiny model, PolicyTrainer and WeightBroadcaster (slow on 2 cores)",
     )
-    ap.add_argument("--steps", type=int, help="training steps per loop mode (10; --real: 4)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        help="training steps per loop mode (12: the first async step fills the pipeline, a longer run weighs it less; --real: 4)",
+    )
     ap.add_argument(
         "--servers",
         type=int,
@@ -779,7 +783,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")
     args = ap.parse_args(argv)
     defaults = dict(
-        steps=(10, 4),
+        steps=(12, 4),
         slots=(32, 16),
         group_size=(8, 4),
         n_batch=(64, 16),
