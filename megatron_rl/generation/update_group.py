@@ -26,7 +26,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
-__all__ = ["broadcast", "destroy_update_group", "init_update_group"]
+__all__ = ["broadcast", "destroy_update_group", "init_update_group", "listen"]
 
 
 def init_update_group(
@@ -38,8 +38,13 @@ def init_update_group(
     world_size: int,
     group_name: str,
     timeout_s: float = 120.0,
+    listen_fd: int | None = None,
 ) -> dist.ProcessGroup:
-    """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined."""
+    """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined.
+
+    ``listen_fd`` (rank 0): a socket already listening on ``master_port`` (:func:`listen`), so
+    that the port the other ranks were told is held from the moment it was chosen; the store
+    takes it over. Without it rank 0 binds ``master_port`` here."""
     from torch.distributed.distributed_c10d import (  # lazy: private torch API, used only to build the group
         Backend,
         PrefixStore,
@@ -62,7 +67,11 @@ def init_update_group(
         is_master=rank == 0,
         timeout=timeout,
         wait_for_workers=False,
-        master_listen_fd=_listen_fd(master_address, int(master_port)) if rank == 0 else None,
+        master_listen_fd=(
+            (listen_fd if listen_fd is not None else listen(master_address, int(master_port))[0])
+            if rank == 0
+            else None
+        ),
     )
     store = PrefixStore(group_name, tcp_store)
     pg, _ = _new_process_group_helper(
@@ -81,11 +90,14 @@ def init_update_group(
     return pg
 
 
-def _listen_fd(host: str, port: int) -> int:
-    """A TCP socket listening on ``host:port`` only (its first address), as a bare descriptor.
+def listen(host: str, port: int) -> tuple[int, int]:
+    """A TCP socket listening on ``host:port`` only (its first address; port 0: one the system
+    picks), as a bare descriptor, and its port.
 
-    The store owns the descriptor from here on: its libuv server closes it when the store goes
-    (with the group), so the Python socket object lets go of it (``detach``) instead of closing.
+    The store owns the descriptor once it is given to :func:`init_update_group`: its libuv server
+    closes it when the store goes (with the group), so the Python socket object lets go of it
+    (``detach``) instead of closing. Binding first and telling the port after is what keeps two
+    groups on one host from picking the same free port (a pick, then a bind, races).
     """
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -96,10 +108,11 @@ def _listen_fd(host: str, port: int) -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(addr)
         sock.listen(socket.SOMAXCONN)
+        bound = int(sock.getsockname()[1])
     except OSError as e:
         sock.close()
         raise RuntimeError(f"master_address: cannot listen on {host}:{port}: {e}") from None
-    return sock.detach()
+    return sock.detach(), bound
 
 
 def destroy_update_group(group: dist.ProcessGroup) -> None:

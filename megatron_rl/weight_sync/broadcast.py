@@ -41,7 +41,7 @@ new one, on the next port, with the servers still alive.
 from __future__ import annotations
 
 import logging
-import socket
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -60,7 +60,7 @@ from megatron_rl.generation.engine.weights import (
     write_trailer,
 )
 from megatron_rl.generation.protocol import pack_bucket, tensor_digest, update_weights_payload
-from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
+from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group, listen
 from megatron_rl.weight_sync.stream import BucketPacker, LayoutChanged, bucket_spec
 
 if TYPE_CHECKING:
@@ -144,12 +144,11 @@ class WeightBroadcaster:
         return self._fleet
 
     def _rendezvous_port(self) -> int:
-        """The port of a new group: a free one on master_address when the recipe leaves it at 0;
-        else the recipe's, then the next after the last (the old store may still hold it)."""
+        """The port to bind for a new group: 0 (the system picks a free one, bound before the
+        servers are told it) when the recipe leaves it at 0; else the recipe's, then the next
+        after the last (the old store may still hold it)."""
         if self.cfg.master_port == 0:
-            with socket.socket() as sock:
-                sock.bind((self.cfg.master_address, 0))
-                return int(sock.getsockname()[1])
+            return 0
         return self.cfg.master_port if self.group is None and not self._members else self._port + 1
 
     # ------------------------------------------------------------------ group
@@ -158,17 +157,23 @@ class WeightBroadcaster:
         """Build the update group with every live server (rank 0 only; other ranks no-op)."""
         if self.rank != 0:
             return
-        self._port = self._rendezvous_port()
         self.fleet.refresh()
         self.fleet.update_urls = self.fleet.live_update_urls()
         if not self.fleet.update_urls:
             raise RuntimeError("weight sync: no live server to update")
-        futs = self.fleet.init_update_group_async(
-            master_address=self.cfg.master_address,
-            master_port=self._port,
-            group_name=self.cfg.group_name,
-            backend=self.cfg.backend,
-        )
+        # Listen first, then tell the servers the port: nothing else can take it in between.
+        fd, self._port = listen(self.cfg.master_address, self._rendezvous_port())
+        try:
+            futs = self.fleet.init_update_group_async(
+                master_address=self.cfg.master_address,
+                master_port=self._port,
+                group_name=self.cfg.group_name,
+                backend=self.cfg.backend,
+            )
+        except BaseException:
+            os.close(fd)  # not handed to a store yet: ours to close
+            raise
+        # From here the store owns the descriptor (and closes it), whether or not it comes up.
         self.group = init_update_group(
             backend=self.cfg.backend,
             master_address=self.cfg.master_address,
@@ -177,6 +182,7 @@ class WeightBroadcaster:
             world_size=self.fleet.update_world_size(),
             group_name=self.cfg.group_name,
             timeout_s=self.cfg.timeout_s,
+            listen_fd=fd,
         )
         for f in futs:
             f.result()

@@ -237,7 +237,7 @@ def test_the_client_with_the_key_works_end_to_end(server, hf_weights):
         bc = WeightBroadcaster(
             lambda: iter(new.items()),
             fleet,
-            WeightSyncConfig(backend="gloo", master_port=free_port(), bucket_mb=0.05, verify=True),
+            WeightSyncConfig(backend="gloo", bucket_mb=0.05, verify=True),
         )
         bc.connect()
         try:

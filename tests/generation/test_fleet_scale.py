@@ -20,7 +20,7 @@ from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
-from tests.generation.conftest import free_port, prompt
+from tests.generation.conftest import prompt
 
 pytestmark = pytest.mark.distributed  # a real server process and a real update group
 
@@ -75,9 +75,7 @@ def _request(i: int, max_new_tokens: int) -> GenRequest:
 @pytest.mark.fault("load")
 def test_a_weight_update_lands_while_over_a_thousand_generations_are_in_flight(server, trainer):
     fleet = FleetClient([server.url], api_key="scale-test-key")
-    bc = WeightBroadcaster(
-        trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo", master_port=free_port(), bucket_mb=0.05)
-    )
+    bc = WeightBroadcaster(trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo", bucket_mb=0.05))
     try:
         bc.connect()
         # Every request reaches the server before the update, each holding an open connection:

@@ -20,7 +20,7 @@ from megatron_rl.generation.engine import Engine, EngineConfig
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.types import TrainBatch, TrainSequence
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
-from tests.generation.conftest import free_port, prompt
+from tests.generation.conftest import prompt
 
 pytestmark = pytest.mark.distributed  # real processes and process groups
 
@@ -44,9 +44,7 @@ def trainer(single_rank, tiny_llama):
 def synced(trainer, server, tiny_llama):
     """The server joined to the trainer's update group (rank 0 = this process)."""
     fleet = FleetClient([server.url])
-    bc = WeightBroadcaster(
-        trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo", master_port=free_port(), bucket_mb=0.05)
-    )
+    bc = WeightBroadcaster(trainer.hf_tensors, fleet, WeightSyncConfig(backend="gloo", bucket_mb=0.05))
     bc.connect()
     yield fleet, bc
     bc.close()

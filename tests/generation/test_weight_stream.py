@@ -69,7 +69,7 @@ def _connect(fleet: FleetClient, tensors: dict[str, torch.Tensor], **cfg) -> Wei
     bc = WeightBroadcaster(
         lambda: iter(tensors.items()),
         fleet,
-        WeightSyncConfig(backend="gloo", master_port=free_port(), group_name=f"stream_{next(_names)}", **cfg),
+        WeightSyncConfig(backend="gloo", group_name=f"stream_{next(_names)}", **cfg),
     )
     bc.connect()
     return bc
@@ -293,9 +293,7 @@ def test_a_trainer_dying_mid_update_changes_nothing(fleet, server, hf, tiny_llam
     bc = WeightBroadcaster(
         lambda: iter(new.items()),
         fleet,
-        WeightSyncConfig(
-            backend="gloo", master_port=free_port(), group_name=group_name, bucket_mb=0.05, stream="on"
-        ),
+        WeightSyncConfig(backend="gloo", group_name=group_name, bucket_mb=0.05, stream="on"),
     )
     bc.connect()
     try:
@@ -358,7 +356,7 @@ def test_a_server_dying_mid_update_gives_the_trainer_an_error(tiny_llama, hf):
         bc = WeightBroadcaster(
             tensors,
             fleet,
-            WeightSyncConfig(backend="gloo", master_port=free_port(), bucket_mb=0.05, stream="on"),
+            WeightSyncConfig(backend="gloo", bucket_mb=0.05, stream="on"),
         )
         bc.connect()
         try:
@@ -388,7 +386,7 @@ def test_tensors_unlike_the_announced_layout_abort_the_stream_and_the_retry_send
     bc = WeightBroadcaster(
         tensors,
         fleet,
-        WeightSyncConfig(backend="gloo", master_port=free_port(), bucket_mb=0.05, stream="on"),
+        WeightSyncConfig(backend="gloo", bucket_mb=0.05, stream="on"),
     )
     bc.connect()
     try:
