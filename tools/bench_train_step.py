@@ -26,7 +26,9 @@ paths turn packed ``position_ids`` into a dense block-diagonal ``[T, T]`` mask. 
 warmed up, then timed in interleaved rounds (ours, theirs, ours, ...) so that load on shared cores
 hits both alike; medians are reported. The first step of both starts from the same weights, so
 their losses and gradient norms must agree (checked, reported). For our side the step splits into
-forward+backward (Megatron's schedule), optimizer (grad norm, clip, Adam) and other (collation,
+forward+backward (Megatron's schedule; the output layer runs only at completion positions, see
+``training/steps.py``, where the baseline computes logits at every position as HF's forward
+does), optimizer (grad norm, clip, Adam) and other (collation,
 grad-buffer zeroing, metric reduction), timed on the trainer's own methods.
 
 Tokens/s counts prompt + completion tokens of the minibatch. On a GPU, MFU = 6 * params *

@@ -3,7 +3,8 @@
 ``make_forward_step(ctx, mode)`` returns ``forward_step(data_iterator, model)``, which runs the
 model on the next :class:`~megatron_rl.batching.collate.Microbatch` and returns
 ``(output, partial(loss_fn, ctx, microbatch))``. On the last pipeline stage the schedule calls the
-closure with the vocab-parallel logits ``[R, S, V_pad / tp]``. Three modes:
+closure with the vocab-parallel logits ``[R, S, V_pad / tp]`` (``[1, N, V_pad / tp]`` at the
+microbatch's :class:`LogitPositions`, below). Three modes:
 
 - ``grpo``: taken-token log-probs (:func:`token_logprobs` over the TP group, never the full
   vocabulary), then :func:`grpo_loss` with the microbatch's per-token weights.
@@ -15,6 +16,17 @@ closure with the vocab-parallel logits ``[R, S, V_pad / tp]``. Three modes:
 Padded vocabulary: ids ``>= vocab_size`` exist only to make the output layer divide evenly; the
 generator never samples them, so their logits are set to -inf (on the shard that holds them)
 before any log-softmax. The trainer's distribution is then the generator's.
+
+Logits only where a loss or log-prob is read. A policy-gradient loss uses the log-prob of
+completion tokens only; prompt tokens (a third of the tokens in a typical RL batch, and the output
+layer plus its log-softmax are a third of a small model's FLOPs) need hidden states, not logits.
+``_forward_step`` therefore hands the output layer only the hidden states at the microbatch's
+:class:`LogitPositions` (``loss_mask | loss_weights != 0``, computed on the host, so no device
+sync) through a forward pre-hook, and the closure scatters the taken-token log-probs and
+entropies back into ``[R, S]`` (zeros elsewhere: every consumer masks those positions). The
+final norm is per token, so this is exact; it is skipped where the output layer's input is
+sequence-sharded (sequence parallelism gathers it inside the layer) or multi-token prediction
+reads the full hidden states.
 
 Normalisation is never computed here: the per-token ``loss_weights`` (``batching/weights.py``) sum
 to 1 over the global minibatch, so a microbatch's loss is a plain partial sum.
@@ -53,6 +65,7 @@ computed exactly as it is alone (or in a padded row), up to fp32 reordering.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -72,6 +85,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer.module import MegatronModule
 
 __all__ = [
+    "LogitPositions",
     "LossMode",
     "StepContext",
     "finalize_grads_summed",
@@ -99,7 +113,7 @@ class LogprobsOutput(TypedDict):
 #: A closure's result as the schedule takes it with ``calculate_per_token_loss``:
 #: ``(loss, loss tokens, metrics)`` (metric sums, or :class:`LogprobsOutput`).
 LossOutput: TypeAlias = "tuple[torch.Tensor, torch.Tensor, Mapping[str, object]]"
-LossFn: TypeAlias = "Callable[[StepContext, Microbatch, torch.Tensor], LossOutput]"
+LossFn: TypeAlias = "Callable[[StepContext, Microbatch, LogitPositions | None, torch.Tensor], LossOutput]"
 LossClosure: TypeAlias = "Callable[[torch.Tensor], LossOutput]"  # logits -> LossOutput
 #: ``forward_step(data_iterator, model) -> (output, loss closure over the logits)``.
 ForwardStep: TypeAlias = "Callable[[Iterator[Microbatch], MegatronModule], tuple[torch.Tensor, LossClosure]]"
@@ -129,6 +143,7 @@ class StepContext:
     eps_low: float = 0.2  # GRPO clip range [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
     fp32_output: bool | None = None  # Float16Module's fp32_output (False: keep bf16 logits)
+    select_positions: bool = True  # logits only at LogitPositions (see the module docstring)
 
 
 def mask_padded_vocab(
@@ -179,15 +194,88 @@ def taken_token_logprobs(
     )
 
 
+@dataclass(frozen=True)
+class LogitPositions:
+    """The ``(row, position)`` pairs of a microbatch whose logits a closure reads, in row-major
+    order, on the model's device."""
+
+    rows: torch.Tensor  # [N] int64
+    cols: torch.Tensor  # [N] int64
+
+    @staticmethod
+    def of(mb: Microbatch, device: torch.device) -> LogitPositions:
+        """Positions with a completion label or a nonzero loss weight (host computation)."""
+        rows, cols = (mb.loss_mask | (mb.loss_weights != 0)).nonzero(as_tuple=True)
+        return LogitPositions(rows.to(device, non_blocking=True), cols.to(device, non_blocking=True))
+
+    def scatter(self, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """``values`` ``[N]`` placed into zeros of ``shape`` ``[R, S]`` (differentiable)."""
+        return values.new_zeros(shape).index_put((self.rows, self.cols), values)
+
+
+class _PositionSlot:
+    """The positions for the output layer's current forward, read by its forward pre-hook."""
+
+    def __init__(self) -> None:
+        self.positions: LogitPositions | None = None
+
+    def hook(self, module: torch.nn.Module, args: tuple[object, ...]) -> tuple[object, ...] | None:
+        """Hidden states ``[S, B, H]`` -> ``[N, 1, H]`` at the set positions (the model then
+        returns logits ``[1, N, V]``); unchanged when none are set."""
+        del module
+        if self.positions is None:
+            return None
+        hidden = args[0]
+        assert isinstance(hidden, torch.Tensor)
+        return (hidden[self.positions.cols, self.positions.rows].unsqueeze(1), *args[1:])
+
+
+_SLOTS: weakref.WeakKeyDictionary[torch.nn.Module, _PositionSlot] = weakref.WeakKeyDictionary()
+
+
+def _position_slot(model: MegatronModule) -> _PositionSlot | None:
+    """The slot of the chunk's output layer when it can run on selected positions (see the
+    module docstring), installing its hook on first use; else None."""
+    from megatron.core.utils import (
+        unwrap_model,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
+
+    gpt = unwrap_model(model)
+    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
+    if layer is None or getattr(layer, "sequence_parallel", False) or gpt.config.mtp_num_layers:
+        return None
+    slot = _SLOTS.get(layer)
+    if slot is None:
+        slot = _SLOTS[layer] = _PositionSlot()
+        layer.register_forward_pre_hook(slot.hook)
+    return slot
+
+
+def _full_logprobs(
+    ctx: StepContext,
+    mb: Microbatch,
+    positions: LogitPositions | None,
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Taken-token log-probs and entropies ``[R, S]`` from full logits ``[R, S, V]``, or from
+    logits ``[1, N, V]`` at ``positions`` (scattered back; zeros elsewhere)."""
+    if positions is None:
+        return taken_token_logprobs(ctx, logits, mb.labels, temperature)
+    labels = mb.labels[positions.rows, positions.cols].unsqueeze(0)
+    logp, entropy = taken_token_logprobs(ctx, logits, labels, temperature)
+    return positions.scatter(logp[0], mb.labels.shape), positions.scatter(entropy[0], mb.labels.shape)
+
+
 def _num_tokens(mb: Microbatch) -> torch.Tensor:
     return (mb.loss_weights != 0).sum().to(torch.int)
 
 
 def grpo_loss_fn(
-    ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+    ctx: StepContext, mb: Microbatch, positions: LogitPositions | None, logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of one microbatch: ``(sum_t w_t loss_t, loss tokens, metric sums + "loss")``."""
-    logp, entropy = taken_token_logprobs(ctx, logits, mb.labels, ctx.temperature)
+    logp, entropy = _full_logprobs(ctx, mb, positions, logits, ctx.temperature)
     loss, metrics = grpo_loss(
         logp,
         mb.behaviour_logprobs,
@@ -218,22 +306,22 @@ def _sft_loss(
 
 
 def sft_loss_fn(
-    ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+    ctx: StepContext, mb: Microbatch, positions: LogitPositions | None, logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Next-token loss on answer tokens: ``(-sum_t w_t logp_t, loss tokens, metric sums)``."""
-    logp, entropy = taken_token_logprobs(ctx, logits, mb.labels)
+    logp, entropy = _full_logprobs(ctx, mb, positions, logits)
     loss, metrics = _sft_loss(logp, mb.loss_weights, entropy)
     metrics["loss"] = loss.detach().float()
     return loss, _num_tokens(mb), metrics
 
 
 def logprobs_fn(
-    ctx: StepContext, mb: Microbatch, logits: torch.Tensor
+    ctx: StepContext, mb: Microbatch, positions: LogitPositions | None, logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, LogprobsOutput]:
     """Forward only: ``{"seq_index": [...], "logprobs": [[C_i] per sequence]}`` for the
     microbatch's sequences (at ``ctx.temperature``); the loss returned is a 0 placeholder."""
     with torch.no_grad():
-        logp, _ = taken_token_logprobs(ctx, logits, mb.labels, ctx.temperature)
+        logp, _ = _full_logprobs(ctx, mb, positions, logits, ctx.temperature)
     out: LogprobsOutput = {"seq_index": list(mb.seq_index), "logprobs": mb.split_per_sequence(logp)}
     return logp.new_zeros(()), _num_tokens(mb), out
 
@@ -312,7 +400,15 @@ def _forward_step(
     kwargs = model_inputs(mb, device=ctx.device)
     if ctx.fp32_output is not None:
         kwargs["fp32_output"] = ctx.fp32_output
-    return model(**kwargs), partial(loss_fn, ctx, _to_device(mb, ctx.device))
+    slot = _position_slot(model) if ctx.select_positions else None
+    if slot is None:
+        return model(**kwargs), partial(loss_fn, ctx, _to_device(mb, ctx.device), None)
+    positions = slot.positions = LogitPositions.of(mb, ctx.device)
+    try:
+        output = model(**kwargs)
+    finally:
+        slot.positions = None
+    return output, partial(loss_fn, ctx, _to_device(mb, ctx.device), positions)
 
 
 def make_forward_step(ctx: StepContext, mode: LossMode) -> ForwardStep:

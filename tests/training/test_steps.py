@@ -19,6 +19,7 @@ from megatron_rl.batching.sft import build_sft_batch
 from megatron_rl.config import ConfigFieldError
 from megatron_rl.training.config import OptimConfig, TrainerConfig
 from megatron_rl.training.steps import (
+    LogitPositions,
     StepContext,
     grpo_loss_fn,
     mask_padded_vocab,
@@ -68,7 +69,7 @@ def test_loss_closures_equal_the_pure_functions_on_real_vocabulary_logits():
     mb = collate(seqs, [0, 1, 2], layout="padded")
     logits = torch.randn(*mb.tokens.shape, 128, requires_grad=True)  # 28 padded ids
     ctx = StepContext(tp_group=None, vocab_size=VOCAB, device=torch.device("cpu"), temperature=0.8)
-    loss, n, metrics = grpo_loss_fn(ctx, mb, logits)
+    loss, n, metrics = grpo_loss_fn(ctx, mb, None, logits)
     want, want_metrics = 0.0, []
     for row, s in enumerate(seqs):
         p, c = s.prompt_length, s.completion_length
@@ -85,7 +86,7 @@ def test_loss_closures_equal_the_pure_functions_on_real_vocabulary_logits():
         sum(m["entropy_sum"].item() for m in want_metrics), rel=1e-5
     )
     assert sorted(metrics) == metric_keys("grpo")
-    sft, _, sft_metrics = sft_loss_fn(ctx, mb, logits)
+    sft, _, sft_metrics = sft_loss_fn(ctx, mb, None, logits)
     nll = -sum(
         naive_token_logprobs(
             logits[r, s.prompt_length - 1 : s.length - 1, :VOCAB], s.tokens[s.prompt_length :]
@@ -95,6 +96,29 @@ def test_loss_closures_equal_the_pure_functions_on_real_vocabulary_logits():
     )
     assert sft.item() == pytest.approx(nll.item(), rel=1e-5)  # SFT ignores the temperature
     assert sorted(sft_metrics) == metric_keys("sft") == ["entropy_sum", "loss", "nll_sum", "tokens"]
+
+
+def test_closures_on_logits_at_loss_positions_equal_full_logits():
+    """The output layer runs only at LogitPositions: the closures given those logits ``[1, N, V]``
+    return the loss, metrics and gradient of the full ``[R, S, V]`` logits."""
+    mb = collate(_sequences(4), [0, 1, 2, 3], layout="packed", pad_to_multiple=8)
+    ctx = StepContext(tp_group=None, vocab_size=VOCAB, device=torch.device("cpu"), temperature=0.8)
+    positions = LogitPositions.of(mb, ctx.device)
+    assert len(positions.rows) == int(mb.loss_mask.sum()) < mb.tokens.numel()  # prompts skipped
+    for fn in (grpo_loss_fn, sft_loss_fn):
+        full = torch.randn(*mb.tokens.shape, 128, generator=torch.Generator().manual_seed(1))
+        full.requires_grad_(True)
+        picked = full.detach()[positions.rows, positions.cols].unsqueeze(0).requires_grad_(True)
+        want, n_want, m_want = fn(ctx, mb, None, full.clone())
+        got, n_got, m_got = fn(ctx, mb, positions, picked.clone())
+        want.backward()
+        got.backward()
+        assert got.item() == pytest.approx(want.item(), rel=1e-6) and int(n_got) == int(n_want)
+        assert all(m_got[k].item() == pytest.approx(m_want[k].item(), rel=1e-6) for k in m_want)
+        torch.testing.assert_close(picked.grad[0], full.grad[positions.rows, positions.cols])
+        outside = torch.ones(mb.tokens.shape, dtype=torch.bool)
+        outside[positions.rows, positions.cols] = False
+        assert (full.grad[outside] == 0).all()  # no loss reads another position's logits
 
 
 def test_model_inputs_per_layout():
@@ -199,6 +223,38 @@ def test_layouts_and_budgets_give_the_same_loss_and_gradients(single_rank, mode)
         for name, g in grads.items():
             scale = ref_grads[name].abs().max().item()
             assert scale > 0 and (g - ref_grads[name]).abs().max().item() <= 1e-5 * scale, (c, name)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_output_layer_runs_only_at_loss_positions(single_rank, monkeypatch, layout):
+    """The trainer's output layer sees only the loss positions' hidden states, and the step's
+    loss and gradients equal those of the full logits."""
+    import dataclasses
+
+    from megatron.core.utils import unwrap_model
+
+    trainer = _trainer()
+    batch = TrainBatch(sequences=_sequences(6, seed=5))
+    cfg = BatchingConfig(token_budget=64, layout=layout)
+    seen: list[int] = []
+    layer = unwrap_model(trainer.chunks[0]).output_layer
+    handle = layer.register_forward_hook(
+        lambda m, args, out: seen.append(args[0].shape[0] * args[0].shape[1])
+    )
+    selected = trainer.forward_backward(batch, "grpo", batching=cfg)
+    got_grads, n_selected = _grads(trainer), sum(seen)
+    context = trainer._context
+    monkeypatch.setattr(
+        trainer, "_context", lambda t=None: dataclasses.replace(context(t), select_positions=False)
+    )
+    seen.clear()
+    full = trainer.forward_backward(batch, "grpo", batching=cfg)
+    handle.remove()
+    assert n_selected == sum(s.completion_length for s in batch.sequences) < sum(seen)
+    assert selected["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    assert selected["entropy_mean"] == pytest.approx(full["entropy_mean"], rel=1e-6)
+    for name, g in _grads(trainer).items():
+        torch.testing.assert_close(got_grads[name], g, rtol=1e-5, atol=1e-6 * g.abs().max().item(), msg=name)
 
 
 def test_recompute_gives_the_same_loss_and_gradients(single_rank):
