@@ -1,6 +1,6 @@
 """Verifier throughput on an RL scoring batch, against the baselines a user would pick.
 
-    megatron-rl bench verifiers [--samples-per-prompt 8] [--workers 2] [--rounds 3] [--compiles 3]
+    megatron-rl bench verifiers [--samples-per-prompt 8] [--workers 2] [--rounds 5] [--compiles 3]
 
 Math. The workload is what the trainer scores after each generation step: many samples per
 prompt, a few hundred per batch, right and wrong answers mixed. Each of the 68 (reference,
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="completions per prompt; the batch is 68 prompts times this",
     )
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="batches timed on every side")
+    ap.add_argument("--rounds", type=int, default=5, help="batches timed on every side")
     ap.add_argument("--compiles", type=int, default=3)
     args = ap.parse_args(argv)
 
