@@ -438,7 +438,8 @@ class IdealSchedule:
         bound = self.loop.staleness_bound()
         while sum(len(x.reqs) for x in self.taken) < self.loop.n_batch and self.queue:
             grp = self.queue.popleft()
-            (self.stale if self.version - grp.min_version() > bound else self.taken).append(grp)
+            stale = bound is not None and self.version - grp.min_version() > bound
+            (self.stale if stale else self.taken).append(grp)
         if sum(len(x.reqs) for x in self.taken) >= self.loop.n_batch:
             for grp in self.stale:
                 self.sampler.requeue(grp.key)

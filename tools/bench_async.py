@@ -1,7 +1,7 @@
 """Asynchronous against synchronous GRPO loop on a long-tailed completion-length workload, on a
 cost model calibrated on this machine.
 
-    megatron-rl bench async [--steps 10] [--servers 4] [--slots 32] [--train-share 0.75]
+    megatron-rl bench async [--steps 12] [--servers 4] [--slots 32] [--train-share 0.75]
     megatron-rl bench async --real [--steps 4]      # the tiny model, trainer and weight sync
 
 Magistral (section 3) runs the loop asynchronously because completion lengths are long-tailed:
@@ -48,11 +48,12 @@ generate it at full slots: generation dominates, and the trainer keeps up with r
 shape: the more of a CPU decode step grows with its batch (``decode_s_per_seq``), the cheaper a
 sync step's nearly empty tail and the less async gains.
 
-**Staleness.** The loop drops groups whose oldest token is more than ``max_staleness`` versions
-old (default ``2 n_async / n_batch`` = 4). Here a step is short next to the longest completions,
-so that bound drops the long tail in async and re-issues it with the same seeds (so the same
-lengths, often dropped again): the two loops would no longer train the same completions. The bench turns it off
-(``--max-staleness 1000``) and reports what the loop's bound would cost in the ideal schedule.
+**Staleness.** With ``loop.max_staleness: N`` the loop drops groups whose oldest token is more
+than N versions old; the default sets no bound, as the paper. Here a step is short next to the
+longest completions, so a bound of ``2 n_async / n_batch`` (= 4) would drop the long tail in
+async and re-issue it with the same seeds (so the same lengths, often dropped again): the two
+loops would no longer train the same completions. The bench runs the default and reports what
+that bound would cost in the ideal schedule (``ideal_async_speedup_loop_bound``).
 
 **Ideal.** :class:`IdealSchedule` (``tools/async_model.py``) simulates both loops' schedules event by event on the same cost
 model with zero overhead (requests, results and groups arrive the instant they are sent; scoring
@@ -100,6 +101,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,13 +235,10 @@ class VersionBroadcaster:
         t0 = time.perf_counter()
         self.fleet.pause("in_place")
         try:
-            for url in self.fleet.update_urls:
-                _post(
-                    url,
-                    "/update_weight_version",
-                    {"new_version": str(version), "abort_all_requests": False},
-                    self.api_key,
-                )
+            body = {"new_version": str(version), "abort_all_requests": False}
+            urls = self.fleet.update_urls
+            with ThreadPoolExecutor(len(urls)) as ex:  # every server at once, as a broadcast
+                list(ex.map(lambda u: _post(u, "/update_weight_version", body, self.api_key), urls))
             time.sleep(self.hold_s)
         finally:
             self.fleet.resume()
@@ -428,6 +427,7 @@ def _summary(
         "queue_blocked_s": metrics[-1].get("queue/blocked_s", 0.0) if metrics else 0.0,
         "engine_steps": delta["steps"],
         "prefill_tokens": delta["prefill_tokens"],
+        "weight_update_ms": 1e3 * mean("weight_sync/seconds"),
         "step_s": [m.get("time/step_s", 0.0) for m in metrics],
     }
 
@@ -510,9 +510,10 @@ def run(args: argparse.Namespace, root: Path) -> dict:
     if costs is None or sizing is None:
         return report_real(results, w, args)
     ideals = {mode: ideal(mode, w, costs, sizing, args) for mode in ("sync", "async")}
-    if args.max_staleness != -1:  # what the loop's own staleness bound would do to this workload
+    if args.max_staleness == -1:  # what a staleness bound of 2 n_async / n_batch would cost
+        bound = 2 * -(-run_config("async", args).loop.async_cap() // args.n_batch)
         ideals["async_bound"] = ideal(
-            "async", w, costs, sizing, argparse.Namespace(**{**vars(args), "max_staleness": -1})
+            "async", w, costs, sizing, argparse.Namespace(**{**vars(args), "max_staleness": bound})
         )
     return report(results, ideals, costs, sizing, w, args)
 
@@ -545,7 +546,9 @@ def _mode_figures(r: dict, out: dict) -> None:
     )
 
 
-def _limits(ideals: dict[str, dict], sizing: dict[str, float], results: dict[str, dict]) -> list[str]:
+def _limits(
+    ideals: dict[str, dict], sizing: dict[str, float], results: dict[str, dict], sync_ms: float
+) -> list[str]:
     """What bounds the speed-up and the efficiency, in the ideal's and the run's own figures."""
     si, ai = ideals["sync"], ideals["async"]
     out = [
@@ -564,7 +567,8 @@ def _limits(ideals: dict[str, dict], sizing: dict[str, float], results: dict[str
     bound = ideals.get("async_bound")
     if bound is not None and bound["stale"] > 0:
         out.append(
-            f"with the loop's own staleness bound (max_staleness -1) the ideal async loop drops "
+            "with a staleness bound of 2 n_async/n_batch (loop.max_staleness; the default sets none) "
+            f"the ideal async loop drops "
             f"{bound['stale']:.0f} of {bound['issued']:.0f} groups as stale -- the longest completions "
             "span more versions than the bound -- and re-issues them with the same seeds; its wall "
             f"would be {bound['wall_s']:.2f} s (speed-up {si['wall_s'] / bound['wall_s']:.2f}), and it "
@@ -578,7 +582,8 @@ def _limits(ideals: dict[str, dict], sizing: dict[str, float], results: dict[str
         f"{rest:.2f} s a step (ideal {statistics.fmean(ai['step_s'][1:] or [0.0]):.2f}); engine steps "
         f"{ra['engine_steps']:.0f} (ideal {ai['engine_steps']:.0f}), prompt tokens prefilled "
         f"{ra['prefill_tokens']:.0f} (ideal {ai['prefill_tokens']:.0f}: a group's samples that reach a "
-        f"server in different steps are prefilled apart); queue full {ra['queue_blocked_s']:.2f} s. "
+        f"server in different steps are prefilled apart); queue full {ra['queue_blocked_s']:.2f} s; "
+        f"a weight update (fleet paused) {ra['weight_update_ms']:.0f} ms (ideal {sync_ms:g}). "
         "The rest is what HTTP, the verifier pool, the loop's threads and the sleeping servers cost "
         "on the shared cores"
     )
@@ -633,7 +638,7 @@ def report(
         f"async speed-up {sync['wall_s'] / asy['wall_s']:.2f} (ideal {ideal_speedup:.2f}); "
         f"async efficiency {ideals['async']['wall_s'] / asy['wall_s']:.2f}"
     )
-    for line in _limits(ideals, sizing, results):
+    for line in _limits(ideals, sizing, results, args.sync_ms):
         print("  " + line)
     out = {
         "mode": "timing-model",
@@ -770,9 +775,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--max-staleness",
         type=int,
-        default=1000,
-        help="loop.max_staleness: drop groups this many versions old (default: never, so that both "
-        "loops train the same completions; -1: the loop's own bound, 2 n_async/n_batch)",
+        default=-1,
+        help="loop.max_staleness: drop groups this many versions old (default -1, the loop's: "
+        "never, so that both loops train the same completions)",
     )
     ap.add_argument("--sync-ms", type=float, default=10.0, help="modeled weight transfer (fleet paused)")
     ap.add_argument("--calib-rounds", type=int, default=3, help="repeats of each calibration measurement")

@@ -14,7 +14,10 @@ Baseline: math-verify's ``verify(parse(gold), parse(completion))`` in a loop in 
 what a user would write. It is warm: :func:`~megatron_rl.rewards.math.warm_up` (the import and a
 few verifications) runs before timing, as it runs in every pool worker before that worker takes
 tasks. Also shown: our :func:`~megatron_rl.rewards.math.verify_math` in the same loop, so the
-pool's gain is not a cheaper verifier. Ours: the same batch through
+pool's gain is not a cheaper verifier; both it and the pool run with the verdict cache off
+(``verdict_cache=0``), so ``math_pool_speedup`` is what the cores buy. The cache's own gain, on
+one batch's repeated answers (emptied before each round), is ``math_verdict_cache_speedup``:
+``verify_math`` with its default cache in the same one-process loop. Ours: the same batch through
 :class:`~megatron_rl.rewards.pool.VerifierPool` with ``--workers`` processes, started and warmed
 before timing (a trainer keeps its pool for the run). Each of ``--rounds`` rounds draws a fresh
 batch and times the three sides one after another (rotating which goes first); the speed-up is the
@@ -40,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.rewards.math_pairs
 
 from megatron_rl.rewards.code import CodeConfig, compile_cpp
-from megatron_rl.rewards.math import verify_math, warm_up
+from megatron_rl.rewards.math import MathConfig, clear_verdict_cache, verify_math, warm_up
 from megatron_rl.rewards.pool import VerifierPool
 from tests.rewards.math_pairs import EQUIVALENT, NOT_EQUIVALENT
 
@@ -91,7 +94,16 @@ def plain_math_verify(batch: Batch) -> list[bool]:
     return [bool(verify(parse(f"${ref}$"), parse(text))) for text, ref in batch]
 
 
+UNCACHED = MathConfig(verdict_cache=0)  # the pool's scaling, not the cache, is measured
+
+
 def one_process_verify_math(batch: Batch) -> list[bool]:
+    return [verify_math(text, ref, UNCACHED).correct for text, ref in batch]
+
+
+def one_process_cached(batch: Batch) -> list[bool]:
+    """verify_math with its verdict cache, emptied first: one batch's repeats only."""
+    clear_verdict_cache()
     return [verify_math(text, ref).correct for text, ref in batch]
 
 
@@ -109,19 +121,24 @@ def math_rounds(samples_per_prompt: int, workers: int, rounds: int) -> dict[str,
             raise SystemExit("the verifier pool did not start")
 
         def through_pool(batch: Batch) -> list[bool]:
-            results = pool.map(verify_math, batch)
+            results = pool.map(verify_math, [(text, ref, UNCACHED) for text, ref in batch])
             failed = [r for r in results if not hasattr(r, "correct")]
             if failed:
                 raise SystemExit(f"{len(failed)} pool tasks failed: {failed[:3]}")
             return [r.correct for r in results]
 
-        sides = {"plain": plain_math_verify, "verify_math": one_process_verify_math, "pool": through_pool}
+        sides = {
+            "plain": plain_math_verify,
+            "verify_math": one_process_verify_math,
+            "pool": through_pool,
+            "cached": one_process_cached,
+        }
         names = list(sides)
         seconds: dict[str, list] = {name: [] for name in names}
         right: dict[str, float] = {}
         for r in range(rounds):
             batch = rl_batch(samples_per_prompt, seed=r)
-            for name in names[r % 3 :] + names[: r % 3]:  # rotate the order: no side always first
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # no side always first
                 t, verdicts = timed(sides[name], batch)
                 seconds[name].append(t)
                 right[name] = sum(verdicts) / len(verdicts)
@@ -166,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     math = math_rounds(args.samples_per_prompt, args.workers, args.rounds)
-    (plain, ours_inline, pool), right = math["seconds"], math["right"]
+    (plain, ours_inline, pool, cached), right = math["seconds"], math["right"]
     speedups = [p / q for p, q in zip(plain, pool)]
     print(f"c++: {args.compiles} compiles with and without the PCH ...", file=sys.stderr, flush=True)
     t_pch, t_nopch = cpp_compiles(args.compiles)
@@ -180,6 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         ("math-verify parse+verify, one process (baseline)", plain),
         ("verify_math, one process", ours_inline),
         (f"verifier pool, {args.workers} workers", pool),
+        ("verify_math + verdict cache, one process", cached),
     ]
     for (what, times), share in zip(rows, right):
         t = statistics.median(times)
@@ -191,6 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
         "math_plain_per_s": round(n / statistics.median(plain), 2),
         "math_verify_math_per_s": round(n / statistics.median(ours_inline), 2),
         "math_pool_per_s": round(n / statistics.median(pool), 2),
+        "math_verdict_cache_speedup": round(statistics.median(plain) / statistics.median(cached), 3),
         "math_pool_speedup_rounds": [round(s, 3) for s in speedups],
         "cpp_pch_compile_ratio": round(t_pch / t_nopch, 3),
         "cpp_pch_s": round(t_pch, 3),

@@ -35,7 +35,10 @@ class LoopConfig:
     n_async: int = 512  # most sequences generating at once across the fleet
     max_async_ratio: float = 2.0  # n_async / n_batch is capped at this
     queue_groups: int = 0  # bounded queue of verified groups; 0 = n_batch / group_size
-    max_staleness: int = -1  # drop groups with tokens this many versions old; -1 = 2 n_async/n_batch
+    # Drop (and re-issue) groups with a token more than this many versions old; -1 = never, the
+    # paper's recipe: n_async and the bounded queue bound the off-policy degree, the clipped ratio
+    # corrects it, and a bound would drop exactly the longest completions (a length bias).
+    max_staleness: int = -1
     max_steps: int = 100  # training steps (batches) of the run
     top_p: float = 1.0  # nucleus sampling (temperature is algorithm.temperature)
     expected_length: int = 0  # completion tokens assumed for KV sizing before any finishes; 0 = l_max/2
@@ -77,10 +80,9 @@ class LoopConfig:
         cap = min(self.n_async, int(self.max_async_ratio * self.n_batch))
         return max(self.group_size, cap - cap % self.group_size)
 
-    def staleness_bound(self) -> int:
-        if self.max_staleness >= 0:
-            return self.max_staleness
-        return max(1, 2 * -(-self.async_cap() // self.n_batch))
+    def staleness_bound(self) -> int | None:
+        """Versions a group's oldest token may lag before the group is dropped; None = no bound."""
+        return self.max_staleness if self.max_staleness >= 0 else None
 
     def stall_groups(self) -> int:
         """Groups dropped in a row that stop the run (0: never); see ``max_dropped_batches``."""

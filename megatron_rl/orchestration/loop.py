@@ -7,8 +7,8 @@ n_batch`` and at the fleet's KV capacity divided by the expected sequence length
 the lengths seen so far) and the bounded queue of verified groups is not full. Completions are
 scored as they finish; kept groups go to that queue (an assembler thread's blocking ``put``: a
 full queue stops generation from issuing more, so a slow trainer throttles the fleet). The
-trainer takes whole groups until it has ``n_batch`` sequences, drops groups older than the
-staleness bound (re-issued), trains ``n_batch / n_minibatch`` optimizer steps, and broadcasts the
+trainer takes whole groups until it has ``n_batch`` sequences (dropping and re-issuing those
+older than ``max_staleness`` versions, when a bound is set), trains ``n_batch / n_minibatch`` optimizer steps, and broadcasts the
 new weights to the fleet *in flight*: generation pauses in place, receives the buckets and goes
 on with its KV cache; later tokens carry the new version.
 
@@ -258,7 +258,7 @@ class Orchestrator:
                 rec = self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if rec.staleness(version) > bound:
+            if bound is not None and rec.staleness(version) > bound:
                 stale.append(rec)
                 continue
             taken.append(rec)

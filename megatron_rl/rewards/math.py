@@ -10,12 +10,22 @@ the LaTeX parser's recursion); math-verify's own parse and compare time-outs are
 (they use SIGALRM, so they work in a process's main thread -- which is why verification runs in
 the process pool, never in threads). Work that sits inside one C call (``9^{9^{9}}``) cannot be
 interrupted by a signal: the pool's hard wall-clock limit per task is the last line of defence.
+
+Verdict cache: a group's samples often box the same string (the right answer most of all, once
+the policy learns it), and a prompt comes back every epoch. Each process keeps the verdicts of the
+last ``verdict_cache`` distinct ``(boxed answer, reference, float_rounding)`` triples, so a repeat
+costs a dictionary lookup instead of two parses and a SymPy comparison. Verification is a pure
+function of that triple except for time-outs, which depend on the machine's load: a timed-out
+verdict, or a reference that did not parse (its parse may have timed out), is never cached. The cache
+holds and returns copies, so a caller that edits its verdict does not edit the cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from math import gcd
@@ -24,7 +34,7 @@ from megatron_rl.config import check_range
 from megatron_rl.rewards.format import last_boxed
 from megatron_rl.rewards.result import Verdict
 
-__all__ = ["MathConfig", "brace_depth", "verify_math", "warm_up"]
+__all__ = ["MathConfig", "brace_depth", "clear_verdict_cache", "verify_math", "warm_up"]
 
 
 @dataclass(kw_only=True)
@@ -36,6 +46,7 @@ class MathConfig:
     max_answer_chars: int = 2000  # longer boxed answers are rejected unparsed
     max_brace_depth: int = 40  # deeper brace nesting is rejected unparsed
     float_rounding: int = 6  # decimals kept when comparing floats
+    verdict_cache: int = 4096  # distinct (answer, reference) verdicts kept per process; 0 = off
 
     def __post_init__(self):
         check_range("parse_timeout_s", self.parse_timeout_s, low=1)
@@ -43,6 +54,7 @@ class MathConfig:
         check_range("max_answer_chars", self.max_answer_chars, low=1)
         check_range("max_brace_depth", self.max_brace_depth, low=1)
         check_range("float_rounding", self.float_rounding, low=0)
+        check_range("verdict_cache", self.verdict_cache, low=0)
 
 
 def brace_depth(text: str) -> int:
@@ -113,18 +125,41 @@ def _as_gold(reference: str) -> str:
     return f"${_repeating_decimals(ref)}$"
 
 
+_VERDICTS: OrderedDict[tuple[str, str, int], Verdict] = OrderedDict()  # this process's cache
+
+
+def clear_verdict_cache() -> None:
+    """Forget this process's cached verdicts (e.g. to time a batch without earlier ones)."""
+    _VERDICTS.clear()
+
+
 def verify_math(answer: str, reference: str, cfg: MathConfig | None = None) -> Verdict:
     """Check the last ``\\boxed{}`` of ``answer`` (the answer part of a completion) against
     ``reference`` (a LaTeX or plain answer, with or without ``$``)."""
+    cfg = cfg or MathConfig()
+    boxed = last_boxed(answer)
+    if boxed is None or not boxed.strip():
+        return Verdict(False, 0.0, "no_answer", "no \\boxed{} with content in the answer part")
+    key = (boxed, reference, cfg.float_rounding)
+    cached = _VERDICTS.get(key) if cfg.verdict_cache else None
+    if cached is not None:
+        _VERDICTS.move_to_end(key)
+        return dataclasses.replace(cached)
+    verdict = _verify_boxed(boxed, reference, cfg)
+    if cfg.verdict_cache and verdict.reason not in ("timeout", "verifier_error"):  # load-dependent
+        _VERDICTS[key] = dataclasses.replace(verdict)
+        while len(_VERDICTS) > cfg.verdict_cache:
+            _VERDICTS.popitem(last=False)
+    return verdict
+
+
+def _verify_boxed(boxed: str, reference: str, cfg: MathConfig) -> Verdict:
+    """:func:`verify_math` on the extracted answer, uncached."""
     from math_verify import (  # imported here: heavy, and only needed in workers  # lazy: heavy (SymPy, ANTLR); loaded in verifier workers only
         parse,
         verify,
     )
 
-    cfg = cfg or MathConfig()
-    boxed = last_boxed(answer)
-    if boxed is None or not boxed.strip():
-        return Verdict(False, 0.0, "no_answer", "no \\boxed{} with content in the answer part")
     if len(boxed) > cfg.max_answer_chars:
         return Verdict(
             False,

@@ -46,3 +46,35 @@ def test_pathological_answers_return_within_their_limit(pool, answer):
     (v,) = pool.map(verify_math, [(f"\\boxed{{{answer}}}", "3", cfg)], timeout_s=15)
     assert not getattr(v, "correct", False)
     assert getattr(v, "reason", None) in ("timeout", "unparsable_answer", "wrong_answer", "worker_timeout")
+
+
+def test_verdict_cache_skips_repeats_but_never_keeps_a_timeout(monkeypatch):
+    """A group's repeated answers are verified once per process; a time-out (load-dependent)
+    is verified again; the bound evicts the least recently used; 0 turns the cache off."""
+    import megatron_rl.rewards.math as math_mod
+
+    monkeypatch.setattr(math_mod, "_VERDICTS", math_mod.OrderedDict())
+    real, calls = math_mod._verify_boxed, []
+
+    def counted(boxed, reference, cfg):
+        calls.append((boxed, reference))
+        return real(boxed, reference, cfg)
+
+    monkeypatch.setattr(math_mod, "_verify_boxed", counted)
+    cfg = MathConfig(verdict_cache=2)
+    first = verify_math(r"so \boxed{\frac{1}{2}}", "0.5", cfg)
+    first.correct = False  # a caller editing its verdict does not edit the cache
+    again = verify_math(r"other words, same \boxed{\frac{1}{2}}", "0.5", cfg)
+    assert again.correct and again.reason == "ok" and len(calls) == 1
+    verify_math(r"\boxed{\frac{1}{2}}", "0.5", MathConfig(float_rounding=0, verdict_cache=2))
+    assert len(calls) == 2  # another float_rounding is another question
+    verify_math(r"\boxed{3}", "4", cfg)  # the cache holds 2: the 1/2 vs 0.5 rounding-6 entry goes
+    verify_math(r"\boxed{\frac{1}{2}}", "0.5", cfg)
+    assert len(calls) == 4
+    assert verify_math(r"\boxed{7}", "7", MathConfig(verdict_cache=0)).correct
+    assert verify_math(r"\boxed{7}", "7", MathConfig(verdict_cache=0)).correct and len(calls) == 6
+
+    timeout = math_mod.Verdict(False, 0.0, "timeout", "comparing timed out")
+    monkeypatch.setattr(math_mod, "_verify_boxed", lambda b, r, c: calls.append(b) or timeout)
+    assert verify_math(r"\boxed{x^x}", "1", cfg).reason == "timeout"
+    assert verify_math(r"\boxed{x^x}", "1", cfg).reason == "timeout" and len(calls) == 8

@@ -51,7 +51,6 @@ import os
 import pickle
 import re
 import threading
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -59,6 +58,7 @@ import torch
 from torch.multiprocessing import reductions
 
 from megatron_rl.generation.engine.engine import Engine
+from megatron_rl.generation.engine.routes import ServerServices
 from megatron_rl.generation.engine.weights import checked_update
 from megatron_rl.generation.protocol import MEMORY_TAGS
 
@@ -235,7 +235,7 @@ def _flag(body: Body, key: str, default: bool) -> bool:
     return v
 
 
-class ColocateRoutes:
+class ColocateRoutes(ServerServices):
     """The colocated-mode routes of :class:`~.server.EngineServer` (see the module docstring).
 
     The server provides what is declared here: its engine, the engine lock (``cond``, taken
@@ -250,14 +250,6 @@ class ColocateRoutes:
     _intents: int
     _intents_lock: threading.Lock
     _route_error: ClassVar[type[Exception]]
-
-    def _between_steps(self) -> AbstractContextManager[None]:
-        """The engine lock, taken before the engine's next step (the server's)."""
-        raise NotImplementedError
-
-    def _abort_all(self) -> int:
-        """Abort every queued and running request (the server's); how many."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ state
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import AbstractContextManager
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_rl.generation.engine.http import BadRequest
+from megatron_rl.generation.engine.routes import ServerServices
 from megatron_rl.generation.engine.weights import (
     STREAM_ROUTE,
     ManifestError,
@@ -51,7 +51,7 @@ log = logging.getLogger("megatron_rl.engine_server")
 _STREAM_WAIT_S = 300.0
 
 
-class UpdateRoutes:
+class UpdateRoutes(ServerServices):
     """The weight-update routes of :class:`~.server.EngineServer` (see the module docstring).
 
     The server provides what is declared here: its engine and stats, the update groups by name,
@@ -64,14 +64,6 @@ class UpdateRoutes:
     _session: bool
     _stream: StreamReceiver | None
     _stream_lock: threading.Lock
-
-    def _between_steps(self) -> AbstractContextManager[None]:
-        """The engine lock, taken before the engine's next step (the server's)."""
-        raise NotImplementedError
-
-    def _abort_all(self) -> int:
-        """Abort every queued and running request (the server's); how many."""
-        raise NotImplementedError
 
     def init_group(self, body: Body) -> Body:
 
