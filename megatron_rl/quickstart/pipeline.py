@@ -6,8 +6,8 @@
    exists): generated arithmetic and linear-equation problems (train / held-out), a small BPE
    tokenizer, a tiny Llama, a short SFT on traces in the paper's format
    (``<think>…</think>`` then ``\\boxed{}``), held-out pass@1 of the SFT model.
-2. **GRPO** (``megatron-rl train`` on ``examples/quickstart.yaml``): the asynchronous loop with
-   the full reward (format, math-verify correctness, length penalty, language consistency),
+2. **GRPO** (``megatron-rl train`` on ``examples/quickstart.yaml``, or ``--recipe``): the
+   recipe's loop (async in the default recipe) with the full reward (format, math-verify correctness, length penalty, language consistency),
    built-in engine servers, the verifier pool and the Megatron trainer; held-out pass@1 before
    and after RL, metrics, samples, checkpoints and ``plots/training.png`` in ``OUT/rl``.
 3. ``OUT/quickstart.json``: the before/after figures and where everything is.
@@ -26,10 +26,20 @@ import time
 from pathlib import Path
 
 from megatron_rl.fileio import atomic_write_json
+from megatron_rl.orchestration.recipe import load_config
 
 __all__ = ["main"]
 
 DEFAULT_RECIPE = Path(__file__).resolve().with_name("recipe.yaml")  # examples/quickstart.yaml links to it
+
+
+def _loop_mode(recipe: str, overrides: list[str]) -> str:
+    """The recipe's ``loop.mode`` after the overrides, for the stage title; a recipe that does not
+    load is reported by ``megatron-rl train`` itself, with the file and field."""
+    try:
+        return load_config(recipe, overrides).loop.mode
+    except (OSError, ValueError):
+        return "the recipe's"
 
 
 def _stage(title: str, cmd: list[str]) -> None:
@@ -59,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = warmup["paths"]
     rl = out / "rl"
     _stage(
-        "2/2 GRPO (asynchronous loop, full reward)",
+        f"2/2 GRPO ({_loop_mode(args.recipe, args.overrides)} loop, full reward)",
         [
             sys.executable,
             "-m",
