@@ -7,8 +7,8 @@
    tokenizer, a tiny Llama, a short SFT on traces in the paper's format
    (``<think>…</think>`` then ``\\boxed{}``), held-out pass@1 of the SFT model.
 2. **GRPO** (``megatron-rl train`` on ``examples/quickstart.yaml``, or ``--recipe``): the
-   recipe's loop (async in the default recipe) with the full reward (format, math-verify correctness, length penalty, language consistency),
-   built-in engine servers, the verifier pool and the Megatron trainer; held-out pass@1 before
+   recipe's loop (async in the default recipe) with the full reward (format, math-verify
+   correctness, length penalty, language consistency), built-in engine servers, the verifier pool and the Megatron trainer; held-out pass@1 before
    and after RL, metrics, samples, checkpoints and ``plots/training.png`` in ``OUT/rl``.
 3. ``OUT/quickstart.json``: the before/after figures and where everything is.
 
