@@ -8,8 +8,9 @@
    (``<think>…</think>`` then ``\\boxed{}``), held-out pass@1 of the SFT model.
 2. **GRPO** (``megatron-rl train`` on ``examples/quickstart.yaml``, or ``--recipe``): the
    recipe's loop (async in the default recipe) with the full reward (format, math-verify
-   correctness, length penalty, language consistency), built-in engine servers, the verifier pool and the Megatron trainer; held-out pass@1 before
-   and after RL, metrics, samples, checkpoints and ``plots/training.png`` in ``OUT/rl``.
+   correctness, length penalty, language consistency), built-in engine servers, the verifier
+   pool and the Megatron trainer; held-out pass@1 before and after RL, metrics, samples,
+   checkpoints and ``plots/training.png`` in ``OUT/rl``.
 3. ``OUT/quickstart.json``: the before/after figures and where everything is.
 
 Each stage runs in a process of its own (each sets up its own Megatron state); Ctrl-C stops the
