@@ -8,8 +8,12 @@ every problem with the file, the line and the dotted field::
 
     examples/bad.yaml:4: algorithm.eps_high: must be >= eps_low (0.2), got 0.1
 
-The whole recipe (``RunConfig``) is composed in :mod:`megatron_rl.orchestration.recipe`. Layer 0:
-imports nothing of megatron_rl.
+Recipes are read with a strict loader (:func:`load_yaml_text`): a duplicate key, an alias that
+expands past a bound (the "billion laughs"), nesting past a bound, or text that is not UTF-8 is
+refused with the file and line; a UTF-8 byte-order mark is accepted.
+
+The whole recipe (``RunConfig``) is composed in :mod:`megatron_rl.orchestration.recipe`. Layer 1:
+imports only :mod:`megatron_rl.errors`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import yaml
+
+from megatron_rl.errors import UsageError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -40,11 +46,13 @@ __all__ = [
     "config_from_dict",
     "config_to_dict",
     "load_dataclass",
+    "load_yaml_text",
     "parse_overrides",
+    "read_yaml_file",
 ]
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A configuration problem, with the place it comes from in the message."""
 
 
@@ -91,15 +99,119 @@ def check_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
         raise ConfigFieldError(name, f"must be one of {list(choices)}, got {value!r}")
 
 
-def _yaml_with_lines(text: str, source: str) -> tuple[YamlValue, dict[str, int]]:
-    """Parse YAML; also return the 1-based line of every dotted key path."""
+#: Bounds of the strict YAML loader. A recipe is a few dozen keys a few levels deep; these bounds
+#: are far above that and far below what makes a loader slow: 10 levels of 10 aliases each
+#: expand to 10^10 nodes (the "billion laughs"), which a plain safe_load builds until memory
+#: runs out. The node budget counts every node as built, aliases expanded.
+MAX_YAML_DEPTH = 32
+MAX_YAML_NODES = 100_000
+#: Largest integer a recipe may hold: beyond int64 no field means anything, and a 10^5-digit
+#: integer only makes every later comparison slow.
+MAX_YAML_INT = 2**63 - 1
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys and integers past int64; :func:`_check_shape`
+    bounds depth, expanded size and alias cycles before anything is constructed."""
+
+    def __init__(self, stream: str, source: str):
+        super().__init__(stream)
+        self.source = source
+
+    def _where(self, node: yaml.Node) -> str:
+        return f"{self.source}:{node.start_mark.line + 1}"
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        value = super().construct_yaml_int(node)
+        if abs(value) > MAX_YAML_INT:
+            raise ConfigError(f"{self._where(node)}: integer {str(node.value)[:20]}... is larger than 2^63-1")
+        return value
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[YamlValue, YamlValue]:
+        first_line: dict[YamlValue, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base`: the keys set next to it override the base's, on purpose
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise ConfigError(f"{self._where(key_node)}: a key must be a plain value")
+            key = self.construct_object(key_node, deep=True)
+            if key in first_line:
+                raise ConfigError(
+                    f"{self._where(key_node)}: duplicate key {key!r} (first set at line "
+                    f"{first_line[key]}); set each key once"
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+
+
+def _children(n: yaml.Node) -> list[yaml.Node]:
+    if isinstance(n, yaml.MappingNode):
+        return [x for pair in n.value for x in pair]
+    if isinstance(n, yaml.SequenceNode):
+        return list(n.value)
+    return []
+
+
+def _check_shape(root: yaml.Node, source: str) -> None:
+    """Refuse a node graph that has an alias cycle, is nested deeper than MAX_YAML_DEPTH, or
+    expands (aliases written out) to more than MAX_YAML_NODES nodes. An alias is the very node
+    object it names, so a post-order walk with memoised (depth, size) per node costs one visit
+    per distinct node however large the expansion -- which is what a plain loader would build."""
+    shape: dict[int, tuple[int, int]] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        n, done = stack.pop()
+        if done:
+            on_path.discard(id(n))
+            kids = [shape[id(k)] for k in _children(n)]
+            depth = 1 + max((d for d, _ in kids), default=0)
+            size = 1 + sum(z for _, z in kids)
+            if depth > MAX_YAML_DEPTH:
+                raise ConfigError(
+                    f"{source}:{n.start_mark.line + 1}: nested deeper than {MAX_YAML_DEPTH} levels"
+                )
+            if size > MAX_YAML_NODES:
+                raise ConfigError(
+                    f"{source}:{n.start_mark.line + 1}: aliases expand this to more than "
+                    f"{MAX_YAML_NODES} values; write the values out"
+                )
+            shape[id(n)] = (depth, size)
+            continue
+        if id(n) in shape:
+            continue
+        if id(n) in on_path:
+            raise ConfigError(
+                f"{source}:{n.start_mark.line + 1}: an alias refers to the value that contains it"
+            )
+        on_path.add(id(n))
+        stack.append((n, True))
+        stack.extend((k, False) for k in _children(n) if id(k) not in shape)
+
+
+def load_yaml_text(text: str, source: str) -> tuple[YamlValue, dict[str, int]]:
+    """Parse YAML strictly (see the module docstring); also return the 1-based line of every dotted
+    key path. Raises :class:`ConfigError` naming ``source`` and the line."""
+    text = text.removeprefix("\ufeff")  # a byte-order mark, as some editors write it
+    loader = _StrictLoader(text, source)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        try:
+            node = loader.get_single_node()
+            if node is not None:
+                _check_shape(node, source)
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{source}: nested too deeply (or an alias refers to itself)") from None
     lines: dict[str, int] = {}
 
-    def walk(n: yaml.Node, prefix: str) -> None:
+    def walk(n: yaml.Node, prefix: str) -> None:  # bounded: _check_shape passed
         if isinstance(n, yaml.MappingNode):
             for k, v in n.value:
                 key = f"{prefix}{k.value}"
@@ -112,7 +224,25 @@ def _yaml_with_lines(text: str, source: str) -> tuple[YamlValue, dict[str, int]]
 
     if node is not None:
         walk(node, "")
-    return yaml.safe_load(text), lines
+    return data, lines
+
+
+def read_yaml_file(path: str | Path, what: str = "recipe") -> tuple[YamlValue, dict[str, int]]:
+    """Read and strictly parse a YAML file (:func:`load_yaml_text`); a missing or unreadable file,
+    or one that is not UTF-8, is a :class:`ConfigError` naming it."""
+    source = str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read {what}: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{source}:{line}: not UTF-8 text (byte {e.start + 1}); save the {what} as UTF-8"
+        ) from None
+    return load_yaml_text(text, source)
 
 
 def _where(source: str, lines: dict[str, int], path: str) -> str:
@@ -202,6 +332,12 @@ def config_from_dict(
             )
         hint = hints[key]
         if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):  # `algorithm:` with nothing under it reads as null
+                raise ConfigError(
+                    f"{_where(source, lines, path)}: {path}: a section must be a mapping of its "
+                    f"fields, got {'nothing (null)' if value is None else repr(value)}; remove the "
+                    "line to keep the defaults"
+                )
             kwargs[key] = config_from_dict(hint, value, source=source, lines=lines, prefix=path + ".")
             continue
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is list else None
@@ -237,7 +373,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, YamlValue]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: '{p}' is set to a value and to a section")
-        node[leaf] = yaml.safe_load(raw) if raw else ""
+        node[leaf] = load_yaml_text(raw, f"override {item!r}")[0] if raw else ""
     return out
 
 
@@ -264,11 +400,7 @@ def load_dataclass(
     source = "<defaults>"
     if path is not None:
         source = str(path)
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise ConfigError(f"{source}: cannot read recipe: {e.strerror}") from None
-        data, lines = _yaml_with_lines(text, source)
+        data, lines = read_yaml_file(path)
         data = data or {}
         if not isinstance(data, dict):
             raise ConfigError(

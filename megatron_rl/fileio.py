@@ -8,7 +8,10 @@
   :func:`truncate_jsonl`): every bad line is reported as ``file:line: what is wrong``
   (:class:`JsonlError`), a line that is not UTF-8 included; appends are flushed and fsync'ed.
 
-Layer 0: imports nothing of megatron_rl.
+- Outputs apart from inputs (:func:`check_output_apart`): an output path that is, contains or lies
+  inside an input is refused before the first byte is written.
+
+Layer 1: imports only :mod:`megatron_rl.errors`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.errors import InputError, OutputError
+
 __all__ = [
     "JsonValue",
     "JsonlError",
@@ -32,6 +37,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_write_text",
+    "check_output_apart",
     "fsync_dir",
     "fsync_tree",
     "iter_jsonl",
@@ -141,10 +147,45 @@ def atomic_output_dir(out: PathLike, *, overwrite: bool = False) -> Iterator[Pat
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def check_output_apart(output: PathLike, inputs: Iterable[PathLike | None], *, what: str = "output") -> None:
+    """Refuse an output that would write where the command reads, before the first byte.
+
+    :class:`OutputError` when ``output`` is one of ``inputs`` (symlinks resolved, or the same file
+    under another name: a hard link), lies inside an input folder, or is a folder that contains an
+    input -- writing a temporary sibling and renaming it over the output would then replace or
+    delete the input. ``None`` inputs (an option not given) are skipped.
+    """
+    out = Path(output).resolve()
+    for given in inputs:
+        if given is None:
+            continue
+        inp = Path(given).resolve()
+        same = out == inp
+        if not same and out.exists() and inp.exists():
+            with contextlib.suppress(OSError):
+                same = os.path.samefile(out, inp)
+        if same:
+            raise OutputError(
+                f"{what} {output} is the input {given}: choose another path (the input is kept)"
+            )
+        if out.is_relative_to(inp):
+            raise OutputError(f"{what} {output} lies inside the input {given}: choose a path outside it")
+        if inp.is_relative_to(out):
+            raise OutputError(
+                f"{what} {output} contains the input {given}: writing it would replace the input"
+            )
+
+
 # -- JSONL -------------------------------------------------------------------------------------
 
 
-class JsonlError(ValueError):
+#: Deepest nesting of arrays and objects a JSON record may have. Records here are flat (a sample,
+#: a problem with its tests); the bound turns a hostile line of ``[[[[...`` into one clear error
+#: instead of a RecursionError in the decoder or in whatever walks the value later.
+MAX_JSON_DEPTH = 64
+
+
+class JsonlError(InputError):
     """A bad line of a JSONL file; the message starts with ``file:line:``."""
 
     def __init__(self, path: PathLike, line: int, message: str):
@@ -152,15 +193,53 @@ class JsonlError(ValueError):
         super().__init__(f"{path}:{line}: {message}")
 
 
+def _refuse_constant(name: str) -> float:
+    # json.loads accepts NaN, Infinity and -Infinity, which JSON itself does not: a reward, an
+    # answer or a length that is NaN would pass every comparison silently downstream.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def json_depth(value: JsonValue) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), computed without recursion."""
+    depth, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            depth = max(depth, d + 1)
+            stack.extend((x, d + 1) for x in v if isinstance(x, (dict, list)))
+    return depth
+
+
+def loads_json(text: str, *, max_depth: int = MAX_JSON_DEPTH) -> JsonValue:
+    """``json.loads`` that refuses NaN/Infinity and nesting deeper than ``max_depth`` (ValueError,
+    json.JSONDecodeError is one)."""
+    # The depth is checked only when the text could be that deep: one bracket per level.
+    if text.count("[") + text.count("{") > max_depth:
+        try:
+            value = json.loads(text, parse_constant=_refuse_constant)
+        except RecursionError:
+            raise ValueError(f"nested deeper than {max_depth} levels") from None
+        if json_depth(value) > max_depth:
+            raise ValueError(f"nested deeper than {max_depth} levels")
+        return value
+    return json.loads(text, parse_constant=_refuse_constant)
+
+
 def _decode(path: PathLike, lineno: int, raw: bytes) -> JsonValue:
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte-order mark, as Windows editors write it: not part of the JSON
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise JsonlError(path, lineno, f"not UTF-8 (byte {e.start + 1} of the line)") from None
     try:
-        return json.loads(text)
+        return loads_json(text)
     except json.JSONDecodeError as e:
         raise JsonlError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+    except ValueError as e:
+        raise JsonlError(path, lineno, f"invalid JSON: {e}") from None
 
 
 def iter_jsonl(

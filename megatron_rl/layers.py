@@ -2,30 +2,32 @@
 
 A module may import modules of its own part (a subpackage, or a top-level module) and of parts in
 *lower* layers -- never of a part in its own layer or above. Parts in one layer meet only through
-what lies below them (records of layer 0, callables passed in): e.g. the trainer hands
+what lies below them (records of layer 1, callables passed in): e.g. the trainer hands
 ``weight_sync`` a function yielding named tensors and never imports it, and the engine server and
 the broadcaster both build the update group from ``generation.update_group``.
 
 Bottom first:
 
-0. records and plumbing -- ``types`` (records crossing stages), ``config`` (typed field checks, YAML
+0. the error path -- ``errors`` (the exceptions for user mistakes, their exit codes, and the
+   command-line boundary every entry point runs behind);
+1. records and plumbing -- ``types`` (records crossing stages), ``config`` (typed field checks, YAML
    -> dataclass with file:line errors), ``fileio`` (atomic writes, JSONL), ``layers`` (this file);
-1. pure parts -- ``algorithms`` (tensor math), ``rewards`` (verifiers, sandbox, pool), ``hf`` (HF
+2. pure parts -- ``algorithms`` (tensor math), ``rewards`` (verifiers, sandbox, pool), ``hf`` (HF
    config facts, the HF <-> Megatron name and layout map per architecture, HF folders on disk);
-2. ``batching`` (scored groups -> train batches and microbatches);
-3. the engines of the loop -- ``training`` (Megatron trainer) and ``generation`` (fleet client,
+3. ``batching`` (scored groups -> train batches and microbatches);
+4. the engines of the loop -- ``training`` (Megatron trainer) and ``generation`` (fleet client,
    SGLang protocol, built-in engine server);
-4. what joins or drives the engines -- ``weight_sync`` (trainer -> fleet broadcast), ``convert``
+5. what joins or drives the engines -- ``weight_sync`` (trainer -> fleet broadcast), ``convert``
    (offline HF <-> Megatron checkpoints, built on the trainer's model), ``data`` (problem sets,
    curation, sampling through any generator);
-5. ``evaluation`` (pass@k, reports, plots over data and generation);
-6. ``orchestration`` (the RL loop and the whole recipe, ``RunConfig``);
-7. ``quickstart`` (the CPU demonstration, a client of the loop);
-8. entry points -- ``cli`` (the ``megatron-rl`` command and the verbs that span components);
-9. ``api`` (the Python API: the recipe object and the verbs, for notebooks and programs);
-10. ``__main__`` (``python -m megatron_rl``).
+6. ``evaluation`` (pass@k, reports, plots over data and generation);
+7. ``orchestration`` (the RL loop and the whole recipe, ``RunConfig``);
+8. ``quickstart`` (the CPU demonstration, a client of the loop);
+9. entry points -- ``cli`` (the ``megatron-rl`` command and the verbs that span components);
+10. ``api`` (the Python API: the recipe object and the verbs, for notebooks and programs);
+11. ``__main__`` (``python -m megatron_rl``).
 
-The package root (``megatron_rl/__init__.py``) holds the version and sits at layer 0. Its one
+The package root (``megatron_rl/__init__.py``) holds the version and sits at layer 1. Its one
 exception: it re-exports the Python API (``from megatron_rl import train``), importing ``api``
 lazily on first use of one of those names, so that importing the root loads nothing else.
 """
@@ -33,6 +35,7 @@ lazily on first use of one of those names, so that importing the root loads noth
 from __future__ import annotations
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the error path", ("errors",)),
     ("records and plumbing", ("", "types", "config", "fileio", "layers")),
     ("pure parts", ("algorithms", "rewards", "hf")),
     ("batching", ("batching",)),

@@ -5,7 +5,10 @@
     megatron-rl train RECIPE.yaml          # the RL loop (see README for what is available)
     megatron-rl sglang-args server|router RECIPE.yaml   # SGLang launch flags the recipe implies
 
-Also runnable as ``python -m megatron_rl``.
+Also runnable as ``python -m megatron_rl``. Every verb runs behind one error path
+(:mod:`megatron_rl.errors`): a mistake in what you give it is one line on stderr and an exit code
+of its kind (2 argument or recipe, 3 input file, 4 output refused, 5 resource, 1 run stopped);
+``--debug`` shows the stack.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+from megatron_rl.errors import run_cli
 
 # Verbs implemented by a module's ``main(argv) -> int``, which parses its own arguments.
 _PASSTHROUGH = {
@@ -168,12 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def _main(argv: list[str]) -> int:
     if argv and argv[0] in _PASSTHROUGH:  # argparse's REMAINDER would swallow "--flag" badly
         return _passthrough(_PASSTHROUGH[argv[0]][0])(argparse.Namespace(args=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: every verb runs behind the one error path (:func:`run_cli`): an input
+    mistake is one line naming what is wrong and an exit code of its kind; ``--debug`` anywhere
+    shows the stack."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verbs = [a for a in argv if not a.startswith("-")]
+    prog = f"megatron-rl {verbs[0]}" if verbs else "megatron-rl"
+    return run_cli(prog, _main, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from megatron_rl.data.problems import DataError, read_problems, write_problems
 from megatron_rl.data.report import CurationReport
+from megatron_rl.errors import run_cli
 from megatron_rl.fileio import atomic_write_json, write_jsonl
 
 __all__ = ["build_parser", "main"]
@@ -399,4 +400,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl curate", main))

@@ -31,6 +31,7 @@ from megatron_rl.data.sampling import (
     render_prompt,
     sample_and_score,
 )
+from megatron_rl.errors import run_cli
 from megatron_rl.evaluation.metrics import default_ks
 from megatron_rl.evaluation.report import evaluate, write_report
 from megatron_rl.rewards.pool import VerifierPool
@@ -145,4 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl eval", main))

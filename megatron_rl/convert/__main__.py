@@ -3,6 +3,7 @@
 import sys
 
 from megatron_rl.convert.cli import main
+from megatron_rl.errors import run_cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl convert", main))

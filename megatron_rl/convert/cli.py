@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_rl.errors import run_cli
+
 __all__ = ["build_parser", "main"]
 
 _DTYPES = ("keep", "bf16", "fp16", "fp32")
@@ -165,4 +167,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl convert", main))

@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.data.problems import DataError, read_records
+from megatron_rl.errors import run_cli
 from megatron_rl.evaluation import plots
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.hf.files import HFWeights
@@ -216,4 +217,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl analysis", main))

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from megatron_rl.config import ConfigError, config_to_dict
 from megatron_rl.data.problems import DataError, OptionError, hold_out, read_problems
 from megatron_rl.data.sampling import SamplingConfig, has_chat_template, load_tokenizer, sample_and_score
+from megatron_rl.errors import run_cli
 from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
@@ -778,4 +779,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl train", main))

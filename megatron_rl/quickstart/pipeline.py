@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_rl.errors import run_cli
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.orchestration.recipe import load_config
 
@@ -116,4 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl quickstart", main))

@@ -29,11 +29,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rl.data.problems import write_problems
+from megatron_rl.errors import run_cli
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.generation.api import LocalGenerator
 from megatron_rl.quickstart.evaluate import EvalConfig, EvalReport, evaluate
@@ -140,4 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_cli("megatron-rl warmup", main))

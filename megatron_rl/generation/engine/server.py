@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_rl.errors import run_cli
 from megatron_rl.fileio import atomic_write_text
 from megatron_rl.generation.engine.colocate import ColocateRoutes
 from megatron_rl.generation.engine.engine import TOP_K_OFF, Engine, EngineConfig, Finished
@@ -783,4 +784,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl serve-engine", main))

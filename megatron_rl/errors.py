@@ -1,0 +1,158 @@
+"""The one error path for every command: input mistakes are one line and an exit code, never a stack.
+
+Code anywhere in the package raises a :class:`UserError` subclass for a mistake in what the user
+gave it (an argument, a recipe field, a file's content, an output path that would overwrite an
+input), with a message that names the file, line, field or argument and what is allowed. The
+command-line boundary (:func:`run_cli`, used by ``megatron-rl`` and by every ``python -m`` entry
+point) turns it into one line on stderr and the exit code of its kind:
+
+====  =========================================================================================
+code  meaning
+====  =========================================================================================
+1     the run itself stopped (no progress, non-finite loss, a corrupt checkpoint to resume from)
+2     a bad argument or recipe value (argparse's own code for usage errors)
+3     a bad input file: missing, unreadable, not UTF-8, malformed, nested too deeply, truncated
+4     an output refused before the first byte: it is, contains or lies inside an input, or exists
+5     a resource the machine lacks: a port in use, a full disk, too little memory
+70    an internal error (a bug): still one line, and ``--debug`` shows the stack
+130   interrupted (Ctrl-C)
+====  =========================================================================================
+
+Exceptions that the standard library raises for the same mistakes (``FileNotFoundError``,
+``UnicodeDecodeError``, ``RecursionError`` on a deeply nested document, ``ENOSPC``...) are mapped
+here too, so that a path nobody thought to wrap still ends in one line. A stack reaches the user
+only with ``--debug`` (or ``MEGATRON_RL_DEBUG=1``).
+
+Layer 0: imports nothing of megatron_rl.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+__all__ = [
+    "EXIT_INPUT",
+    "EXIT_INTERNAL",
+    "EXIT_INTERRUPTED",
+    "EXIT_OUTPUT",
+    "EXIT_RESOURCE",
+    "EXIT_STOPPED",
+    "EXIT_USAGE",
+    "InputError",
+    "OutputError",
+    "ResourceError",
+    "RunStopped",
+    "UsageError",
+    "UserError",
+    "classify",
+    "debug_enabled",
+    "run_cli",
+]
+
+EXIT_STOPPED = 1
+EXIT_USAGE = 2
+EXIT_INPUT = 3
+EXIT_OUTPUT = 4
+EXIT_RESOURCE = 5
+EXIT_INTERNAL = 70  # EX_SOFTWARE in sysexits.h
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+DEBUG_ENV = "MEGATRON_RL_DEBUG"
+
+
+class UserError(Exception):
+    """A mistake in what the user gave a command; its message is the whole line the user sees."""
+
+    exit_code = EXIT_USAGE
+
+
+class UsageError(UserError, ValueError):
+    """A bad argument or configuration value (names the argument or field and what is allowed)."""
+
+    exit_code = EXIT_USAGE
+
+
+class InputError(UserError, ValueError):
+    """A bad input file (names the file and, where there is one, the line or field)."""
+
+    exit_code = EXIT_INPUT
+
+
+class OutputError(UserError):
+    """An output refused before anything was written (names the output and the input it hits)."""
+
+    exit_code = EXIT_OUTPUT
+
+
+class ResourceError(UserError):
+    """Something the machine lacks or holds elsewhere: a port in use, disk space, memory."""
+
+    exit_code = EXIT_RESOURCE
+
+
+class RunStopped(UserError):
+    """A run that cannot go on (no progress, a non-finite loss): says why and where it stopped."""
+
+    exit_code = EXIT_STOPPED
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0", "false", "no")
+
+
+def _one_line(text: str) -> str:
+    # Multi-line messages (a YAML parser's caret diagrams) are folded, so the user sees one line.
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def classify(exc: BaseException) -> tuple[int, str]:
+    """(exit code, one-line message) for an exception that reached a command's boundary."""
+    if isinstance(exc, UserError):
+        return exc.exit_code, _one_line(str(exc))
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(exc, RecursionError):
+        return EXIT_INPUT, "input nested too deeply to read (a document or a reference cycle)"
+    if isinstance(exc, MemoryError):
+        return EXIT_RESOURCE, "out of memory"
+    if isinstance(exc, UnicodeDecodeError):
+        return EXIT_INPUT, f"input is not UTF-8 text (byte {exc.start}: {exc.reason})"
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        why = exc.strerror or str(exc)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return EXIT_RESOURCE, f"{where}disk full: {why}"
+        if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENOMEM):
+            return EXIT_RESOURCE, f"{where}{why}"
+        return EXIT_INPUT, f"{where}{why}"
+    return EXIT_INTERNAL, (
+        f"internal error: {type(exc).__name__}: {_one_line(str(exc))} "
+        f"(rerun with --debug for the stack, and please report it)"
+    )
+
+
+def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run ``main(argv)`` behind the boundary: the exit code it returns, or for an exception one
+    line ``prog: message`` on stderr and the exit code of its kind. ``--debug`` anywhere in
+    ``argv`` is taken out and shows the stack (so does ``MEGATRON_RL_DEBUG=1``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:
+        args = [a for a in args if a != "--debug"]
+        os.environ[DEBUG_ENV] = "1"  # child processes (ranks, servers) show their stacks too
+    try:
+        return int(main(args) or 0)
+    except SystemExit as e:  # argparse, or sys.exit("message") deep inside: keep its contract
+        if isinstance(e.code, str):
+            print(_one_line(e.code), file=sys.stderr)
+            return EXIT_STOPPED
+        return int(e.code or 0)
+    except BaseException as e:  # noqa: BLE001 -- this is the boundary: nothing passes it as a stack
+        code, message = classify(e)
+        if debug_enabled():
+            traceback.print_exc()
+        print(f"{prog}: {message}", file=sys.stderr)
+        return code
