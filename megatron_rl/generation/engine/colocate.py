@@ -28,7 +28,9 @@ those three routes (``POST_ROUTES``), under the server's API key like every othe
   the bytes never travel over HTTP. Every tensor is checked (a parameter of this model, named
   once, its shape, a floating dtype, finite in the parameter's dtype) before any is copied in;
   one bad tensor: 400 naming it, weights and version untouched. The engine copies the values
-  into its own parameters: it never keeps a view of the sender's memory.
+  into its own parameters: it never keeps a view of the sender's memory. A floating tensor in a
+  dtype other than its parameter's is cast, as SGLang's loaders cast it, and the reply says so
+  (``dtype_casts`` and the message, naming the first tensor of each pair of dtypes).
 
 **What the unpickling does and does not protect against.** The payload is a pickle, so it is
 read by an unpickler that resolves only the handful of globals a list of CPU tensors needs
@@ -59,7 +61,7 @@ from torch.multiprocessing import reductions
 
 from megatron_rl.generation.engine.engine import Engine
 from megatron_rl.generation.engine.routes import ServerServices
-from megatron_rl.generation.engine.weights import checked_update
+from megatron_rl.generation.engine.weights import cast_note, checked_update, dtype_casts
 from megatron_rl.generation.protocol import MEMORY_TAGS
 
 if TYPE_CHECKING:
@@ -366,6 +368,7 @@ class ColocateRoutes(ServerServices):
             if errors:
                 more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
                 raise self._refuse(f"{errors[0]}{more}; nothing was applied")
+            casts = dtype_casts(((n, t.dtype) for n, t in received), params)
             if abort_all:
                 self._abort_all()
             with torch.no_grad():
@@ -376,7 +379,11 @@ class ColocateRoutes(ServerServices):
                 engine.set_version(version)
             self.stats["weight_updates"] += 1
         note = f" Weight version updated to {version}." if version is not None else ""
-        return {"success": True, "message": f"Success{note}"}
+        return {
+            "success": True,
+            "message": f"Success{note}{cast_note(casts)}",
+            "dtype_casts": {pair: len(names) for pair, names in casts.items()},
+        }
 
     def _check_loadable(self, route: str) -> Engine:
         """The engine, if weights can be loaded now (a session open, the weights not released)."""

@@ -8,15 +8,28 @@ refused body is drained, never parsed, and the connection closed); a body needs 
 the log); a ``/generate`` waiting for its tokens notices a client that hung up. Which method answers
 a route is the server's table (``POST_ROUTES`` / ``GET_ROUTES`` of ``server.py``); this module
 knows no route but ``/generate``.
+
+**Hostile clients.** A connection holds a thread, so a client must not be able to hold one for
+nothing. Every request has one read deadline, ``read_timeout_s`` from the moment the server
+starts waiting for it, covering the request line, the headers and the body together (a client
+that dribbles a byte a second does not reset it): past it a body still arriving is answered 408
+and a request line or headers still arriving is closed without an answer; an idle keep-alive
+connection is closed the same way. Writing an answer is bounded by the same time. And one client
+address holds at most ``max_conns_per_client`` connections at once: the next is answered 503
+naming the limit and closed, on a short-lived thread of its own (or, past
+``_MAX_REFUSING`` such refusals at once, closed unanswered).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import math
 import select
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
@@ -28,7 +41,16 @@ if TYPE_CHECKING:
 
     Body = dict[str, JsonValue]
 
-__all__ = ["BadRequest", "ClientGone", "EngineHTTPServer", "Routed", "error_body", "make_handler"]
+__all__ = [
+    "DEFAULT_MAX_CONNS_PER_CLIENT",
+    "DEFAULT_READ_TIMEOUT_S",
+    "BadRequest",
+    "ClientGone",
+    "EngineHTTPServer",
+    "Routed",
+    "error_body",
+    "make_handler",
+]
 
 log = logging.getLogger("megatron_rl.engine_server")
 
@@ -38,6 +60,20 @@ log = logging.getLogger("megatron_rl.engine_server")
 _DISCARD_LIMIT = 16 << 20
 # The longest a refused connection is drained after its answer (_refuse_unread).
 _LINGER_S = 2.0
+# A request's read deadline: long enough for a 64 MB body over a slow link and for a client
+# pausing between its header and its body; short enough that stalled connections are gone
+# before they pile up. aiohttp (the fleet client) closes an idle keep-alive connection after 15 s,
+# before the server would.
+DEFAULT_READ_TIMEOUT_S = 30.0
+# Connections one client address may hold at once. A trainer opens one per in-flight sample
+# (FleetClient's max_connections is 0, unbounded, by default), so the default admits a large
+# fleet's worth from one host: the listen backlog's size. 0: no limit.
+DEFAULT_MAX_CONNS_PER_CLIENT = 4096
+# Over-limit connections being answered 503 at once; past this many they are closed unanswered,
+# so a flood of connections cannot turn into a flood of threads.
+_MAX_REFUSING = 64
+# How long an over-limit connection is drained after its 503 (see _refuse_unread's why).
+_REFUSE_LINGER_S = 0.5
 
 
 class BadRequest(Exception):
@@ -48,14 +84,119 @@ class BadRequest(Exception):
         self.status = status
 
 
+class _NotServing(BaseHTTPRequestHandler):
+    """The handler of a server bound before its routes exist (it never serves with this one)."""
+
+    def handle(self) -> None:
+        self.close_connection = True
+
+
 class EngineHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, none of which holds up the process's exit."""
+    """A thread per connection, none of which holds up the process's exit; at most
+    ``max_conns_per_client`` connections per client address (0: no limit), and every request
+    read within ``read_timeout_s`` (see the module docstring).
+
+    ``handler`` may be set later (``RequestHandlerClass``): ``megatron-rl serve-engine`` binds
+    its port before it loads the model, so that a port in use is reported before the wait."""
 
     # An RL fleet opens a connection per in-flight sample, a thousand and more at once: the
     # default backlog of 5 would refuse some, which a client must read as a dead server. The
     # kernel caps it at net.core.somaxconn (4096 on current kernels).
     request_queue_size = 4096
     daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[BaseHTTPRequestHandler] = _NotServing,
+        *,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_conns_per_client: int = DEFAULT_MAX_CONNS_PER_CLIENT,
+    ) -> None:
+        if not (math.isfinite(read_timeout_s) and read_timeout_s > 0):
+            raise ValueError(f"read_timeout_s: must be a finite number > 0, got {read_timeout_s}")
+        if max_conns_per_client < 0:
+            raise ValueError(f"max_conns_per_client: must be >= 0 (0: no limit), got {max_conns_per_client}")
+        self.read_timeout_s = read_timeout_s
+        self.max_conns_per_client = max_conns_per_client
+        self._open: dict[str, int] = {}  # client address -> connections being served
+        self._refusing = 0  # over-limit connections being answered now
+        self._count_lock = threading.Lock()
+        self.refused_connections = 0  # over the per-client limit, since start
+        super().__init__(address, handler)
+
+    def open_connections(self) -> dict[str, int]:
+        """Connections being served now, per client address."""
+        with self._count_lock:
+            return dict(self._open)
+
+    def process_request(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        """Serve the connection on a thread of its own, unless its address holds its limit."""
+        host = str(client_address[0])
+        with self._count_lock:
+            held = self._open.get(host, 0)
+            over = 0 < self.max_conns_per_client <= held
+            if over:
+                self.refused_connections += 1
+                answer = self._refusing < _MAX_REFUSING
+                self._refusing += answer
+            else:
+                self._open[host] = held + 1
+        if not over:
+            try:
+                return super().process_request(request, client_address)
+            except BaseException:  # no thread to serve it (and so none to count it down)
+                self._release(host)
+                raise
+        log.warning(
+            "refused a connection from %s: it holds %d (--max-conns-per-client %d)",
+            host,
+            held,
+            self.max_conns_per_client,
+        )
+        if not answer:
+            return self.shutdown_request(request)
+        message = (
+            f"too many connections from {host}: it holds {held}, this server's "
+            f"--max-conns-per-client; retry when one closes"
+        )
+        threading.Thread(
+            target=self._refuse, args=(request, message), name="engine-refuse", daemon=True
+        ).start()
+
+    def _refuse(self, sock: socket.socket, message: str) -> None:
+        """Answer 503 without reading the request, then a short lingering close."""
+        data = json.dumps(error_body(message)).encode()
+        head = (
+            f"HTTP/1.1 {HTTPStatus.SERVICE_UNAVAILABLE.value} Service Unavailable\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            "Retry-After: 1\r\nConnection: close\r\n\r\n"
+        )
+        try:
+            sock.settimeout(_REFUSE_LINGER_S)
+            sock.sendall(head.encode() + data)
+            _linger(sock, _REFUSE_LINGER_S)
+        except OSError:
+            pass
+        finally:
+            self.shutdown_request(sock)
+            with self._count_lock:
+                self._refusing -= 1
+
+    def process_request_thread(self, request: socket.socket, client_address: tuple[str, int]) -> None:  # type: ignore[override]
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(str(client_address[0]))
+
+    def _release(self, host: str) -> None:
+        """One connection of ``host`` is done."""
+        with self._count_lock:
+            left = self._open.get(host, 1) - 1
+            if left > 0:
+                self._open[host] = left
+            else:
+                self._open.pop(host, None)
 
     def handle_error(self, request: object, client_address: object) -> None:
         """A connection's unhandled exception: to the log (never to the client), quietly for a
@@ -69,6 +210,50 @@ class EngineHTTPServer(ThreadingHTTPServer):
 
 class ClientGone(Exception):
     """The client closed its connection while its request waited: nothing to answer."""
+
+
+class _ReadDeadline(TimeoutError):
+    """A request's read deadline passed (the stdlib's handler closes on a ``TimeoutError``)."""
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A socket's receive side under one deadline for a whole request: every ``recv`` waits at
+    most what is left of it, however the buffered reader above splits a line or a body into
+    reads, so a client sending a byte at a time cannot stretch a request past it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.deadline = math.inf  # time.monotonic() past which reads fail
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise _ReadDeadline("the request's read deadline passed")
+        self._sock.settimeout(left)
+        try:
+            return self._sock.recv_into(buffer)
+        except TimeoutError:
+            raise _ReadDeadline("the request's read deadline passed") from None
+
+
+def _linger(sock: socket.socket, seconds: float, limit: int = _DISCARD_LIMIT) -> None:
+    """After an answer: stop writing, and read (and drop) what the client still sends for up to
+    ``seconds`` or ``limit`` bytes, so that its kernel has the answer before a reset for unread
+    bytes could overtake it. OSError: the client went first, or the time ran out."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline, left = time.monotonic() + seconds, limit
+        while left > 0 and (wait := deadline - time.monotonic()) > 0:
+            sock.settimeout(wait)
+            chunk = sock.recv(min(left, 1 << 16))
+            if not chunk:
+                break
+            left -= len(chunk)
+    except OSError:
+        pass
 
 
 class Routed(Protocol):
@@ -99,6 +284,19 @@ def make_handler(
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         _peer_sent_more = False  # the client sent bytes past its request: stop watching for EOF
+        server: EngineHTTPServer  # the server that made this handler
+        _reader: _DeadlineReader
+
+        def setup(self) -> None:
+            super().setup()
+            self._reader = _DeadlineReader(self.connection)
+            self.rfile = io.BufferedReader(self._reader)  # every read under the request's deadline
+
+        def handle_one_request(self) -> None:
+            # The deadline runs from the moment the server waits for the request: an idle
+            # keep-alive connection is closed by it too.
+            self._reader.deadline = time.monotonic() + self.server.read_timeout_s
+            super().handle_one_request()
 
         def log_message(
             self, fmt: str, *args: object
@@ -107,6 +305,9 @@ def make_handler(
 
         def _send(self, status: int, obj: object, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(obj).encode()
+            # A client that does not read its answer holds the thread no longer than one that
+            # does not send its request (sendall's timeout bounds the whole write).
+            self.connection.settimeout(self.server.read_timeout_s)
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -156,18 +357,7 @@ def make_handler(
             kernel has our answer before a reset for unread bytes could overtake it."""
             self.close_connection = True
             self._send(status, error_body(message), {"Connection": "close"})
-            sock = self.connection
-            try:
-                sock.shutdown(socket.SHUT_WR)
-                deadline, left = time.monotonic() + _LINGER_S, _DISCARD_LIMIT
-                while left > 0 and (wait := deadline - time.monotonic()) > 0:
-                    sock.settimeout(wait)
-                    chunk = sock.recv(min(left, 1 << 16))
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-            except OSError:  # the client went first, or the drain timed out: nothing more to do
-                pass
+            _linger(self.connection, _LINGER_S)
 
         def _body(self) -> bytes | None:
             """The request body, at most ``server.max_body_bytes``; None once refused."""
@@ -190,7 +380,19 @@ def make_handler(
                     f"({server.max_body_bytes} bytes)",
                 )
                 return None
-            return self.rfile.read(length) if length else b""
+            try:
+                return self.rfile.read(length) if length else b""
+            except _ReadDeadline:
+                self.close_connection = True
+                self._send(
+                    HTTPStatus.REQUEST_TIMEOUT,
+                    error_body(
+                        f"the request body did not arrive within this server's --read-timeout-s "
+                        f"({self.server.read_timeout_s:g} s, head and body together)"
+                    ),
+                    {"Connection": "close"},
+                )
+                return None
 
         def _client_gone(self) -> bool:
             """Whether the client closed its connection (EOF or reset), without blocking or

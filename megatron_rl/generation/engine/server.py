@@ -26,7 +26,9 @@ weight loads, abort) land *between* steps.
   one bucket (``flattened_bucket``) or one broadcast per tensor into fresh buffers, checks every
   tensor (name, shape, dtype, finite), and only then copies them into the model's HF-named
   parameters under the engine lock and, with ``weight_version``, sets the version that later
-  tokens record: all or nothing, a 400 naming the first bad tensor otherwise. The receive does not hold the lock: decoding goes on while bytes
+  tokens record: all or nothing, a 400 naming the first bad tensor otherwise. A tensor in a
+  floating dtype other than its parameter's is cast (as SGLang), and the reply's ``dtype_casts``
+  says which. The receive does not hold the lock: decoding goes on while bytes
   arrive unless the caller paused first. ``flush_cache`` has nothing to flush (no prefix cache;
   running requests keep their KV cache either way).
 - ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/update_weights_from_tensor``:
@@ -51,16 +53,20 @@ server is open, as SGLang's is, and says so in its log when it listens beyond lo
 
 **Hygiene.** A body past ``--max-body-mb`` is answered 413 without being read; a bad
 ``Content-Length`` 400, a chunked body 411. Every error is JSON (``message``, ``error.message``);
-an unexpected exception is a 500 ``internal error: <type>``, its traceback in the log only.
+an unexpected exception is a 500 ``internal error: <type>``, its traceback in the log only. Every
+control route checks its whole body before it acts or waits (a rendezvous, a broadcast) and
+answers a bad value with a 400 naming the field. A request must arrive whole within
+``--read-timeout-s`` (line, headers and body together: 408 or closed past it), and one client
+address holds at most ``--max-conns-per-client`` connections (503 past it), so stalled or
+hoarding clients cannot starve the server of threads (``engine/http.py``). Every argument is
+checked, and the port bound, before the model loads (``engine/serve_args.py``).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import ipaddress
-import json
 import logging
 import math
 import os
@@ -79,11 +85,14 @@ from megatron_rl.fileio import atomic_write_text
 from megatron_rl.generation.engine.colocate import ColocateRoutes
 from megatron_rl.generation.engine.engine import TOP_K_OFF, Engine, EngineConfig, Finished
 from megatron_rl.generation.engine.http import (
+    DEFAULT_MAX_CONNS_PER_CLIENT,
+    DEFAULT_READ_TIMEOUT_S,
     BadRequest,
     ClientGone,
     EngineHTTPServer,
     make_handler,
 )
+from megatron_rl.generation.engine.serve_args import bind, parse_serve_args
 from megatron_rl.generation.engine.timing import TimingEngine
 from megatron_rl.generation.engine.updates import UpdateRoutes
 from megatron_rl.generation.engine.weights import (
@@ -93,7 +102,6 @@ from megatron_rl.generation.engine.weights import (
 )
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
-    api_key_from_env,
     check_api_key,
     tensor_digest,
 )
@@ -202,11 +210,17 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         model_path: str = "",
         api_key: str = "",
         max_body_mb: float = 64.0,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        max_conns_per_client: int = DEFAULT_MAX_CONNS_PER_CLIENT,
+        httpd: EngineHTTPServer | None = None,
     ) -> None:
         """``api_key`` "": no key (every route open). ``max_body_mb``: the largest request body
-        read; a larger one is answered 413 unread."""
-        if not max_body_mb > 0:
-            raise ValueError(f"max_body_mb: must be > 0, got {max_body_mb}")
+        read; a larger one is answered 413 unread. ``read_timeout_s``: a request's read deadline
+        (line, headers and body); ``max_conns_per_client``: connections per client address (0:
+        no limit); see ``engine/http.py``. ``httpd``: a server already listening (``host``,
+        ``port`` and the two limits are then its own)."""
+        if not (math.isfinite(max_body_mb) and max_body_mb > 0):
+            raise ValueError(f"max_body_mb: must be a finite number > 0, got {max_body_mb}")
         self.engine = engine
         self._api_key = check_api_key(api_key).encode()
         self.max_body_bytes = int(max_body_mb * 2**20)
@@ -230,7 +244,12 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             "aborted_requests": 0,  # by any cause: abort routes, pause(abort), a failed step, a client gone
             "client_disconnects": 0,  # requests aborted because their client closed the connection
         }
-        self.httpd = EngineHTTPServer((host, port), make_handler(self, POST_ROUTES, GET_ROUTES))
+        if httpd is None:
+            httpd = EngineHTTPServer(
+                (host, port), read_timeout_s=read_timeout_s, max_conns_per_client=max_conns_per_client
+            )
+        httpd.RequestHandlerClass = make_handler(self, POST_ROUTES, GET_ROUTES)
+        self.httpd = httpd
         bound_host, self.port = self.httpd.server_address[:2]
         # An AF_INET server's host is a str; typeshed allows bytes for other address families.
         self.host = bound_host.decode() if isinstance(bound_host, (bytes, bytearray)) else bound_host
@@ -490,6 +509,9 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         return {"success": True, "message": f"paused ({mode})"}
 
     def resume(self, body: Body) -> Body:
+        flag = body.get("torch_empty_cache")  # SGLang's one field; no CUDA cache to empty here
+        if flag is not None and not isinstance(flag, bool):
+            raise BadRequest(f"torch_empty_cache: must be true or false, got {flag!r}")
         with self._between_steps():
             self.engine.resume()
             self.cond.notify_all()
@@ -501,17 +523,27 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         return len(aborted)
 
     def abort(self, body: Body) -> Body:
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if rid is None or (_is_int(rid) and not isinstance(rid, bool)):
+            rid = "" if rid is None else str(rid)
+        if not isinstance(rid, str):
+            raise BadRequest(f"rid: must be a string, got {rid!r}")
+        if not isinstance(abort_all, bool):
+            raise BadRequest(f"abort_all: must be true or false, got {abort_all!r}")
         with self._between_steps():
-            if body.get("abort_all"):
+            if abort_all:
                 n = self._abort_all()
             else:
-                f = self.engine.abort(str(body.get("rid", "")))
+                f = self.engine.abort(rid)
                 n = 0 if f is None else 1
                 self._deliver([f] if f else [])
             self.cond.notify_all()
         return {"success": True, "message": f"aborted {n} request(s)"}
 
     def flush_cache(self, body: Body) -> Body:
+        t = body.get("timeout_s")  # SGLang's one field
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0):
+            raise BadRequest(f"timeout_s: must be a number >= 0 or null, got {t!r}")
         return {"success": True, "message": "no prefix cache to flush"}
 
     def server_info(self) -> Body:
@@ -705,76 +737,40 @@ def _raise_open_files_limit() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``megatron-rl serve-engine``: serve an HF folder until killed."""
-    p = argparse.ArgumentParser(prog="megatron-rl serve-engine", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="HF model folder (config.json + safetensors)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    p.add_argument("--max-slots", type=int, default=16, help="sequences decoded together")
-    p.add_argument("--max-len", type=int, default=2048, help="prompt + completion tokens per slot")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
-    p.add_argument("--weight-version", type=int, default=0, help="version of the loaded weights")
-    p.add_argument("--port-file", help="write the bound port here (atomic) once serving")
-    p.add_argument(
-        "--max-body-mb", type=float, default=64.0, help="largest request body read; larger: 413 unread"
-    )
-    p.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help="every route but /health and /health_generate then wants 'Authorization: Bearer KEY' "
-        f"(SGLang's flag); default ${API_KEY_ENV}, which unlike argv does not show in ps; "
-        "neither: no key",
-    )
-    p.add_argument(
-        "--timing-model",
-        metavar="FILE.json",
-        help="no model compute: steps sleep for this cost model and write its token "
-        "script (generation/engine/timing.py); --model gives EOS and vocab only",
-    )
-    args = p.parse_args(argv)
+    """``megatron-rl serve-engine``: serve an HF folder until killed. Every argument is checked
+    and the port bound before the model loads (``engine/serve_args.py``)."""
+    args = parse_serve_args(argv)
+    httpd = bind(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
-    try:
-        api_key = check_api_key(args.api_key) if args.api_key is not None else api_key_from_env()
-    except ValueError as e:
-        print(f"serve-engine: {e}", file=sys.stderr)
-        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        print(f"serve-engine: {args.model}: no config.json (an HF model folder is expected)", file=sys.stderr)
-        return 2
-    if args.timing_model:
-        with open(os.path.join(args.model, "config.json")) as f:
-            hf = json.load(f)
-        eos = hf.get("eos_token_id")
-        engine: Engine | TimingEngine = TimingEngine.from_json(
-            args.timing_model,
-            EngineConfig(max_slots=args.max_slots, max_len=args.max_len),
-            eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],
-            vocab_size=hf.get("vocab_size"),
+    config = EngineConfig(max_slots=args.max_slots, max_len=args.max_len)
+    if args.timing is not None:
+        eos = args.hf_config.get("eos_token_id")
+        vocab = args.hf_config.get("vocab_size")
+        engine: Engine | TimingEngine = TimingEngine(
+            args.timing,
+            config,
+            eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],  # type: ignore[list-item]
+            vocab_size=vocab if isinstance(vocab, int) else None,
         )
     else:
-        engine = Engine.from_pretrained(
-            args.model, EngineConfig(max_slots=args.max_slots, max_len=args.max_len)
-        )
+        engine = Engine.from_pretrained(args.model, config)
     engine.set_version(args.weight_version)
     _raise_open_files_limit()
     server = EngineServer(
-        engine,
-        host=args.host,
-        port=args.port,
-        model_path=args.model,
-        api_key=api_key,
-        max_body_mb=args.max_body_mb,
+        engine, model_path=args.model, api_key=args.api_key, max_body_mb=args.max_body_mb, httpd=httpd
     )
     if args.port_file:
         atomic_write_text(args.port_file, str(server.port))
     log.info(
-        "serving %s on %s (KV capacity %d tokens, %s)",
+        "serving %s on %s (KV capacity %d tokens, %s; read deadline %g s, %s connections per client)",
         args.model,
         server.url,
         engine.capacity_tokens,
-        "API key required" if api_key else "no API key",
+        "API key required" if args.api_key else "no API key",
+        args.read_timeout_s,
+        args.max_conns_per_client or "unlimited",
     )
     try:
         server.serve_forever()

@@ -13,12 +13,15 @@ streamed update's manifest, receiver and all-or-nothing apply are in ``engine/we
 from __future__ import annotations
 
 import logging
+import math
+import socket
 import threading
 import time
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from megatron_rl.generation.engine.http import BadRequest
 from megatron_rl.generation.engine.routes import ServerServices
@@ -26,7 +29,9 @@ from megatron_rl.generation.engine.weights import (
     STREAM_ROUTE,
     ManifestError,
     StreamReceiver,
+    cast_note,
     checked_update,
+    dtype_casts,
     install,
     parse_manifest,
 )
@@ -34,8 +39,6 @@ from megatron_rl.generation.protocol import bucket_layout, unpack_bucket
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
-
     from megatron_rl.fileio import JsonValue
     from megatron_rl.generation.engine.engine import Engine
     from megatron_rl.generation.engine.timing import TimingEngine
@@ -66,30 +69,29 @@ class UpdateRoutes(ServerServices):
     _stream_lock: threading.Lock
 
     def init_group(self, body: Body) -> Body:
-
+        """Join the update group. Every field is checked before the rendezvous (which waits up
+        to the group's timeout for rank 0): a bad one is a 400 naming it, at once."""
+        spec = _group_spec(body, self.engine.cache.k.device)
+        if spec["group_name"] in self._groups:
+            raise BadRequest(f"group_name: {spec['group_name']!r} already initialised")
         try:
-            name = body.get("group_name", "weight_update_group")
-            if name in self._groups:
-                raise BadRequest(f"group_name: {name!r} already initialised")
-            self._groups[name] = init_update_group(
-                backend=body.get("backend", "nccl"),
-                master_address=body["master_address"],
-                master_port=int(body["master_port"]),
-                rank=int(body["rank_offset"]),
-                world_size=int(body["world_size"]),
-                group_name=name,
+            self._groups[str(spec["group_name"])] = init_update_group(
+                backend=str(spec["backend"]),
+                master_address=str(spec["master_address"]),
+                master_port=int(spec["master_port"]),
+                rank=int(spec["rank_offset"]),
+                world_size=int(spec["world_size"]),
+                group_name=str(spec["group_name"]),
             )
-        except KeyError as e:
-            raise BadRequest(f"{e.args[0]}: required") from None
         except (RuntimeError, ValueError, TypeError) as e:
             raise BadRequest(f"Failed to initialize custom process group: {e}") from None
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def destroy_group(self, body: Body) -> Body:
-
-        group = self._groups.pop(body.get("group_name", "weight_update_group"), None)
+        name = _group_name(body)
+        group = self._groups.pop(name, None)
         if group is None:
-            raise BadRequest("group_name: no such group")
+            raise BadRequest(f"group_name: no such group {name!r}")
         destroy_update_group(group)
         return {"success": True, "message": "destroyed"}
 
@@ -171,7 +173,10 @@ class UpdateRoutes(ServerServices):
         """All or nothing: the whole broadcast is received into fresh buffers, then every tensor
         is checked (a parameter of this model, named once, its shape, a floating dtype, finite
         values in the parameter's dtype), and only then copied in, in one section between
-        steps. A bad tensor: 400 naming the first, weights and weight version untouched.
+        steps. A bad tensor: 400 naming the first, weights and weight version untouched. A
+        floating tensor in another dtype than its parameter's is cast, as SGLang casts it (the
+        trainer's ``weight_sync.cast_dtype`` relies on it), and the reply says so: ``dtype_casts``
+        counts each pair of dtypes and the message names the first tensor of each.
 
         The body itself is checked before anything is received (a broadcast of unknown size
         cannot be received); past that the server takes part in the broadcast whatever the
@@ -183,9 +188,16 @@ class UpdateRoutes(ServerServices):
                 "update_weights_from_distributed must run between "
                 "begin_weight_update() and end_weight_update()"
             )
-        names, dtypes, shapes, flattened = _update_spec(body)
+        params = self.engine.model.named_weights()
+        names, dtypes, shapes, flattened = _update_spec(body, params)
         version = None if body.get("weight_version") is None else int_version(body["weight_version"])
-        group = self._groups.get(body.get("group_name", "weight_update_group"))
+        abort_all = _flag(body, "abort_all_requests", False)
+        _flag(body, "flush_cache", True)  # no prefix cache to flush
+        if body.get("selector", "all") not in (None, "all", "target"):
+            raise BadRequest(
+                f"selector: {body['selector']!r}: this server has no draft model (all or target)"
+            )
+        group = self._groups.get(_group_name(body))
         if group is None:
             raise BadRequest("group_name: call /init_weights_update_group first")
         device = self.engine.cache.k.device
@@ -203,32 +215,41 @@ class UpdateRoutes(ServerServices):
                     received.append((n, t))
         except RuntimeError as e:  # the group broke (a peer died): nothing was applied
             raise BadRequest(f"group_name: the broadcast failed: {str(e)[:300]}", 500) from None
-        params = self.engine.model.named_weights()
         tensors, errors = checked_update(received, params)
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             log.error("update_weights_from_distributed refused: %s%s", errors[0], more)
             raise BadRequest(f"{errors[0]}{more}; nothing was applied")
+        casts = dtype_casts(((n, t.dtype) for n, t in received), params)
         with self._between_steps():
+            if abort_all:
+                self._abort_all()
             with torch.no_grad():
                 for n, t in tensors:
                     params[n].copy_(t)
             if version is not None:
                 self.engine.set_version(version)
             self.stats["weight_updates"] += 1
-        return {"success": True, "message": "Succeeded to update parameter online."}
+        note = cast_note(casts)
+        if note:
+            log.info("update_weights_from_distributed:%s", note)
+        return {
+            "success": True,
+            "message": f"Succeeded to update parameter online.{note}",
+            "dtype_casts": {pair: len(names) for pair, names in casts.items()},
+        }
 
     def receive_raw(self, body: Body) -> Body:
         self._no_stream("/megatron_rl/receive_raw")
-        group = self._groups.get(body.get("group_name", "weight_update_group"))
+        name = _group_name(body)
+        # As much as a whole update of this model in float32, and a GiB at least (the timing
+        # engine holds no weights): the bench sends one bucket or one model's bytes.
+        params = self.engine.model.named_weights()
+        most = max(4 * sum(p.numel() for p in params.values()), 1 << 30)
+        numel = _int_field(body, "numel", lo=1, hi=most, what=" bytes")
+        group = self._groups.get(name)
         if group is None:
             raise BadRequest("group_name: call /init_weights_update_group first")
-        try:
-            numel = int(body["numel"])
-        except (KeyError, TypeError, ValueError):
-            raise BadRequest("numel: required, an integer number of bytes") from None
-        if numel < 1:
-            raise BadRequest(f"numel: must be >= 1, got {numel}")
         broadcast(torch.empty(numel, dtype=torch.uint8, device=self.engine.cache.k.device), group, src=0)
         return {"success": True, "message": f"received {numel} bytes"}
 
@@ -236,8 +257,9 @@ class UpdateRoutes(ServerServices):
         if body.get("new_version") is None:
             raise BadRequest("new_version: required")
         version = int_version(body["new_version"], "new_version")
+        abort_all = _flag(body, "abort_all_requests", True)
         with self._between_steps():
-            if body.get("abort_all_requests", True):
+            if abort_all:
                 self._abort_all()
             self.engine.set_version(version)
         return {"success": True, "message": "updated", "new_version": body["new_version"]}
@@ -254,9 +276,77 @@ def int_version(v: JsonValue, field: str = "weight_version") -> int:
     raise BadRequest(f"{field}: the built-in engine takes integer versions, got {v!r}")
 
 
-def _update_spec(body: Body) -> tuple[list[str], list[str], list[list[int]], bool]:
+def _group_name(body: Body) -> str:
+    name = body.get("group_name", "weight_update_group")
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"group_name: must be a non-empty string, got {name!r}")
+    return name
+
+
+def _flag(body: Body, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"{key}: must be true or false, got {v!r}")
+    return v
+
+
+def _int_field(body: Body, key: str, *, lo: int, hi: int, what: str = "") -> int:
+    """An integer field in ``[lo, hi]`` (a string of digits counts, as pydantic reads SGLang's)."""
+    if key not in body or body[key] is None:
+        raise BadRequest(f"{key}: required, an integer in [{lo}, {hi}]{what}")
+    v = body[key]
+    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+        v = int(v)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise BadRequest(f"{key}: must be an integer in [{lo}, {hi}]{what}, got {v!r}")
+    return v
+
+
+# The update-group backends: gloo (CPU tensors, or CUDA through the host) and nccl (CUDA).
+_BACKENDS = ("gloo", "nccl")
+
+
+def _group_spec(body: Body, device: torch.device) -> dict[str, str | int]:
+    """The fields of an ``/init_weights_update_group`` body, checked (``BadRequest`` naming the
+    first bad one): nothing the rendezvous would only find out by waiting for its timeout."""
+    name = _group_name(body)
+    backend = body.get("backend", "nccl")
+    if backend not in _BACKENDS:
+        raise BadRequest(f"backend: must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+    if backend == "nccl" and (device.type != "cuda" or not dist.is_nccl_available()):
+        raise BadRequest(f"backend: nccl needs a CUDA device; this engine runs on {device.type}: use gloo")
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise BadRequest("backend: this torch build has no gloo; use nccl")
+    address = body.get("master_address")
+    if not isinstance(address, str) or not address or any(c.isspace() for c in address):
+        raise BadRequest(f"master_address: required, a host name or address, got {address!r}")
+    port = _int_field(body, "master_port", lo=1, hi=65535)
+    world = _int_field(body, "world_size", lo=2, hi=1 << 20, what=" (the trainer and the servers)")
+    rank = _int_field(body, "rank_offset", lo=1, hi=world - 1, what=" (rank 0 is the trainer)")
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise BadRequest(f"master_address: {address!r} does not resolve ({e})") from None
+    return {
+        "group_name": name,
+        "backend": str(backend),
+        "master_address": address,
+        "master_port": port,
+        "world_size": world,
+        "rank_offset": rank,
+    }
+
+
+def _update_spec(
+    body: Body, params: dict[str, torch.Tensor]
+) -> tuple[list[str], list[str], list[list[int]], bool]:
     """``names, dtypes, shapes, flattened`` of an ``/update_weights_from_distributed`` body,
-    checked before anything is received; ``BadRequest`` naming the field otherwise."""
+    checked before anything is received; ``BadRequest`` naming the field otherwise. Bounded by
+    the model (no tensor larger than its largest parameter, no more tensors than it has), so a
+    typo'd shape is refused by name instead of becoming an allocation the size of the machine
+    and a receive that waits for bytes nobody sends."""
     try:
         names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
     except KeyError as e:
@@ -268,6 +358,11 @@ def _update_spec(body: Body) -> tuple[list[str], list[str], list[list[int]], boo
         raise BadRequest(
             f"names / dtypes / shapes: one each per tensor, got {len(names)} / {len(dtypes)} / {len(shapes)}"
         )
+    # The timing engine holds no weights: its bounds are only there to stop absurd sizes.
+    most_tensors = len(params) or 1 << 16
+    most_numel = max((p.numel() for p in params.values()), default=1 << 30)
+    if len(names) > most_tensors:
+        raise BadRequest(f"names: {len(names)} tensors, more than this model's {most_tensors} parameters")
     for i, (n, d, shape) in enumerate(zip(names, dtypes, shapes)):
         if not isinstance(n, str) or not n:
             raise BadRequest(f"names[{i}]: must be a parameter name, got {n!r}")
@@ -277,6 +372,11 @@ def _update_spec(body: Body) -> tuple[list[str], list[str], list[list[int]], boo
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape
         ):
             raise BadRequest(f"shapes[{i}]: must be a list of sizes >= 0, got {shape!r} ({n})")
+        if math.prod(shape) > most_numel:
+            raise BadRequest(
+                f"shapes[{i}]: {math.prod(shape)} elements, more than this model's largest "
+                f"parameter ({most_numel}) ({n})"
+            )
     load_format = body.get("load_format")
     if load_format not in (None, "flattened_bucket"):
         raise BadRequest(f"load_format: {load_format!r} is not supported (null or flattened_bucket)")

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_rl.generation.protocol import bucket_layout, unpack_bucket
+from megatron_rl.generation.protocol import bucket_layout, dtype_name, unpack_bucket
 from megatron_rl.generation.update_group import broadcast
 
 if TYPE_CHECKING:
@@ -60,7 +60,9 @@ __all__ = [
     "ManifestError",
     "StreamReceiver",
     "StreamResult",
+    "cast_note",
     "checked_update",
+    "dtype_casts",
     "install",
     "parse_manifest",
     "read_trailer",
@@ -217,6 +219,30 @@ def checked_update(
     return out, errors
 
 
+def dtype_casts(
+    sent: Iterable[tuple[str, torch.dtype]], params: dict[str, torch.Tensor]
+) -> dict[str, list[str]]:
+    """Which tensors of an update arrive in a dtype other than their parameter's (and are cast,
+    as SGLang's loaders ``copy_`` them): ``"float16 -> float32"`` -> their names, in order.
+
+    Casting is SGLang's behaviour and what ``weight_sync.cast_dtype`` relies on (a bf16 stream
+    into an fp32 engine); it is reported, not refused, so a sender that did not mean it sees it."""
+    casts: dict[str, list[str]] = {}
+    for n, dtype in sent:
+        p = params.get(n)
+        if p is not None and dtype.is_floating_point and dtype != p.dtype:
+            casts.setdefault(f"{dtype_name(dtype)} -> {dtype_name(p.dtype)}", []).append(n)
+    return casts
+
+
+def cast_note(casts: dict[str, list[str]]) -> str:
+    """One sentence for a reply's message saying what was cast ("" when nothing was)."""
+    if not casts:
+        return ""
+    parts = [f"{len(names)} tensor(s) {pair} (first {names[0]})" for pair, names in casts.items()]
+    return f" Cast to the model's dtype: {'; '.join(parts)}."
+
+
 @dataclass
 class StreamResult:
     """The outcome of one streamed update (``status`` 200: applied)."""
@@ -315,7 +341,9 @@ class StreamReceiver:
             return StreamResult(400, f"{errors[0]}{more}; nothing was applied", timings)
         timings["apply_s"] = self._apply(tensors, self.version)
         timings["total_s"] = time.perf_counter() - t0
-        return StreamResult(200, f"applied {len(tensors)} tensors as version {self.version}", timings)
+        sent = ((n, getattr(torch, d)) for b in self.buckets for n, d in zip(b.names, b.dtypes))
+        note = cast_note(dtype_casts(sent, self.params))
+        return StreamResult(200, f"applied {len(tensors)} tensors as version {self.version}.{note}", timings)
 
 
 def install(params: dict[str, torch.Tensor], tensors: list[tuple[str, torch.Tensor]]) -> None:
