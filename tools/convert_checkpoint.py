@@ -10,5 +10,6 @@ from pathlib import Path
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a source checkout
     from megatron_rl.convert.cli import main
+    from megatron_rl.errors import run_cli
 
-    sys.exit(main())
+    sys.exit(run_cli("megatron-rl convert", main))

@@ -30,9 +30,16 @@ Memory and streaming:
   whatever layout wrote it) and HF shards are written as they fill, so peak memory is about one
   layer plus one output shard (and the embedding, read whole).
 
-Every mismatch between a config and the weights raises
-:class:`~megatron_rl.hf.layout.WeightsMismatchError` naming the config field; nothing is
-written then. Outputs appear atomically (a temporary folder renamed into place).
+Refusals (:mod:`megatron_rl.errors` kinds; the CLI prints one line and exits with their code):
+an output that is, holds or lies inside an input, or exists without ``overwrite``
+(:class:`OutputError`, before anything is read); ``tensor_parallel`` / ``pipeline_parallel``
+that do not divide what the config splits (:class:`UsageError`, before any rank starts); a
+config.json that does not describe the weights or itself (:class:`~megatron_rl.convert.checks.ConfigMismatchError`,
+an :class:`InputError` and a :class:`~megatron_rl.hf.layout.WeightsMismatchError` naming the
+file and field); a truncated or corrupt safetensors file or Megatron shard (:class:`InputError`
+naming the file); a tensor holding NaN or Inf (:class:`InputError` naming it, unless
+``allow_nonfinite``). Outputs appear atomically (a temporary folder renamed into place), so a
+refusal leaves no output behind and the inputs are only ever read.
 """
 
 from __future__ import annotations
@@ -41,12 +48,8 @@ import contextlib
 import importlib.metadata
 import json
 import math
-import multiprocessing as mp
-import multiprocessing.connection
 import os
 import re
-import tempfile
-import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,8 +57,26 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
+from megatron_rl.convert.checks import (
+    ConfigMismatchError,
+    check_dist_files,
+    check_output,
+    check_parallel_sizes,
+    config_errors,
+    dist_read_error,
+    nonfinite_problem,
+    overflow_problem,
+    read_config_json,
+    refuse_or_warn,
+    same_bits,
+    show_progress,
+    stage,
+)
+from megatron_rl.convert.ranks import group_rank, quiet_megatron_warnings, run_on_ranks
+from megatron_rl.errors import InputError, UsageError
 from megatron_rl.fileio import atomic_output_dir
 from megatron_rl.hf.arch import moe_settings, padded_vocab_size, rope_parameters
 from megatron_rl.hf.files import HFWeights, ShardWriter, copy_side_files, dtype_name, parse_dtype, parse_size
@@ -79,7 +100,6 @@ __all__ = [
     "META_FILE",
     "MODEL_DIR",
     "McoreCheckpoint",
-    "check_output_dir",
     "check_same_architecture",
     "hf_to_mcore",
     "mcore_to_hf",
@@ -98,22 +118,19 @@ FORMAT, FORMAT_VERSION = "megatron-rl/mcore-model", 1
 # --------------------------------------------------------------------------- configs
 
 
-def _read_config_dict(folder: str | os.PathLike[str]) -> dict[str, JsonValue]:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder}: no config.json")
-    return json.loads(path.read_text())
-
-
 def config_from_dict(config: dict[str, JsonValue]) -> PretrainedConfig:
-    """A ``transformers`` config object from a config.json dict."""
+    """A ``transformers`` config object from a config.json dict (ValueError naming the field
+    for a model type transformers does not know, or a config its validators refuse)."""
     from transformers.models.auto.configuration_auto import (
         CONFIG_MAPPING,  # lazy: transformers takes seconds to import; only this path needs it
     )
 
     if config.get("model_type") not in CONFIG_MAPPING:
         raise ValueError(f"model_type: {config.get('model_type')!r} is not a transformers model")
-    return CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    try:
+        return CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    except Exception as e:  # noqa: BLE001 -- transformers' validators raise their own types (huggingface_hub's)
+        raise ValueError(f"transformers refuses this {config['model_type']} config: {e}") from None
 
 
 def _architecture(config: dict[str, JsonValue]) -> dict[str, JsonValue]:
@@ -189,17 +206,21 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1, dty
     ``dtype`` ``keep`` takes the embedding's dtype for the model and requires every weight
     matrix to share it (norms may differ: Megatron keeps its norms in fp32 anyway, and their
     HF dtypes are recorded so that an export with ``keep`` restores them). Raises
-    WeightsMismatchError naming the config field on any mismatch.
+    :class:`~megatron_rl.convert.checks.ConfigMismatchError` naming config.json and the field on
+    any mismatch, InputError naming a safetensors file that cannot be read.
     """
     hf_dir = Path(hf_dir)
-    config = _read_config_dict(hf_dir)
-    converter = HFConverter.for_config(config_from_dict(config), tensor_parallel=tensor_parallel)
+    config = read_config_json(hf_dir, flag="--hf")
+    with config_errors(hf_dir / "config.json"):
+        converter = HFConverter.for_config(config_from_dict(config), tensor_parallel=tensor_parallel)
     weights = HFWeights(hf_dir)
     try:
-        converter.check_hf_weights({n: weights.shape(n) for n in weights})
+        with config_errors(hf_dir / "config.json"):
+            converter.check_hf_weights({n: weights.shape(n) for n in weights})
         if converter.dims.tied and "lm_head.weight" in weights:
-            if not torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"]):
-                raise WeightsMismatchError(
+            if not same_bits(weights["lm_head.weight"], weights["model.embed_tokens.weight"]):
+                raise ConfigMismatchError(
+                    hf_dir / "config.json",
                     "tie_word_embeddings",
                     "the config ties lm_head to the embedding, but lm_head.weight differs from it",
                 )
@@ -208,13 +229,16 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1, dty
     finally:
         weights.close()
     if any(not d.is_floating_point for d in dtypes.values()):
-        raise ValueError(f"{hf_dir}: only floating-point weights can be converted")
+        name = next(n for n, d in dtypes.items() if not d.is_floating_point)
+        raise InputError(
+            f"{hf_dir}: tensor {name} is {dtype_name(dtypes[name])}; only floating-point weights convert"
+        )
     chosen = parse_dtype(dtype)
     if chosen is None:
         chosen = dtypes["model.embed_tokens.weight"]
         odd = {n: dtype_name(d) for n, d in dtypes.items() if d != chosen and n in matrices}
         if odd:
-            raise ValueError(
+            raise UsageError(
                 f"dtype: --dtype keep needs one dtype for the weight matrices; "
                 f"the embedding is {dtype_name(chosen)} but {sorted(odd.items())[:3]}"
                 f" ...; pass --dtype bf16|fp16|fp32"
@@ -232,24 +256,6 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1, dty
     )
 
 
-def check_output_dir(out_dir: str | os.PathLike, **inputs: str | os.PathLike | None) -> None:
-    """Refuse an output folder that is one of the ``inputs`` folders, lies inside one, or holds
-    one (``--overwrite`` would delete the input first); ValueError naming both (symlinks
-    resolved). ``inputs``: option name (``hf_dir`` for ``--hf``) -> path, or None."""
-    out = Path(out_dir).resolve()
-    for name, path in inputs.items():
-        if path is None:
-            continue
-        src = Path(path).resolve()
-        flag = "--" + name.removesuffix("_dir").replace("_", "-")
-        if out == src or out.is_relative_to(src) or src.is_relative_to(out):
-            where = "is" if out == src else "lies inside" if out.is_relative_to(src) else "holds"
-            raise ValueError(
-                f"--out {out_dir} {where} the input {flag} {path}: writing there would destroy the "
-                "input; choose an output folder outside it"
-            )
-
-
 def hf_to_mcore(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -258,26 +264,50 @@ def hf_to_mcore(
     pipeline_parallel: int = 1,
     dtype: str = "keep",
     overwrite: bool = False,
+    allow_nonfinite: bool = False,
+    progress: bool | None = None,
 ) -> Path:
     """Convert the HF model folder ``hf_dir`` into the Megatron format at ``out_dir``.
 
     The model is built at ``tensor_parallel x pipeline_parallel`` (which checks the layout fits
     the config), filled from the HF weights and saved with ``dist_checkpointing``; the result
-    loads at any layout with the same padded vocabulary. Without a process group and with more
-    than one model-parallel rank, that many local CPU processes are started (gloo); inside an
-    initialised group (``torchrun``) every rank must call this. Returns ``out_dir``.
+    loads at any layout with the same padded vocabulary. The ranks come from
+    :func:`~megatron_rl.convert.ranks.run_on_ranks`: the caller's group of several ranks
+    (``torchrun``: every rank must call this), else that many local CPU processes (gloo).
+    Everything that can be checked from the config, the file headers and the paths is checked
+    here, before any rank starts. A tensor holding NaN or Inf is refused (InputError naming it)
+    unless ``allow_nonfinite``. ``progress``: one line per stage on stderr and a progress bar
+    (None: when stderr is a terminal). Returns ``out_dir``.
     """
     out = Path(out_dir).absolute()
-    check_output_dir(out, hf_dir=hf_dir)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; remove it or pass --overwrite")
-    plan_hf_to_mcore(hf_dir, tensor_parallel=tensor_parallel, dtype=dtype)  # fail early, here
-    args = (str(hf_dir), str(out), tensor_parallel, pipeline_parallel, dtype, overwrite)
+    check_output(out, [hf_dir], overwrite=overwrite)
+    config = read_config_json(hf_dir, flag="--hf")
+    check_parallel_sizes(
+        config,
+        Path(hf_dir) / "config.json",
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+    )
+    plan = plan_hf_to_mcore(hf_dir, tensor_parallel=tensor_parallel, dtype=dtype)  # fail early, here
+    show = show_progress(progress) and group_rank() == 0  # under torchrun, rank 0 speaks for all
+    stage(
+        show,
+        f"{hf_dir}: {plan.converter.model_type}, {plan.converter.dims.layers} layers, "
+        f"{len(plan.converter.hf_names())} tensors, checked for TP={tensor_parallel} PP={pipeline_parallel}",
+    )
+    args = (
+        str(hf_dir),
+        str(out),
+        tensor_parallel,
+        pipeline_parallel,
+        dtype,
+        overwrite,
+        allow_nonfinite,
+        show,
+    )
     world = tensor_parallel * pipeline_parallel
-    if world > 1 and not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
-        _spawn(world, _write_mcore_in_group, args)
-    else:
-        _write_mcore_in_group(*args)
+    with quiet_megatron_warnings():
+        run_on_ranks(world, _write_mcore_in_group, args, announce=lambda line: stage(show, line))
     return out
 
 
@@ -309,7 +339,16 @@ def _parallel_layout(tp: int, pp: int) -> Iterator[None]:
         destroy_parallel(destroy_default_group=owned)
 
 
-def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: str, overwrite: bool) -> None:
+def _write_mcore_in_group(
+    hf_dir: str,
+    out_dir: str,
+    tp: int,
+    pp: int,
+    dtype: str,
+    overwrite: bool,
+    allow_nonfinite: bool,
+    show: bool,
+) -> None:
     """Every rank: build this rank's model chunk at TP x PP, fill it, save it collectively;
     rank 0 makes the temporary folder, writes the metadata and renames it into place."""
 
@@ -322,7 +361,13 @@ def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
             if box[0] is None:  # rank 0 always sends its folder
                 raise RuntimeError("convert: rank 0 sent no output folder")
             tmp = Path(box[0])
-            chunk = _filled_chunk(plan, tp, pp)
+            stage(show and rank0, f"building the model at TP={tp} PP={pp} and reading the HF weights")
+            chunk, bad_source = _filled_chunk(plan, tp, pp, show=show)
+            # Every rank learns of a non-finite tensor on any rank before the collective save.
+            problems: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, bad_source or _nonfinite_in_chunk(chunk, plan, dtype))
+            refuse_or_warn(next((p for p in problems if p), None), allow_nonfinite, warn=rank0)
+            stage(show and rank0, "saving the Megatron checkpoint (dist_checkpointing)")
             save_model_checkpoint(chunk, tmp / MODEL_DIR)
             del chunk
             dist.barrier()
@@ -331,13 +376,28 @@ def _write_mcore_in_group(hf_dir: str, out_dir: str, tp: int, pp: int, dtype: st
         dist.barrier()  # no rank returns before the output is in place
 
 
-def _filled_chunk(plan: HFPlan, tp: int, pp: int) -> GPTModel:
-    """This rank's GPTModel at TP x PP, weights from the HF files (no random initialisation)."""
+def _nonfinite_in_chunk(chunk: GPTModel, plan: HFPlan, dtype: str) -> str | None:
+    """The first weight of this rank holding NaN/Inf after the cast to the model's dtype (the HF
+    tensors were finite: an fp16 overflow), or None."""
+    names = chunk_global_names(chunk)
+    for local, param in chunk.named_parameters():
+        problem = nonfinite_problem(
+            names.get(local, local), param.detach(), f"{plan.hf_dir} cast to --dtype {dtype}"
+        )
+        if problem is not None:
+            return problem
+    return None
+
+
+def _filled_chunk(plan: HFPlan, tp: int, pp: int, *, show: bool) -> tuple[GPTModel, str | None]:
+    """This rank's GPTModel at TP x PP, weights from the HF files (no random initialisation),
+    and the refusal naming the first HF tensor it read that holds NaN or Inf (or None)."""
     from megatron.core import (
         parallel_state as ps,  # lazy: megatron-core takes seconds to import; only this path needs it
     )
 
-    hf_config = config_from_dict(plan.config)
+    with config_errors(plan.hf_dir / "config.json"):
+        hf_config = config_from_dict(plan.config)
     parallel = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp)
     # perform_initialization=False: every weight is overwritten, so skip drawing random ones.
     config = transformer_config_from_hf(
@@ -353,31 +413,36 @@ def _filled_chunk(plan: HFPlan, tp: int, pp: int) -> GPTModel:
         desc="hf -> mcore",
         unit="B",
         unit_scale=True,
-        disable=None if dist.get_rank() == 0 else True,
+        disable=not (show and dist.get_rank() == 0),
     )
+    reads = _CountedReads(weights, bar)
     try:
         load_hf_into_chunk(
             chunk,
             plan.converter,
-            _CountedReads(weights, bar),
+            reads,
             tp_rank=ps.get_tensor_model_parallel_rank(),
             tp_size=tp,
         )
     finally:
         bar.close()
         weights.close()
-    return chunk
+    return chunk, reads.nonfinite
 
 
 class _CountedReads(Mapping[str, torch.Tensor]):
-    """``weights`` as a mapping that advances ``bar`` by each tensor's bytes as it is read, and
-    shows how many tensors have been read."""
+    """``weights`` as a mapping that advances ``bar`` by each tensor's bytes as it is read, shows
+    how many tensors have been read, and keeps (``nonfinite``) the refusal for the first one
+    that holds NaN or Inf: the ranks agree on it before the save, so none raises alone."""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], bar: tqdm):
+    def __init__(self, weights: HFWeights, bar: tqdm):
         self._weights, self._bar, self._count = weights, bar, 0
+        self.nonfinite: str | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._weights[name]
+        if self.nonfinite is None:
+            self.nonfinite = nonfinite_problem(name, t, str(self._weights.file_of(name)))
         self._count += 1
         self._bar.set_postfix(tensors=self._count, refresh=False)
         self._bar.update(t.numel() * t.element_size())
@@ -474,23 +539,27 @@ class McoreCheckpoint:
 
         path = Path(path)
         self.meta: dict[str, JsonValue] | None = None
+        if not path.is_dir():
+            raise InputError(f"--mcore {path}: no such folder")
         if (path / META_FILE).is_file():
-            self.meta = json.loads((path / META_FILE).read_text())
-            if self.meta.get("format") != FORMAT or self.meta.get("version") != FORMAT_VERSION:
-                raise ValueError(f"{path / META_FILE}: not a {FORMAT} v{FORMAT_VERSION} file")
+            self.meta = _read_meta(path / META_FILE)
             self.dist_dir = path / MODEL_DIR
         elif (path / "dist" / ".metadata").is_file():
             self.dist_dir = path / "dist"
         else:
             self.dist_dir = path
         if not (self.dist_dir / ".metadata").is_file():
-            raise FileNotFoundError(
-                f"{path}: neither a converted checkpoint ({META_FILE}) nor "
+            raise InputError(
+                f"--mcore {path}: neither a converted checkpoint ({META_FILE}) nor "
                 "a dist_checkpointing folder (.metadata)"
             )
         self.side_dir = path / HF_FILES_DIR if self.meta else None
+        check_dist_files(self.dist_dir)  # a missing or truncated shard, named before any read
         with _process_group():
-            stored = dist_checkpointing.load_tensors_metadata(str(self.dist_dir))
+            try:
+                stored = dist_checkpointing.load_tensors_metadata(str(self.dist_dir))
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 -- many types on a bad folder
+                raise dist_read_error(self.dist_dir, (), e) from None
         self._stored = {
             k: (tuple(v.global_shape), v.dtype) for k, v in stored.items() if not k.startswith("optimizer.")
         }  # training checkpoints hold both
@@ -551,7 +620,11 @@ class McoreCheckpoint:
 
         request = {name: self._request(name) for name in names}
         with _process_group():
-            loaded = dist_checkpointing.load(request, str(self.dist_dir), validate_access_integrity=False)
+            try:
+                loaded = dist_checkpointing.load(request, str(self.dist_dir), validate_access_integrity=False)
+            # torch's checkpoint reader wraps every cause in a CheckpointException (a BaseException).
+            except (Exception, CheckpointException) as e:  # noqa: BLE001
+                raise dist_read_error(self.dist_dir, {r.key for r in request.values()}, e) from None
         out = {}
         for n, t in loaded.items():
             if _EXPERT_PARAM.match(n):
@@ -581,17 +654,33 @@ class McoreCheckpoint:
         return rows
 
 
+def _read_meta(path: Path) -> dict[str, JsonValue]:
+    """The metadata file of an :func:`hf_to_mcore` output, checked; InputError naming it."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise InputError(f"{path}: not a {FORMAT} v{FORMAT_VERSION} file")
+    kinds = {"hf_config": dict, "padded_vocab_size": int, "hf_dtype": str, "hf_dtype_exceptions": dict}
+    for field, kind in kinds.items():
+        if not isinstance(meta.get(field), kind):
+            raise InputError(f"{path}: {field}: expected a JSON {kind.__name__}, got {meta.get(field)!r}")
+    return meta
+
+
 def _export_config(ckpt: McoreCheckpoint, hf_config: str | os.PathLike[str] | None) -> dict[str, JsonValue]:
     """The config.json to export with: the given one (checked against the stored one when both
-    exist) or the stored one. Raises WeightsMismatchError naming a differing field."""
-    given = _read_config_dict(hf_config) if hf_config is not None else None
+    exist) or the stored one. Raises ConfigMismatchError naming the file and a differing field."""
+    given = read_config_json(hf_config, flag="--hf-config") if hf_config is not None else None
     stored = ckpt.meta["hf_config"] if ckpt.meta else None
     if given is not None and stored is not None:
-        check_same_architecture(stored, given)
+        with config_errors(Path(cast(str, hf_config)) / "config.json"):
+            check_same_architecture(stored, given)
     if given is not None:
         return given
     if stored is None:
-        raise ValueError(
+        raise UsageError(
             f"hf_config: {ckpt.dist_dir} is a bare dist checkpoint; give the HF "
             "config folder it was made from (--hf-config)"
         )
@@ -606,7 +695,10 @@ def _hf_dtype(
     if ckpt.meta is None:
         return stored
     name = ckpt.meta["hf_dtype_exceptions"].get(hf_name, ckpt.meta["hf_dtype"])
-    return getattr(torch, name)
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise InputError(f"{ckpt.dist_dir.parent / META_FILE}: hf_dtype: {name!r} is not a torch dtype")
+    return dtype
 
 
 def _layer_groups(names: list[str]) -> list[list[str]]:
@@ -631,22 +723,37 @@ def mcore_to_hf(
     dtype: str = "keep",
     max_shard_size: str | int = "5GB",
     overwrite: bool = False,
+    allow_nonfinite: bool = False,
+    progress: bool | None = None,
 ) -> Path:
     """Export a Megatron checkpoint (see :class:`McoreCheckpoint`) as an HF model folder.
 
     ``dtype`` ``keep``: the HF dtypes recorded at conversion, or the stored dtypes for a bare
     checkpoint. ``hf_config`` (a folder with config.json; required for a bare checkpoint) gives
     the exported config.json and side files, after checking it describes the same architecture
-    as the stored config. Streams layer by layer; returns ``out_dir``.
+    as the stored config. The paths, the config and every shard's length are checked before
+    anything is written. Streams layer by layer; a tensor holding NaN or Inf (or overflowing
+    ``dtype``) is refused, naming it, unless ``allow_nonfinite``. ``progress``: stage lines and a
+    bar on stderr (None: when stderr is a terminal). Returns ``out_dir``.
     """
-    check_output_dir(out_dir, mcore_dir=mcore_dir, hf_config=hf_config)
+    check_output(out_dir, [mcore_dir, hf_config], overwrite=overwrite)
     out_dtype, shard_bytes = parse_dtype(dtype), parse_size(max_shard_size)
-    with _process_group():
+    show = show_progress(progress)
+    with quiet_megatron_warnings(), _process_group():
         ckpt = McoreCheckpoint(mcore_dir)
         config = _export_config(ckpt, hf_config)
-        hf = config_from_dict(config)
-        converter = HFConverter.for_config(hf, padded_vocab=ckpt.padded_vocab(hf.vocab_size))
-        converter.check_mcore_weights(ckpt.shapes)
+        source = (
+            Path(hf_config) / "config.json" if hf_config is not None else ckpt.dist_dir.parent / META_FILE
+        )
+        with config_errors(source):
+            hf = config_from_dict(config)
+            converter = HFConverter.for_config(hf, padded_vocab=ckpt.padded_vocab(hf.vocab_size))
+            converter.check_mcore_weights(ckpt.shapes)
+        stage(
+            show,
+            f"{mcore_dir}: {converter.model_type}, {converter.dims.layers} layers, "
+            f"{len(converter.mcore_names())} tensors, checked against {source}; writing HF shards",
+        )
         _write_hf(
             ckpt,
             converter,
@@ -656,6 +763,8 @@ def mcore_to_hf(
             shard_bytes=shard_bytes,
             hf_config=hf_config,
             overwrite=overwrite,
+            allow_nonfinite=allow_nonfinite,
+            show=show,
         )
     return Path(out_dir)
 
@@ -670,6 +779,8 @@ def _write_hf(
     shard_bytes: int,
     hf_config: str | os.PathLike | None,
     overwrite: bool,
+    allow_nonfinite: bool,
+    show: bool,
 ) -> None:
     """Stream the checkpoint into HF shards, then config.json and the side files."""
 
@@ -678,15 +789,21 @@ def _write_hf(
         written: dict[str, torch.dtype] = {}
         names = converter.mcore_names()
         total = sum(math.prod(ckpt.shapes[n]) * ckpt.dtypes[n].itemsize for n in names)
-        bar = tqdm(total=total, desc="mcore -> hf", unit="B", unit_scale=True, disable=None)
+        bar = tqdm(total=total, desc="mcore -> hf", unit="B", unit_scale=True, disable=not show)
+        warned = False
         for group in _layer_groups(names):
             loaded = ckpt.read(group)
             for name in group:  # model order, whatever order the loader returns
                 tensor = loaded.pop(name)
+                hf_names = ", ".join(converter.hf_sources(name))
+                problem = nonfinite_problem(f"{name} (HF {hf_names})", tensor, str(ckpt.dist_dir))
                 for hf_name, t in converter.mcore_to_hf(name, tensor):
-                    t = t.to(_hf_dtype(ckpt, out_dtype, hf_name, tensor.dtype))
-                    writer.add(hf_name, t)
-                    written[hf_name] = t.dtype
+                    cast_t = t.to(_hf_dtype(ckpt, out_dtype, hf_name, tensor.dtype))
+                    problem = problem or overflow_problem(hf_name, t, cast_t, str(ckpt.dist_dir))
+                    writer.add(hf_name, cast_t)
+                    written[hf_name] = cast_t.dtype
+                refuse_or_warn(problem, allow_nonfinite, warn=not warned)
+                warned = warned or problem is not None  # one warning line, not one per tensor
                 bar.update(tensor.numel() * tensor.element_size())
             bar.set_postfix(tensors=len(written))
         bar.close()
@@ -698,55 +815,3 @@ def _write_hf(
         for src in (ckpt.side_dir, hf_config):
             if src is not None and Path(src).is_dir():
                 copy_side_files(src, tmp)
-
-
-# --------------------------------------------------------------------------- local ranks
-
-
-def _rank_entry(rank: int, world: int, init_file: str, errors, fn, args) -> None:
-    # Conversion is I/O and copies: CPU ranks over gloo, whatever accelerators the machine has.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-        try:
-            fn(*args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 -- reported to the parent, which raises
-        errors.put((rank, traceback.format_exc()))
-        raise SystemExit(1) from None
-
-
-def _spawn(world: int, fn, args: tuple) -> None:
-    """Run ``fn(*args)`` on ``world`` local processes in one gloo group; raise if any fails
-    (then the others are stopped: a rank waiting in a collective would wait forever)."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
-    fd, init_file = tempfile.mkstemp(prefix="megatron-rl-convert-")
-    os.close(fd)
-    os.unlink(init_file)  # the FileStore creates it
-    procs = [
-        ctx.Process(target=_rank_entry, args=(r, world, init_file, errors, fn, args)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        pending = {p.sentinel: p for p in procs}
-        while pending:
-            for sentinel in multiprocessing.connection.wait(list(pending)):
-                p = pending.pop(cast(int, sentinel))  # wait() returns what it was given: int sentinels
-                p.join()
-                if p.exitcode != 0:
-                    reports = []
-                    with contextlib.suppress(Exception):
-                        reports.append(errors.get(timeout=5))
-                    detail = "\n".join(f"rank {r}:\n{tb}" for r, tb in reports)
-                    raise RuntimeError(f"a conversion rank exited with code {p.exitcode}\n{detail}")
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(init_file)

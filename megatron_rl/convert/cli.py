@@ -1,94 +1,78 @@
 """``megatron-rl convert``: checkpoints between Hugging Face and Megatron-Core, any TP/PP.
 
     megatron-rl convert hf-to-mcore --hf HF_DIR --out MCORE_DIR [--tp 2] [--pp 1] [--dtype bf16]
+                                    [--overwrite] [--allow-nonfinite]
     megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-config HF_DIR]
-                                    [--dtype keep] [--max-shard-size 5GB]
+                                    [--dtype keep] [--max-shard-size 5GB] [--allow-nonfinite]
     python -m megatron_rl.convert ...          (the same)
     python tools/convert_checkpoint.py ...     (the same)
     torchrun --nproc-per-node 8 -m megatron_rl.convert hf-to-mcore --tp 8 ...   (ranks given)
 
 Without torchrun, ``hf-to-mcore`` at TP x PP > 1 starts TP x PP local CPU processes (gloo).
-Formats, what streams and what does not: see :mod:`megatron_rl.convert.checkpoint`. A config
-that does not describe the weights is an error naming the config field; the output folder then
-does not appear (outputs are written to a temporary folder and renamed into place).
+Formats, what streams and what does not: see :mod:`megatron_rl.convert.checkpoint`. The work is
+:func:`megatron_rl.convert.run.convert`, which the Python API calls too.
+
+Every refusal is one line on stderr and an exit code (:mod:`megatron_rl.errors`): 2 a bad flag
+(``--tp 3`` for 4 heads names the field and the sizes that divide it), 3 a bad input (a
+truncated safetensors file or Megatron shard, a config that does not describe the weights, a
+tensor holding NaN/Inf without ``--allow-nonfinite``), 4 an ``--out`` that exists or would
+write over an input. The checks that need no weights read run before anything starts; outputs
+are written to a temporary sibling and renamed into place, so a refusal leaves none.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import time
-from pathlib import Path
 
-from megatron_rl.errors import run_cli
+from megatron_rl.errors import ArgumentParser, run_cli
 
 __all__ = ["build_parser", "main"]
 
 _DTYPES = ("keep", "bf16", "fp16", "fp32")
 
 
-def _summary(out: Path, seconds: float, what: str) -> str:
-    """The one line a conversion ends with: what it wrote, how much, how fast, where."""
-    from megatron_rl.convert.checkpoint import output_summary  # lazy: torch; the parser must not
-
-    tensors, nbytes = output_summary(out)
-    return (
-        f"megatron-rl convert: wrote {tensors} tensors, {nbytes / 1e9:.3g} GB, in {seconds:.1f} s "
-        f"to {out} ({what})"
-    )
-
-
 def _hf_to_mcore(args: argparse.Namespace) -> int:
-    from megatron_rl.convert.checkpoint import hf_to_mcore  # lazy: torch; the parser must not
+    from megatron_rl.convert.run import convert  # lazy: torch; the parser must not
 
-    start = time.perf_counter()
-    out = hf_to_mcore(
+    convert(
+        "hf-to-mcore",
         args.hf,
         args.out,
         tensor_parallel=args.tp,
         pipeline_parallel=args.pp,
         dtype=args.dtype,
         overwrite=args.overwrite,
+        allow_nonfinite=args.allow_nonfinite,
     )
-    seconds = time.perf_counter() - start
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one line, not one per rank
-        print(_summary(out, seconds, f"from {args.hf}, at TP={args.tp} PP={args.pp}"), file=sys.stderr)
     return 0
 
 
 def _mcore_to_hf(args: argparse.Namespace) -> int:
-    from megatron_rl.convert.checkpoint import mcore_to_hf  # lazy: torch; the parser must not
+    from megatron_rl.convert.run import convert  # lazy: torch; the parser must not
 
-    start = time.perf_counter()
-    out = mcore_to_hf(
+    convert(
+        "mcore-to-hf",
         args.mcore,
         args.out,
         hf_config=args.hf_config,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
+        allow_nonfinite=args.allow_nonfinite,
     )
-    print(_summary(out, time.perf_counter() - start, f"from {args.mcore}"), file=sys.stderr)
     return 0
 
 
-def _guarded(run):
-    """Report a user error (mismatched config, existing output, bad argument) as one line."""
-
-    def call(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except (ValueError, FileExistsError, FileNotFoundError) as err:
-            print(f"megatron-rl convert: {err}", file=sys.stderr)
-            return 2
-
-    return call
+_ALLOW_NONFINITE = (
+    "convert weights that hold NaN or Inf (refused by default, naming the first such tensor; "
+    "with this flag, one warning line instead)"
+)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``convert`` parser (``parser``: a subparser to fill, or None for a new one)."""
-    p = parser or argparse.ArgumentParser(prog="megatron-rl convert", description=__doc__.split("\n\n")[0])
+    p = parser or ArgumentParser(prog="megatron-rl convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
     a = sub.add_parser(
         "hf-to-mcore",
@@ -122,7 +106,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="Megatron weights dtype (keep: the HF embedding's dtype)",
     )
     a.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    a.set_defaults(func=_guarded(_hf_to_mcore))
+    a.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
+    a.set_defaults(func=_hf_to_mcore)
     b = sub.add_parser(
         "mcore-to-hf",
         help="Megatron checkpoint -> HF safetensors folder (streams by layer)",
@@ -157,7 +142,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="largest safetensors shard (HF units: 5GB = 5e9 bytes; default 5GB)",
     )
     b.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    b.set_defaults(func=_guarded(_mcore_to_hf))
+    b.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
+    b.set_defaults(func=_mcore_to_hf)
     return p
 
 

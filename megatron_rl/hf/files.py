@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_rl.errors import InputError, UsageError
 from megatron_rl.fileio import atomic_output_dir
 
 __all__ = [
@@ -88,7 +89,7 @@ def parse_dtype(text: str) -> torch.dtype | None:
     if text == "keep":
         return None
     if text not in _DTYPES:
-        raise ValueError(f"dtype: {text!r} is not one of bf16, fp16, fp32, keep")
+        raise UsageError(f"dtype: {text!r} is not one of bf16, fp16, fp32, keep")
     return _DTYPES[text]
 
 
@@ -104,13 +105,13 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, re.IGNORECASE)
     if not m:
-        raise ValueError(f"max_shard_size: cannot read {text!r} (use e.g. 5GB, 500MB, 1GiB)")
+        raise UsageError(f"max_shard_size: cannot read {text!r} (use e.g. 5GB, 500MB, 1GiB)")
     unit = (m.group(2) or "B").upper()
     base = 1024 if "I" in unit else 1000
     power = "BKMGT".index(unit[0])
     size = int(float(m.group(1)) * base**power)
     if size <= 0:
-        raise ValueError(f"max_shard_size: must be positive, got {text!r}")
+        raise UsageError(f"max_shard_size: must be positive, got {text!r}")
     return size
 
 
@@ -118,30 +119,40 @@ class HFWeights(Mapping[str, torch.Tensor]):
     """The safetensors weights of an HF model folder as a read-on-access mapping.
 
     ``weights[name]`` reads that tensor from its file (one ``safe_open`` handle per file, kept
-    open); :meth:`shape` and :meth:`dtype` read the headers only.
+    open); :meth:`shape` and :meth:`dtype` read the headers only. A folder without weights, an
+    unreadable index, or a file that is not safetensors (truncated, a garbage header, an unknown
+    dtype) raises :class:`~megatron_rl.errors.InputError` naming the file.
     """
 
     def __init__(self, folder: str | os.PathLike):
-        from safetensors import safe_open  # lazy: only reading/writing weights needs it
-
         self.folder = Path(folder)
         index = self.folder / INDEX_FILE
-        if index.is_file():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        files = (
+            _index_files(index)
+            if index.is_file()
+            else sorted(p.name for p in self.folder.glob("*.safetensors"))
+        )
         if not files:
-            raise FileNotFoundError(f"{self.folder}: no {INDEX_FILE} and no *.safetensors files")
-        self._handles = {f: safe_open(str(self.folder / f), framework="pt") for f in files}
+            raise InputError(f"{self.folder}: no {INDEX_FILE} and no *.safetensors files")
+        self._handles = {f: _open_safetensors(self.folder / f) for f in files}
         self._file_of: dict[str, str] = {}
         for f, handle in self._handles.items():
             for name in handle.keys():
                 if name in self._file_of:
-                    raise ValueError(f"{self.folder}: tensor {name} is in both {self._file_of[name]} and {f}")
+                    raise InputError(f"{self.folder}: tensor {name} is in both {self._file_of[name]} and {f}")
                 self._file_of[name] = f
 
+    def file_of(self, name: str) -> Path:
+        """The safetensors file that holds tensor ``name``."""
+        return self.folder / self._file_of[name]
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._handles[self._file_of[name]].get_tensor(name)
+        try:
+            return self._handles[self._file_of[name]].get_tensor(name)
+        except KeyError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- safetensors' own error type is not importable
+            raise InputError(f"{self.file_of(name)}: tensor {name} cannot be read ({_one_line(e)})") from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._file_of)
@@ -154,6 +165,11 @@ class HFWeights(Mapping[str, torch.Tensor]):
 
     def dtype(self, name: str) -> torch.dtype:
         code = self._handles[self._file_of[name]].get_slice(name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise InputError(
+                f"{self.file_of(name)}: tensor {name} has dtype {code}, not one of "
+                f"{', '.join(_SAFETENSORS_DTYPES)}"
+            )
         return _SAFETENSORS_DTYPES[code]
 
     def nbytes(self) -> int:
@@ -168,6 +184,41 @@ class HFWeights(Mapping[str, torch.Tensor]):
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard files ``model.safetensors.index.json`` names; InputError naming it if malformed."""
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise InputError(f"{index}: not a safetensors index ({_one_line(e)})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise InputError(f"{index}: weight_map: expected an object of tensor name -> file name")
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if Path(f).name != f:
+            raise InputError(f"{index}: weight_map names {f!r}, not a file of this folder")
+        if not (index.parent / f).is_file():
+            raise InputError(f"{index.parent / f}: missing (named in {INDEX_FILE})")
+    return files
+
+
+def _open_safetensors(path: Path):
+    """``safe_open`` of ``path``; InputError naming it when it is not a whole safetensors file."""
+    from safetensors import safe_open  # lazy: only reading/writing weights needs it
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+            raise
+        raise InputError(
+            f"{path}: not a readable safetensors file ({_one_line(e)}); it may be truncated or corrupt"
+        ) from None
 
 
 class ShardWriter:

@@ -11,6 +11,7 @@ import torch
 import transformers
 
 from megatron_rl.convert.checkpoint import McoreCheckpoint, hf_to_mcore, mcore_to_hf
+from megatron_rl.errors import OutputError
 from megatron_rl.hf.files import INDEX_FILE, HFWeights, ShardWriter, parse_size
 from megatron_rl.hf.layout import WeightsMismatchError
 from tests.hf.test_layout import VOCAB, hf_model
@@ -178,7 +179,7 @@ def test_existing_output_is_refused_unless_overwrite(tmp_path, converted):
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("old")
-    with pytest.raises(FileExistsError, match="overwrite"):
+    with pytest.raises(OutputError, match="overwrite"):
         mcore_to_hf(mcore, out)
     mcore_to_hf(mcore, out, overwrite=True)
     assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
