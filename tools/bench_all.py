@@ -9,7 +9,8 @@ the arguments listed in ``BENCHES``, and prints its last-line JSON; this program
 whole in ``results.json`` and puts the figures of ``FIGURES`` in the table, each with what it
 means, the baseline it is measured against and the goal it is held to. A benchmark that fails
 is recorded with its exit status and the tail of its output; the others still run. Progress: one
-line per benchmark as it starts and ends. On 2 shared cores the whole set takes ~15 minutes.
+line per benchmark as it starts and ends. On 2 shared cores the whole set takes about 10 minutes
+(the sum of the ``wall_s`` that ``results.json`` keeps per benchmark).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> the bench and its extra arguments (each bench's defaults unless listed; sized so the
-# set fits ~20 min). The name is the bench's unless one bench runs twice ("async-real").
+# name -> the bench and its extra arguments (each bench's defaults unless listed; the set takes
+# about 10 min on 2 shared cores). The name is the bench's unless one bench runs twice ("async-real").
 BENCHES: dict[str, list[str]] = {
     "generation": ["generation"],
     "train-step": ["train-step"],
@@ -244,7 +245,7 @@ def _table(results: dict[str, dict[str, object]], machine: dict[str, object]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument(
         "--only",
         default="",
