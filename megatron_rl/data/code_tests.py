@@ -52,7 +52,7 @@ from megatron_rl.rewards.code import (
     outputs_match,
     remove_tree,
 )
-from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+from megatron_rl.rewards.pool import PoolTaskError, VerifierPool, max_workers
 from megatron_rl.rewards.sandbox import run_sandboxed
 
 __all__ = [
@@ -84,7 +84,7 @@ class CodeCurationConfig:
         check_range("min_solutions", self.min_solutions, low=1)
         check_range("min_agree_to_repair", self.min_agree_to_repair, low=1)
         check_range("max_solutions", self.max_solutions, low=1)
-        check_range("workers", self.workers, low=1)
+        check_range("workers", self.workers, low=1, high=max_workers())  # this machine runs them
         bad = [lang for lang in self.languages if lang not in LANGUAGE_NAMES]
         if bad or not self.languages:
             raise ConfigFieldError(
@@ -237,13 +237,14 @@ def curate_code_problems(
                 for s in solutions
             ]
         out: list[Problem] = []
+        deadline = pool.deadline()  # every solution run done by then (each within its hard limit)
         for p in tqdm(problems, desc="code-tests", unit="problem", file=sys.stderr, disable=not progress):
             if p.task != "code":
                 report.note("math_passed_through")
                 report.keep()
                 out.append(p)
                 continue
-            kept = _curate_one(p, jobs.get(p.id), cfg, report)
+            kept = _curate_one(p, jobs.get(p.id), cfg, report, pool, deadline)
             if kept is not None:
                 copies = (
                     [kept]
@@ -267,7 +268,9 @@ def curate_code_problems(
             pool.close()
 
 
-def _curate_one(p: Problem, futures, cfg: CodeCurationConfig, report: CurationReport) -> Problem | None:
+def _curate_one(
+    p: Problem, futures, cfg: CodeCurationConfig, report: CurationReport, pool: VerifierPool, deadline: float
+) -> Problem | None:
     if len(p.solutions or ()) < cfg.min_solutions:
         report.drop("no_solutions" if not p.solutions else "too_few_solutions")
         return None
@@ -277,7 +280,7 @@ def _curate_one(p: Problem, futures, cfg: CodeCurationConfig, report: CurationRe
     runs = []
     for f in futures:
         try:
-            why, result = f.result()
+            why, result = pool.result(f, deadline)
         except PoolTaskError as e:
             why, result = f"{e.reason}: {e.detail}", []
         if why:

@@ -52,7 +52,7 @@ from megatron_rl.data.problems import DataError, Problem, read_records
 from megatron_rl.data.report import CurationReport
 from megatron_rl.data.sampling import Attempt, extract_answer
 from megatron_rl.rewards.math import MathConfig, verify_math
-from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+from megatron_rl.rewards.pool import PoolTaskError, VerifierPool, max_workers
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -91,7 +91,7 @@ class DifficultyConfig:
         if self.low >= self.high:
             raise ConfigFieldError("high", f"must be > low ({self.low}), got {self.high}")
         check_range("majority", self.majority, low=0.0, high=1.0, high_open=True)
-        check_range("workers", self.workers, low=1)
+        check_range("workers", self.workers, low=1, high=max_workers())  # this machine runs them
 
 
 @dataclass(kw_only=True)
@@ -195,13 +195,14 @@ def difficulty_filter(
                 future = pool.submit(cluster_answers, wrong, cfg.math, timeout_s=limit)
             jobs.append((p, tries, wrong, future))
         kept, details = [], []
+        deadline = pool.deadline()  # every clustering done by then (each within its hard limit)
         for p, tries, wrong, future in tqdm(
             jobs, desc="difficulty", unit="problem", file=sys.stderr, disable=not progress
         ):
             labels = _exact_clusters(wrong)
             if future is not None:
                 try:
-                    labels = future.result()
+                    labels = pool.result(future, deadline)
                 except PoolTaskError as e:  # fall back to exact spelling: flags fewer, never more
                     report.note(f"answer clustering failed ({e.reason}); exact match used")
             answer, count = _majority(wrong, labels)

@@ -42,7 +42,7 @@ from megatron_rl.config import check_range
 from megatron_rl.data.problems import Problem
 from megatron_rl.data.report import CurationReport
 from megatron_rl.rewards.math import MathConfig, verify_math
-from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+from megatron_rl.rewards.pool import PoolTaskError, VerifierPool, max_workers
 from megatron_rl.rewards.result import Verdict
 
 __all__ = ["MathFormatConfig", "check_reference", "find_options", "format_filter", "text_reason"]
@@ -88,7 +88,7 @@ class MathFormatConfig:
     math: MathConfig = field(default_factory=MathConfig)  # the verifier's limits
 
     def __post_init__(self):
-        check_range("workers", self.workers, low=1)
+        check_range("workers", self.workers, low=1, high=max_workers())  # this machine runs them
 
 
 def _strip_wrappers(text: str) -> str:
@@ -208,6 +208,7 @@ def format_filter(
             future = pool.submit(check_reference, q.answer, cfg.math, timeout_s=timeout) if q else None
             staged.append((q, why, future))
         kept: list[Problem] = []
+        deadline = pool.deadline()  # every check done by then (each within its hard limit)
         for q, why, future in tqdm(
             staged, desc="math-format", unit="problem", file=sys.stderr, disable=not progress
         ):
@@ -216,7 +217,7 @@ def format_filter(
                 continue
             if future is not None:
                 try:
-                    verdict = future.result()
+                    verdict = pool.result(future, deadline)
                 except PoolTaskError as e:
                     verdict = Verdict(False, 0.0, "unparsable_answer", e.detail)
                 if not verdict.correct:

@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.data.problems import DataError, read_records
-from megatron_rl.errors import run_cli
+from megatron_rl.errors import ArgumentParser, run_cli
 from megatron_rl.evaluation import plots
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.hf.files import HFWeights
@@ -170,9 +170,7 @@ def weight_pca(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m megatron_rl.evaluation.analysis", description=__doc__.split("\n\n")[0]
-    )
+    p = ArgumentParser(prog="python -m megatron_rl.evaluation.analysis", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     r = sub.add_parser("reward-length", help="reward without length penalty against mean length, log fit")
     r.add_argument("--metrics", required=True, help="metrics JSONL, one object per step")

@@ -66,13 +66,14 @@ def evaluate(
             future = pool.submit(cluster_answers, wrong, math_cfg, timeout_s=limit)
         jobs.append((p, tries, wrong, future))
     results = []
+    deadline = pool.deadline()  # every clustering done by then (each within its hard limit)
     for p, tries, wrong, future in tqdm(
         jobs, desc="metrics", unit="problem", file=sys.stderr, disable=not progress
     ):
         wrong_labels = [0] * len(wrong)
         if future is not None:
             try:
-                wrong_labels = future.result()
+                wrong_labels = pool.result(future, deadline)
             except PoolTaskError:  # exact spelling instead: splits votes, never merges wrongly
                 ids: dict[str, int] = {}
                 wrong_labels = [ids.setdefault(normalise_answer(a), len(ids)) for a in wrong]
@@ -134,6 +135,11 @@ def markdown(summary: Mapping[str, JsonValue], settings: Mapping[str, JsonValue]
         "",
     ]
     return "\n".join(lines)
+
+
+#: The files :func:`write_report` writes into its folder (what the command line checks its inputs
+#: against before it starts).
+REPORT_FILES = ("report.json", "report.md", "samples.jsonl", "pass_at_k.png", "lengths.png", "languages.png")
 
 
 def write_report(

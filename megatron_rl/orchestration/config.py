@@ -227,9 +227,12 @@ class RunDirConfig:
     eval_every: int = 0  # held-out pass@1 every this many steps (0: before and after only)
     eval_samples: int = 0  # held-out problems evaluated (0: all)
     eval_k: int = 1  # samples per held-out problem (pass@1 is their mean)
-    # Wall-clock limit of one invocation (set-up included), in minutes: past it the run stops
-    # after the step in progress as if it had reached max_steps (checkpoint, final eval,
-    # export); running it again resumes. 0: no limit.
+    # Wall-clock limit of one invocation (set-up included), in minutes: the run ends by then as if
+    # it had reached max_steps (checkpoint, export, final eval, summary); running it again
+    # resumes. Training stops early enough to leave the final evaluation the time the latest one
+    # took; whatever still runs at the limit stops there: a step waiting for its batch (not
+    # trained, its prompts re-issued on resume), an evaluation (its unscored samples counted as
+    # time_limit, the record marked partial). 0: no limit.
     time_limit_min: float = 0.0
 
     def __post_init__(self) -> None:

@@ -22,6 +22,14 @@ a batch, ``/release_memory_occupation`` (KV cache, weights, CUDA graphs), train,
 update resumes the weights, writes the new ones by reference (``/update_weights_from_tensor``,
 no update group) and resumes the KV cache (``weight_sync/colocated.py``).
 
+**Every wait ends.** The generation thread issues a group only while fewer than ``n_async``
+sequences are *outstanding* (generating or waiting for a verifier), so a slow reward throttles
+generation instead of piling up samples to score; every sample gets a score by its deadline
+(:meth:`Rollouts.check`, called by each wait); and with a ``deadline`` (``run.time_limit_min``)
+a step still waiting for its batch past it is abandoned on every rank (:class:`TimeLimitReached`):
+its groups stay pending, so the checkpoint taken then re-issues them on resume. :meth:`stop`
+cancels the scoring that has not started.
+
 Collective over the trainer's ranks: rank 0 orchestrates (fleet, verifier pool, sampler,
 metrics, run directory) and sends each minibatch to the other ranks; every rank runs the
 optimizer steps, the weight broadcast and the checkpoints.
@@ -47,7 +55,15 @@ if TYPE_CHECKING:
     from megatron_rl.orchestration.rollouts import GroupRecord, Rollouts
     from megatron_rl.types import TrainBatch
 
-__all__ = ["Broadcaster", "Orchestrator", "StepResult", "Trainer", "staleness_stats", "train_stats"]
+__all__ = [
+    "Broadcaster",
+    "Orchestrator",
+    "StepResult",
+    "TimeLimitReached",
+    "Trainer",
+    "staleness_stats",
+    "train_stats",
+]
 
 _T = TypeVar("_T")
 
@@ -122,6 +138,11 @@ def train_stats(stats_list: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+class TimeLimitReached(Exception):
+    """The run's deadline passed while a step waited for its batch (on every rank: rank 0 tells
+    the others); the step was not trained."""
+
+
 @dataclass
 class StepResult:
     step: int
@@ -162,6 +183,9 @@ class Orchestrator:
         self._t_start = time.monotonic()
         self._last = {"t": time.monotonic(), "tokens": 0, "busy": 0.0, "completions": 0}
         self.last_dropped: list[GroupRecord] = []
+        # time.monotonic() past which a step waiting for its batch is abandoned (rank 0; the run
+        # sets it from run.time_limit_min); None: no limit.
+        self.deadline: float | None = None
 
     def _rank0_rollouts(self) -> Rollouts:
         """The rollouts, for the methods only rank 0 runs (generation, batches, metrics): the
@@ -200,12 +224,17 @@ class Orchestrator:
             self._threads.append(t)
 
     def stop(self) -> None:
+        """Stop generating and cancel the scoring not yet started (nobody trains it now)."""
         self._stop.set()
         if self.rollouts is not None:
-            self.rollouts.notify_all()
+            self.rollouts.stop()
         for t in self._threads:
-            t.join(timeout=10)
+            t.join(timeout=10)  # each loop wakes every 0.05 s to look at the stop flag
         self._threads = []
+
+    def _check_deadline(self) -> None:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise TimeLimitReached
 
     def busy_seconds(self) -> float:
         """Wall time the generators had work (a sequence in flight), as Rollouts counts it."""
@@ -215,7 +244,7 @@ class Orchestrator:
         r, g = self._rank0_rollouts(), self.loop.group_size
         # Room for one more group: no error, the cap not reached, the verified queue not full
         # (the assembler's notify_all wakes this when the trainer takes a group).
-        room = lambda: not r.failed and r.in_flight + g <= self.async_cap() and not self.queue.full()
+        room = lambda: not r.failed and r.outstanding + g <= self.async_cap() and not self.queue.full()
         while not self._stop.is_set():
             if not r.wait_until(room, timeout=0.02) or self._stop.is_set():
                 continue
@@ -254,6 +283,7 @@ class Orchestrator:
         count = 0
         while count < n:
             r.check()
+            self._check_deadline()
             try:
                 rec = self.queue.get(timeout=0.1)
             except queue.Empty:
@@ -275,7 +305,10 @@ class Orchestrator:
             # far): a resumed run must issue the same waves as an uninterrupted one.
             wave = min(self.loop.async_cap(), n - len(kept) * g)
             recs = [r.issue_group() for _ in range(-(-wave // g))]
-            r.wait_until(partial(self._settled, recs), timeout=None)
+            # In slices: each one scores overdue samples (check) and looks at the deadline.
+            while not r.wait_until(partial(self._settled, recs), timeout=1.0):
+                r.check()
+                self._check_deadline()
             r.check()
             kept.extend(r.drain_completed())
         kept.sort(key=lambda x: x.index)
@@ -299,18 +332,24 @@ class Orchestrator:
         stale: list[GroupRecord] = []
         r = self._rank0_rollouts() if self.rank == 0 else None
         t0 = time.monotonic()
+        timed_out = False
         if r is not None:
-            if self.loop.mode == "async":
-                groups, stale = self._take_async(n_batch, version)
-            else:
-                groups = self._take_sync(n_batch)
+            try:
+                if self.loop.mode == "async":
+                    groups, stale = self._take_async(n_batch, version)
+                else:
+                    groups = self._take_sync(n_batch)
+            except TimeLimitReached:  # the groups taken stay pending: re-issued on resume
+                timed_out = True
             for rec in stale:
                 r.reissue(rec)
         t_wait = time.monotonic() - t0
-        release_stats = self._release_fleet()
         per_mini = n_mini // self.loop.group_size
         chunks = [groups[i : i + per_mini] for i in range(0, len(groups), per_mini)]
-        n_chunks = self.broadcast_object(len(chunks))
+        n_chunks = self.broadcast_object(-1 if timed_out else len(chunks))  # -1: every rank stops
+        if n_chunks < 0:
+            raise TimeLimitReached
+        release_stats = self._release_fleet()
         stats_list: list[dict[str, float]] = []
         versions = [torch.tensor(s.completion.versions) for rec in groups for s in rec.all_scored()]
         for i in range(n_chunks):
@@ -429,6 +468,10 @@ class Orchestrator:
         m["time/train_s"] = t_train
         m["time/step_s"] = dt
         m["requests/lost"] = float(stats["requests_lost"])
+        # Why each sample of the step (trained or dropped) scored as it did: timeouts, verifier
+        # errors, custom labels, counted per reason.
+        for reason, n in Counter(s.reason for rec in (*groups, *dropped) for s in rec.all_scored()).items():
+            m[f"samples/reason/{reason}"] = float(n)
         for k, v in sync_stats.items():
             m[k] = float(v)
         self._last = {

@@ -18,6 +18,13 @@ verifier pool and the prompt sampler:
   (aborted by the client on its server) is re-sent once, to another server where there is one;
   if it times out again it is scored as it stands (no tokens: no reward), so a request that can
   never finish costs its group, not the run.
+- **Every sample gets a score.** Each scoring task has a deadline when it is submitted (the
+  pool's :meth:`~megatron_rl.rewards.pool.VerifierPool.deadline`: what is queued ahead of it,
+  each task within its hard limit); :meth:`Rollouts.check`, which the loop's waits call, scores a
+  sample still unscored past it as ``scoring_timeout`` (reward 0, counted), so a group always
+  finishes. A pool whose workers cannot start stops the run with its one-line reason
+  (:class:`~megatron_rl.rewards.pool.PoolBroken`). :meth:`Rollouts.stop` cancels the scoring not
+  yet started when the loop ends, so an evaluation never queues behind samples nobody will train.
 - **No progress.** If ``stall_groups`` groups in a row are all dropped (every group's rewards
   equal: problems that cannot be solved or cannot fail, a broken reward, answers missing), no
   batch can ever fill: :meth:`Rollouts.check` raises :class:`NoProgressError` with the drop
@@ -55,6 +62,7 @@ import torch
 from megatron_rl.algorithms.filtering import filter_groups
 from megatron_rl.data.problems import Problem, reward_input
 from megatron_rl.data.sampling import decode_completion, render_prompt
+from megatron_rl.errors import UserError
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import ClientClosed, ServerLost
 from megatron_rl.rewards.compose import (
@@ -64,7 +72,7 @@ from megatron_rl.rewards.compose import (
     prepare_verifiers,
     score,
 )
-from megatron_rl.rewards.pool import PoolTaskError
+from megatron_rl.rewards.pool import PoolBroken, PoolTaskError
 from megatron_rl.rewards.result import RewardResult
 from megatron_rl.types import Completion, Group, Prompt, ScoredCompletion
 
@@ -234,6 +242,11 @@ class Rollouts:
         self._dropped: list[GroupRecord] = []  # filtered out since the last drain
         self._pending: dict[tuple[str, int], GroupRecord] = {}  # issued, not trained/dropped
         self._in_flight = 0  # sequences generating
+        self._unscored = 0  # sequences issued whose score is not in yet (generating or scoring)
+        # Samples being scored: (group index, sample) -> (record, sample, result, text, deadline,
+        # future). Whoever pops an entry scores the sample: the pool's answer or the deadline.
+        self._scoring: dict[tuple[int, int], tuple[GroupRecord, int, GenResult, str, float, Future]] = {}
+        self._stopped = False  # stop(): callbacks that come later are ignored
         self._busy_s = 0.0  # time with a sequence in flight, up to _busy_since
         self._busy_since: float | None = None  # when the current busy stretch began
         self._index = itertools.count()
@@ -282,6 +295,14 @@ class Rollouts:
         """Sequences generating now (issued, not yet returned by the fleet)."""
         with self._lock:
             return self._in_flight
+
+    @property
+    def outstanding(self) -> int:
+        """Sequences issued whose score is not in yet (generating, or waiting for a verifier):
+        what the async loop's ``n_async`` bounds, so a slow verifier throttles generation rather
+        than growing a queue of unscored samples without end."""
+        with self._lock:
+            return self._unscored
 
     @property
     def length_ema(self) -> float:
@@ -351,10 +372,14 @@ class Rollouts:
             self._cond.notify_all()
 
     def check(self) -> None:
-        """Raise the first error a callback met (a refused request, no live server)."""
+        """Score samples whose scoring passed its deadline (:meth:`expire_overdue`), then raise
+        the first error a callback met (a refused request, no live server, a broken pool)."""
+        self.expire_overdue()
         with self._lock:
             first = self._errors[0] if self._errors else None
             stalled = list(self._dropped_in_a_row) if self.stall_groups else []
+        if isinstance(first, UserError):  # already one line that says why (a broken pool)
+            raise first
         if first is not None:
             raise RuntimeError(f"rollouts failed: {first}") from first
         if stalled and len(stalled) >= self.stall_groups:
@@ -383,6 +408,28 @@ class Rollouts:
         with self._lock:
             out, self._dropped = self._dropped, []
         return out
+
+    def expire_overdue(self, now: float | None = None) -> int:
+        """Score every sample whose scoring is past its deadline as ``scoring_timeout`` (its task
+        cancelled if it has not started); how many."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            overdue = [k for k, v in self._scoring.items() if v[4] <= now]
+            entries = [self._scoring.pop(k) for k in overdue]
+        for rec, i, result, text, _deadline, fut in entries:
+            fut.cancel()
+            err = PoolTaskError("scoring_timeout", "no score by its deadline; counted as failed")
+            self._score(rec, i, result, text, failed_result(err.reason, err.detail, self.reward))
+        return len(entries)
+
+    def stop(self) -> None:
+        """The loop is over: cancel the scoring that has not started and ignore what comes back."""
+        with self._cond:
+            self._stopped = True
+            entries, self._scoring = list(self._scoring.values()), {}
+            self._cond.notify_all()
+        for entry in entries:
+            entry[5].cancel()
 
     def retire(self, rec: GroupRecord) -> None:
         """The group was trained (or dropped by the trainer side): no longer pending."""
@@ -437,6 +484,7 @@ class Rollouts:
             if self._in_flight == 0:
                 self._busy_since = rec.issued_at
             self._in_flight += self.group_size
+            self._unscored += self.group_size
             self._stats["groups_issued"] += 1
             self._cond.notify_all()
         for i in range(self.group_size):
@@ -514,33 +562,44 @@ class Rollouts:
                 if not self._prepared_code:
                     prepare_verifiers([inp], self.reward)
                     self._prepared_code = True
+        limit = hard_timeout_s(inp, self.reward)
         try:
-            sfut = self.pool.submit(score, inp, self.reward, timeout_s=hard_timeout_s(inp, self.reward))
-        except BaseException as e:  # noqa: BLE001 - a broken pool: the sample scores 0, says why
-            self._on_scored(rec, i, result, text, None, e)
+            sfut = self.pool.submit(score, inp, self.reward, timeout_s=limit)
+        except PoolBroken as e:  # no verifier can start: the run stops, saying why
+            self.fail(e)
             return
-        sfut.add_done_callback(lambda f: self._on_scored(rec, i, result, text, f, None))
+        except BaseException as e:  # noqa: BLE001 - a refused task: the sample scores 0, says why
+            self._score(rec, i, result, text, RewardResult(0.0, {}, "verifier_error", f"pool: {e}"))
+            return
+        deadline_fn = getattr(self.pool, "deadline", None)  # a stand-in pool may have none
+        deadline = deadline_fn() if callable(deadline_fn) else time.monotonic() + limit + 30.0
+        with self._lock:
+            if self._stopped:
+                sfut.cancel()
+                return
+            self._scoring[(rec.index, i)] = (rec, i, result, text, deadline, sfut)
+        sfut.add_done_callback(lambda f: self._on_scored(rec, i, f))
 
-    def _on_scored(
-        self,
-        rec: GroupRecord,
-        i: int,
-        r: GenResult,
-        text: str,
-        fut: Future[RewardResult] | None,
-        error: BaseException | None,
-    ) -> None:
-        """Sample ``i`` (generated as ``r``, decoded as ``text``) is scored: by ``fut``, or not at
-        all because the pool refused it with ``error``."""
-        if fut is not None:
-            try:
-                res: RewardResult = fut.result()
-            except PoolTaskError as e:
-                res = failed_result(e.reason, e.detail, self.reward)
-            except BaseException as e:  # noqa: BLE001
-                res = RewardResult(0.0, {}, "verifier_error", f"{type(e).__name__}: {e}")
-        else:
-            res = RewardResult(0.0, {}, "verifier_error", f"pool: {error}")
+    def _on_scored(self, rec: GroupRecord, i: int, fut: Future[RewardResult]) -> None:
+        """The pool's answer for sample ``i`` of ``rec`` (ignored when its deadline came first)."""
+        with self._lock:
+            entry = self._scoring.pop((rec.index, i), None)
+        if entry is None:  # scored already (past its deadline), or the loop stopped
+            return
+        try:
+            res: RewardResult = fut.result()
+        except PoolTaskError as e:
+            broken = getattr(self.pool, "broken", None)
+            if broken is not None:  # the workers cannot start: stop with why, not score 0
+                self.fail(PoolBroken(broken))
+                return
+            res = failed_result(e.reason, e.detail, self.reward)
+        except BaseException as e:  # noqa: BLE001 - e.g. cancelled: scored 0 with the reason
+            res = RewardResult(0.0, {}, "verifier_error", f"{type(e).__name__}: {e}")
+        self._score(rec, i, entry[2], entry[3], res)
+
+    def _score(self, rec: GroupRecord, i: int, r: GenResult, text: str, res: RewardResult) -> None:
+        """Sample ``i`` of ``rec`` (generated as ``r``, decoded as ``text``) has its score ``res``."""
         scored = ScoredCompletion(
             completion=Completion(
                 prompt_id=f"{rec.problem.id}@{rec.epoch}",
@@ -557,11 +616,13 @@ class Rollouts:
             correct=res.correct,
             format_ok=res.format_ok,
         )
-        with self._lock:
+        with self._cond:
             self._stats[f"reason/{res.reason}"] += 1
+            self._unscored -= 1
             rec.scored[i] = scored
             rec._remaining -= 1
             last = rec._remaining == 0
+            self._cond.notify_all()  # the async loop's room for one more group, maybe
         if last:
             self._group_done(rec)
 

@@ -12,11 +12,17 @@ The run directory (``run.dir``)::
                        fractions, groups dropped and why, staleness, queue, throughput, sync)
     samples.jsonl      every trained or dropped completion with its reward (data/rundir.py schema)
     ledger.jsonl       per group: trained at step k, or dropped and why (prompt accounting)
-    eval.jsonl         held-out pass@1 before RL, every run.eval_every steps, and after
+    eval.jsonl         held-out pass@1 before RL, every run.eval_every steps, and after; samples
+                       per reason, and whether the time limit cut it short (evaluation/heldout.py)
     checkpoints/       trainer state + sampler cursor + prompts in flight + curriculum stage
     plots/             reward, length, entropy ... vs step (PNG)
     logs/              engine server logs
-    summary.json       pass@1 before/after, steps, wall time
+    summary.json       pass@1 before/after, steps, why it stopped, wall time, the samples per
+                       reason of the final evaluation and of training
+
+Every run ends: each wait has a deadline (scoring: the verifier pool's, from the recipe's limits;
+``run.time_limit_min``: training, a step's wait for its batch and evaluation), and a sample
+whose score is not in by its deadline scores 0 and is counted with its reason.
 
 Resume (``run.resume: auto``): the latest complete checkpoint is loaded, the JSONL files are cut
 back to its step, the prompts in flight when it was taken are re-issued first, and the fleet gets
@@ -25,7 +31,6 @@ the checkpoint's weights before generating anything.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -42,12 +47,13 @@ from tqdm import tqdm
 
 from megatron_rl.config import ConfigError, config_to_dict
 from megatron_rl.data.problems import DataError, OptionError, hold_out, read_problems
-from megatron_rl.data.sampling import SamplingConfig, has_chat_template, load_tokenizer, sample_and_score
-from megatron_rl.errors import run_cli
+from megatron_rl.data.sampling import SamplingConfig, has_chat_template, load_tokenizer
+from megatron_rl.errors import ArgumentParser, run_cli
+from megatron_rl.evaluation.heldout import describe, held_out_pass_at_1
 from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
-from megatron_rl.orchestration.loop import Orchestrator
+from megatron_rl.orchestration.loop import Orchestrator, TimeLimitReached
 from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
 from megatron_rl.orchestration.sampler import PromptSampler
@@ -158,9 +164,9 @@ def _evaluate(
     *,
     label: str,
     progress: bool,
+    deadline: float | None,
 ) -> dict[str, JsonValue]:
-    """Held-out pass@1: mean correctness over ``run.eval_k`` samples per problem."""
-
+    """Held-out pass@1 over ``run.eval_k`` samples per problem, cut at ``deadline`` (the time limit)."""
     sc = SamplingConfig(
         k=cfg.run.eval_k,
         max_new_tokens=cfg.reward.l_max,
@@ -169,17 +175,9 @@ def _evaluate(
         seed=cfg.loop.seed + 7919,
         system_prompt=_system_prompt(cfg.data.system_prompt),
     )
-    attempts = sample_and_score(
-        problems, fleet, tok, sc, cfg.reward, pool=pool, progress=progress, desc=f"eval {label}"
+    return held_out_pass_at_1(
+        fleet, pool, tok, problems, sc, cfg.reward, label=label, progress=progress, deadline=deadline
     )
-    flat = [a for v in attempts.values() for a in v]
-    return {
-        "label": label,
-        "pass@1": sum(a.correct for a in flat) / max(1, len(flat)),
-        "format_rate": sum(a.reason != "format_error" for a in flat) / max(1, len(flat)),
-        "length/mean": sum(a.num_tokens for a in flat) / max(1, len(flat)),
-        "problems": len(attempts),
-    }
 
 
 def plot_metrics(metrics_path: Path, evals: list[dict[str, JsonValue]], out_dir: Path) -> list[Path]:
@@ -219,6 +217,7 @@ def plot_metrics(metrics_path: Path, evals: list[dict[str, JsonValue]], out_dir:
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
     ax = axes.flat[len(keys)]
+    evals = [e for e in evals if e.get("pass@1") is not None]  # an evaluation cut before any sample
     if evals:
         ax.plot([e["step"] for e in evals], [e["pass@1"] for e in evals], marker="o")
         ax.set_title("held-out pass@1", fontsize=9)
@@ -326,6 +325,11 @@ class _Run:
         self.run_dir = Path(cfg.run.dir)
         self.ckpt_root = self.run_dir / "checkpoints"
         self.t_start = time.monotonic()
+        # run.time_limit_min as a time.monotonic(): nothing runs past it (None: no limit).
+        limit_s = 60.0 * cfg.run.time_limit_min
+        self.deadline: float | None = self.t_start + limit_s if limit_s else None
+        self.eval_s = 0.0  # how long the latest evaluation took: the final one is given as long
+        self.saved_step: int | None = None  # the step of the latest checkpoint saved or resumed
         self.evals: list[dict[str, JsonValue]] = []  # eval.jsonl so far (rank 0)
         self.curriculum = _Curriculum(cfg)
         self.stopped = "max_steps"  # or "time_limit" / "stop_after": why train() returned
@@ -360,6 +364,7 @@ class _Run:
             # is reported and passed over for the one before it).
             self.extra = self.trainer.load_checkpoint(self.ckpt_root)
             self.resume_from = self.ckpt_root / checkpoint_dir_name(int(self.trainer.step))
+            self.saved_step = int(self.trainer.step)
         else:
             self.trainer.load_hf(cfg.model.hf)
         # Recent metrics, for metric-triggered curriculum stages.
@@ -519,26 +524,23 @@ class _Run:
         )
         self.stack.callback(bar.close)
         steps_here = 0
-        limit_s = 60.0 * cfg.run.time_limit_min
         while trainer.step < cfg.loop.max_steps:
             if stop_after is not None and steps_here >= stop_after:
                 self.stopped = "stop_after"
                 break
-            if limit_s and self.orch.broadcast_object(time.monotonic() - self.t_start >= limit_s):
-                self.stopped = "time_limit"
-                if rank0:
-                    print(
-                        f"[time limit] {cfg.run.time_limit_min:g} min reached at step "
-                        f"{trainer.step}: finishing here (run again to resume)",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                if not (cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0):
-                    self._checkpoint()
+            # Training stops early enough to leave the final evaluation the time the latest took.
+            stop_at = None if self.deadline is None else self.deadline - self.eval_s
+            self.orch.deadline = stop_at
+            if stop_at is not None and self.orch.broadcast_object(time.monotonic() >= stop_at):
+                self._stop_at_time_limit("")
                 break
             self._advance_curriculum()
             before = int(trainer.step)
-            result = self.orch.step()
+            try:
+                result = self.orch.step()
+            except TimeLimitReached:
+                self._stop_at_time_limit(" while waiting for its batch (not trained)")
+                break
             steps_here += 1
             if rank0:
                 self._record(result)
@@ -565,11 +567,26 @@ class _Run:
         bar.close()
         self.orch.stop()
 
+    def _stop_at_time_limit(self, where: str) -> None:
+        """run.time_limit_min reached at the current step: say so, and checkpoint (collective)."""
+        self.stopped = "time_limit"
+        cfg, step = self.cfg, self.trainer.step
+        if self.rank0:
+            print(
+                f"[time limit] {cfg.run.time_limit_min:g} min reached at step {step}{where}: "
+                "finishing here (run again to resume)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.saved_step != step:  # not saved at this step yet (step 0 of a new run included)
+            self._checkpoint()
+
     def _checkpoint(self) -> None:
         extra: dict[str, object] = {"curriculum_index": self.curriculum.index, "history": self.history[-20:]}
         if self.rollouts is not None:  # its sampler's cursor and the counters, read at one instant
             extra.update(self.rollouts.state_dict())
         self.trainer.save_checkpoint(self.ckpt_root, extra=extra, keep_last=self.cfg.run.keep_last)
+        self.saved_step = int(self.trainer.step)
 
     def _advance_curriculum(self) -> None:
         """Rank 0 decides whether the next stage is due; every rank applies it."""
@@ -600,17 +617,20 @@ class _Run:
         if fleet is None or pool is None:  # eval_problems are read on rank 0, which holds both
             raise RuntimeError(f"rank {self.rank}: evaluation needs rank 0's fleet and verifier pool")
         res = _evaluate(
-            fleet, pool, self.tok, self.eval_problems, self.cfg, label=label, progress=self.progress
+            fleet,
+            pool,
+            self.tok,
+            self.eval_problems,
+            self.cfg,
+            label=label,
+            progress=self.progress,
+            deadline=self.deadline,
         )
         res["step"] = int(self.trainer.step)
+        self.eval_s = float(res["seconds"])
         self.evals.append(res)
         append_jsonl(self.run_dir / "eval.jsonl", [res])
-        print(
-            f"[eval {label}] step {res['step']}: held-out pass@1 {res['pass@1']:.3f} "
-            f"(format {res['format_rate']:.2f}, length {res['length/mean']:.0f})",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"[eval {label}] step {res['step']}: {describe(res)}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ teardown
 
@@ -623,8 +643,11 @@ class _Run:
             return {}
         evals = self.evals
         finished = trainer.step >= cfg.loop.max_steps or self.stopped == "time_limit"
-        # A run stopped by its time limit and resumed later is evaluated again at its new end.
-        if finished and not (evals and evals[-1]["label"] == "after" and evals[-1]["step"] == trainer.step):
+        # A run stopped by its time limit and resumed later is evaluated again at its new end (and
+        # so is one whose final evaluation the limit cut short).
+        last = evals[-1] if evals else {}
+        done = last.get("label") == "after" and last["step"] == trainer.step and not last.get("partial")
+        if finished and not done:
             self.evaluate("after")
         plots = (
             plot_metrics(run_dir / "metrics.jsonl", evals, run_dir / "plots")
@@ -635,16 +658,22 @@ class _Run:
             for path in plots:
                 t.artifact(path)
 
-        def pass_at_1(label: str) -> float | None:  # the latest evaluation of that label
-            return next((e["pass@1"] for e in reversed(evals) if e["label"] == label), None)
+        def latest(label: str) -> dict[str, JsonValue]:  # the latest evaluation of that label
+            return next((e for e in reversed(evals) if e["label"] == label), {})
+
+        scored = self.rollouts.snapshot_stats() if self.rollouts is not None else {}
 
         summary = {
             "steps": int(trainer.step),
             "stopped": self.stopped,
             "wall_s": time.monotonic() - self.t_start,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
-            "pass@1_before": pass_at_1("before"),
-            "pass@1_after": pass_at_1("after"),
+            "pass@1_before": latest("before").get("pass@1"),
+            "pass@1_after": latest("after").get("pass@1"),
+            # Samples per reason: the final evaluation's, and those of training (this invocation).
+            "eval_after_reasons": latest("after").get("reasons"),
+            "eval_after_partial": bool(latest("after").get("partial")),
+            "train_reasons": {k[7:]: v for k, v in sorted(scored.items()) if k.startswith("reason/")},
             "plots": [str(p) for p in plots],
             "run_dir": str(run_dir),
         }
@@ -749,7 +778,7 @@ def _write_samples(run_dir: Path, cfg: RunConfig, result: StepResult, orch: Orch
 def main(argv: list[str] | None = None) -> int:
     """``megatron-rl train RECIPE.yaml [section.key=value ...]``."""
 
-    p = argparse.ArgumentParser(prog="megatron-rl train", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="megatron-rl train", description=__doc__.split("\n")[0])
     p.add_argument("recipe", help="YAML recipe (see examples/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loop.max_steps=10")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

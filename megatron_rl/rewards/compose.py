@@ -83,7 +83,9 @@ class RewardConfig:
         check_range("l_max", self.l_max, low=1)
         if not 0 <= self.l_cache <= self.l_max:
             raise ConfigFieldError("l_cache", f"must be in [0, l_max={self.l_max}], got {self.l_cache}")
-        check_range("workers", self.workers, low=1)
+        # A recipe may be checked on another machine than the one it runs on (a login node):
+        # an absolute bound here catches a typo, and the pool checks this machine's cores.
+        check_range("workers", self.workers, low=1, high=1024)
         check_choice("custom_mode", self.custom_mode, ("replace", "add"))
         check_range("custom_timeout_s", self.custom_timeout_s, low=0.0, low_open=True)
         if self.custom is not None:
@@ -258,10 +260,11 @@ def score_many(
     pool = pool or VerifierPool(cfg.workers, warmup=verifier_warmup(cfg))
     try:
         futures = [pool.submit(score, inp, cfg, timeout_s=hard_timeout_s(inp, cfg)) for inp in inputs]
+        deadline = pool.deadline()  # every sample scored by then: each within its hard limit
         out = []
         for f in futures:
             try:
-                out.append(f.result())
+                out.append(pool.result(f, deadline))
             except PoolTaskError as e:
                 out.append(failed_result(e.reason, e.detail, cfg))
         return out

@@ -19,7 +19,9 @@ called with two arguments is a :class:`ConfigFieldError` on ``custom`` (the load
 ``FILE:LINE: reward.custom: ...``), before anything starts.
 
 The function is called in the verifier pool's workers (``rewards/pool.py``), after the format check
-has passed (a format failure scores 0 and stops, as for the built-in verifiers).
+has passed (a format failure scores 0 and stops, as for the built-in verifiers). The workers
+import its module by name and do not run the script that started them, so ``__main__:score`` is
+refused: a reward lives in a module of its own.
 ``completion`` is the whole completion text, thinking included (``rewards.format.last_boxed`` finds
 the final ``\\boxed{}``); ``problem`` is the whole input record as the data has it, every extra
 field included. It returns a number or a dict ``{"score": number, "reason": label, "detail": text,
@@ -167,6 +169,13 @@ def resolve(spec: str) -> CustomFn:
         module, _, attr = spec.partition(":")
         if not module or not attr or ":" in attr:
             raise ConfigFieldError(_FIELD, f"expected 'module:function', got {spec!r}")
+        if module == "__main__":  # the verifier processes do not run the caller's script
+            raise ConfigFieldError(
+                _FIELD,
+                f"{spec!r}: a function of the script being run cannot be loaded by the verifier "
+                "processes; put it in a module (e.g. my_reward.py beside the script) and name it "
+                "'my_reward:" + attr + "'",
+            )
         return _check_callable(_attribute(_import(module, repr(spec)), attr, module, repr(spec)), repr(spec))
     known = registered_rewards()
     eps = known.get(spec)

@@ -26,6 +26,21 @@ tasks; if three in a row die while starting, the pool fails its pending tasks wi
 refuses new ones rather than respawning forever. Workers die with the caller
 (``PR_SET_PDEATHSIG``), so a killed trainer leaves no verifier behind.
 
+Workers do not run the caller's ``__main__``: multiprocessing would re-run the script in every
+worker (as ``__mp_main__``), so a script without an ``if __name__ == "__main__":`` guard would
+start pools inside its own workers, which die while starting. The pool needs nothing from the
+script: its task functions are named by module path (a function defined in the script itself is
+refused at :meth:`VerifierPool.submit`, and a custom reward is ``module:function``). A pool whose
+workers cannot start raises :class:`PoolBroken` (one line: why, and what to change) to whoever
+waits on it, never scores its samples ``worker_crash`` in silence.
+
+**Every wait has a deadline.** :meth:`VerifierPool.deadline` is when everything queued now is
+done at the latest if every task keeps to its hard limit (Graham's bound for list scheduling:
+the sum of the limits over the workers, plus the longest limit, plus a start-up allowance);
+:meth:`VerifierPool.result` waits for one task until a deadline, and past it the task (cancelled
+when it has not started) counts as failed with reason ``scoring_timeout``. That deadline is met
+unless the pool itself is wedged (its dispatcher thread dead): then the caller still goes on.
+
     with VerifierPool(num_workers=2) as pool:
         results = pool.map(fn, [(a, b), (c, d)], timeout_s=10)   # in input order
         future = pool.submit(fn, a, b, timeout_s=10)            # concurrent.futures.Future
@@ -33,7 +48,9 @@ refuses new ones rather than respawning forever. Workers die with the caller
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import io
 import itertools
 import multiprocessing as mp
 import os
@@ -44,14 +61,20 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import TypeVar
 
-__all__ = ["PoolTaskError", "VerifierPool"]
+from megatron_rl.errors import RunStopped, UsageError
+
+__all__ = ["PoolBroken", "PoolTaskError", "VerifierPool", "max_workers"]
 
 _PR_SET_PDEATHSIG = 1
+_IN_WORKER = False  # set in a verifier process: no pool may start there
 T = TypeVar("T")  # what a task returns
 
 # Chunk size = ceil(queued / (_CHUNKS_PER_WORKER * workers)), capped. A message round trip through
@@ -62,16 +85,58 @@ T = TypeVar("T")  # what a task returns
 # their tests) for large batches.
 _CHUNKS_PER_WORKER = 4
 _MAX_CHUNK = 16
+# The deadline's allowances: a worker's start (fork, warm-up imports such as math-verify's, a few
+# seconds on a loaded machine) and a replacement after each kill, both generous.
+_START_S = 30.0
+_RESPAWN_S = 2.0
 
 
 class PoolTaskError(Exception):
-    """A task that produced no result: ``reason`` is worker_timeout, worker_crash, verifier_error
-    or cancelled (``close(cancel=True)``)."""
+    """A task that produced no result: ``reason`` is worker_timeout, worker_crash, verifier_error,
+    scoring_timeout (its caller's deadline passed, :meth:`VerifierPool.result`) or cancelled
+    (``close(cancel=True)``)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+class PoolBroken(RunStopped, RuntimeError):
+    """The pool's workers cannot start (or its dispatcher stopped): no task will ever run. The
+    message says why in one line, and what to change where it can tell."""
+
+
+class _NoMainPopen(popen_forkserver.Popen):
+    """A forkserver start that does not re-run the caller's ``__main__`` in the worker (see the
+    module docstring). The same steps as the standard library's ``_launch`` (CPython 3.8-3.13),
+    with the main module left out of the preparation data."""
+
+    def _launch(self, process_obj: BaseProcess) -> None:
+        prep = spawn.get_preparation_data(process_obj.name)
+        prep.pop("init_main_from_path", None)
+        prep.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        fds: list[int] = self._fds  # type: ignore[attr-defined]  # set by Popen.__init__ (untyped stdlib)
+        self.sentinel, w = forkserver.connect_to_new_process(fds)
+        parent_w = os.dup(w)  # the child watches this end to learn that the parent died
+        close_fds = mp_util.close_fds  # type: ignore[attr-defined]  # untyped in typeshed
+        self.finalizer = mp_util.Finalize(self, close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _WorkerProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: BaseProcess) -> _NoMainPopen:
+        return _NoMainPopen(process_obj)
 
 
 def _worker_main(conn: Connection, warmup: Callable[[], object] | None) -> None:
@@ -80,16 +145,30 @@ def _worker_main(conn: Connection, warmup: Callable[[], object] | None) -> None:
     except (OSError, AttributeError):
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    global _IN_WORKER
+    _IN_WORKER = True
     if warmup is not None:
-        warmup()  # if it raises, the worker dies before it is ready: a start failure
+        try:
+            warmup()
+        except BaseException as e:  # a start failure: the parent is told why, then it dies (re-raised)
+            conn.send(("failed", f"{type(e).__name__}: {e}"[:500]))
+            raise
     conn.send(("ready", os.getpid()))  # tasks go only to workers that started
     while True:
         try:
-            chunk = conn.recv()
+            msg = conn.recv()
         except (EOFError, OSError):
             return
-        if chunk is None:
+        if msg is None:
             return
+        ids, blob = msg
+        try:  # unpickled here, so that a task that cannot be loaded fails alone, not the worker
+            chunk = reduction.ForkingPickler.loads(blob)
+        except BaseException as e:  # noqa: BLE001
+            why = f"task could not be loaded in the verifier process: {type(e).__name__}: {e}"
+            for task_id in ids:
+                conn.send(("result", task_id, False, why))
+            continue
         for task_id, fn, args in chunk:
             try:
                 reply = ("result", task_id, True, fn(*args))
@@ -119,10 +198,18 @@ class _Worker:
     chunk: deque[_Task] = field(default_factory=deque)  # sent and unanswered, in the order it runs them
     head_since: float = 0.0  # when chunk[0] started, as seen here: chunk sent or previous answer read
     ready: bool = False  # said hello: it imported and warmed everything and waits for tasks
+    start_error: str = ""  # what its warm-up raised, when it said so before dying
 
     @property
     def deadline(self) -> float:
         return self.head_since + self.chunk[0].timeout_s
+
+
+def max_workers() -> int:
+    """Most verifier processes one pool may start here: a few per core keeps sandboxed programs
+    busy while others wait on I/O; far more only thrashes the machine (each worker holds an
+    interpreter and its verifiers), and a typo such as ``workers: 20000`` must not fork 20,000."""
+    return 8 * (os.cpu_count() or 1)
 
 
 class VerifierPool:
@@ -138,8 +225,17 @@ class VerifierPool:
     ):
         """``preload``: modules the forkserver imports once for every worker (one missing is
         skipped); ``warmup``: a picklable function each worker runs before it takes tasks."""
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not 1 <= num_workers <= max_workers():
+            raise UsageError(
+                f"workers: must be in [1, {max_workers()}] on this machine ({os.cpu_count()} cores), "
+                f"got {num_workers}"
+            )
+        if _IN_WORKER:
+            raise UsageError(
+                "a verifier pool was started inside a verifier process: a module the verifier "
+                "processes import (your reward's) runs scoring code when it is imported; put that "
+                'code under `if __name__ == "__main__":`'
+            )
         self.default_timeout_s = default_timeout_s
         self._warmup = warmup
         self._ctx = mp.get_context("forkserver")
@@ -173,7 +269,7 @@ class VerifierPool:
                     self._broken = (
                         f"3 verifier processes in a row died while starting ({type(e).__name__}: {e})"
                     )
-        self._thread = threading.Thread(target=self._loop, name="verifier-pool", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="verifier-pool", daemon=True)
         self._thread.start()
 
     # -- public ------------------------------------------------------------------------------
@@ -184,13 +280,58 @@ class VerifierPool:
 
     def map(self, fn: Callable, items: Iterable[tuple], *, timeout_s: float | None = None) -> list:
         """``fn(*item)`` for every item; results (or :class:`PoolTaskError`) in input order."""
+        futures = self._enqueue(fn, list(items), timeout_s)  # queued at once: chunked from the start
+        deadline = self.deadline()
         out = []
-        for f in self._enqueue(fn, list(items), timeout_s):  # queued at once: chunked from the start
+        for f in futures:
             try:
-                out.append(f.result())
+                out.append(self.result(f, deadline))
             except PoolTaskError as e:
                 out.append(e)
         return out
+
+    @property
+    def broken(self) -> str | None:
+        """Why no task can run any more (workers that cannot start), or None."""
+        with self._lock:
+            return self._broken
+
+    def deadline(self) -> float:
+        """A ``time.monotonic()`` by which every task queued or running now has an outcome, if
+        every task keeps to its hard limit (see the module docstring)."""
+        with self._lock:
+            limits = [t.timeout_s for t in self._pending] + [
+                t.timeout_s for w in self._workers for t in w.chunk
+            ]
+            workers = max(1, len(self._workers))
+        if not limits:
+            return time.monotonic() + _START_S
+        total = sum(limits) + _RESPAWN_S * len(limits)
+        return time.monotonic() + _START_S + total / workers + max(limits) + _RESPAWN_S
+
+    def result(
+        self, future: Future[T], deadline: float | None = None, *, reason: str = "scoring_timeout"
+    ) -> T:
+        """``future.result()``, waiting until ``deadline`` (``time.monotonic()``; default:
+        :meth:`deadline` now). Past it, :class:`PoolTaskError` with ``reason`` (the task is
+        cancelled if it has not started, so it will not run); :class:`PoolBroken` when the pool
+        cannot run tasks any more."""
+        if deadline is None:
+            deadline = self.deadline()
+        try:
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise PoolTaskError(
+                reason, "no result by its deadline; the sample is counted as failed"
+            ) from None
+        except concurrent.futures.CancelledError:
+            raise PoolTaskError("cancelled", "the task was cancelled") from None
+        except PoolTaskError:
+            why = self.broken
+            if why is not None:
+                raise PoolBroken(why) from None
+            raise
 
     def wait_ready(self, timeout_s: float | None = None) -> bool:
         """Block until every worker has started and run ``warmup``; False on time-out or when the
@@ -216,7 +357,13 @@ class VerifierPool:
         for task in dropped:
             task.future.cancel()
         self._wake_w.send_bytes(b"")
-        self._thread.join()
+        # Finishing the queue takes at most its deadline (cancelling: a moment); past it (a wedged
+        # dispatcher), stop anyway.
+        self._thread.join(timeout=_START_S if cancel else max(0.0, self.deadline() - time.monotonic()))
+        if self._thread.is_alive():
+            cancel = True
+            with self._lock:
+                self._cancel = True
         if cancel:  # the dispatcher stopped without waiting: busy workers go now, their tasks too
             for w in self._workers:
                 if w.chunk:
@@ -234,7 +381,7 @@ class VerifierPool:
             w.process.join(timeout=5)
             if w.process.is_alive():
                 w.process.kill()
-                w.process.join()
+                w.process.join(timeout=5)  # SIGKILL: a moment, unless the kernel itself is stuck
 
     def __enter__(self) -> VerifierPool:
         return self
@@ -244,13 +391,18 @@ class VerifierPool:
 
     # -- callers' side -----------------------------------------------------------------------
     def _enqueue(self, fn: Callable, arg_lists: list[tuple], timeout_s: float | None) -> list[Future]:
+        if getattr(fn, "__module__", None) == "__main__":
+            raise UsageError(
+                f"{getattr(fn, '__qualname__', fn)!r} is defined in the script being run (__main__), "
+                "which the verifier processes do not run: move it into a module and import it from there"
+            )
         limit = timeout_s or self.default_timeout_s
         tasks = [_Task(next(self._ids), fn, args, limit) for args in arg_lists]
         with self._lock:
             if self._closing:
                 raise RuntimeError("the verifier pool is closed")
             if self._broken:
-                raise RuntimeError(f"the verifier pool is broken: {self._broken}")
+                raise PoolBroken(f"the verifier pool is broken: {self._broken}")
             self._pending.extend(tasks)
         self._wake_w.send_bytes(b"")
         return [t.future for t in tasks]
@@ -258,9 +410,7 @@ class VerifierPool:
     # -- dispatcher thread -------------------------------------------------------------------
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(
-            target=_worker_main, args=(child, self._warmup), daemon=True, name="verifier"
-        )
+        proc = _WorkerProcess(target=_worker_main, args=(child, self._warmup), daemon=True, name="verifier")
         proc.start()
         child.close()
         return _Worker(process=proc, conn=parent)
@@ -281,12 +431,13 @@ class VerifierPool:
             w.chunk.clear()
         if not w.ready:
             # A worker that dies before it is ready is not a task's fault: the workers cannot
-            # start (bad preload or warm-up, no memory, broken main module). Retrying forever would spin.
+            # start (bad preload or warm-up, no memory). Retrying forever would spin.
             self._start_failures += 1
             if self._start_failures >= 3:
                 with self._lock:
                     self._workers.remove(w)
-                self._break(f"3 verifier processes in a row died while starting ({detail})")
+                why = f"its warm-up raised {w.start_error}" if w.start_error else detail
+                self._break(f"3 verifier processes in a row died while starting ({why})")
                 return
         try:
             new = self._spawn()
@@ -343,10 +494,8 @@ class VerifierPool:
     def _send(self, w: _Worker, chunk: list[_Task]) -> None:
         """Send a chunk to idle ``w`` (under the lock); OSError when ``w`` has died. Tasks that
         cannot be pickled fail here and are dropped from ``chunk``."""
-        try:
-            w.conn.send([(t.task_id, t.fn, t.args) for t in chunk])  # fn and shared args pickled once
-        except OSError:
-            raise
+        try:  # fn and shared args pickled once; the worker unpickles (see _worker_main)
+            blob = ForkingPickler.dumps([(t.task_id, t.fn, t.args) for t in chunk])
         except Exception:  # noqa: BLE001 -- arguments that cannot be pickled: find them, send the rest
             sendable = []
             for t in chunk:
@@ -358,9 +507,9 @@ class VerifierPool:
                 else:
                     sendable.append(t)
             chunk[:] = sendable  # in place: on OSError below, the caller requeues only these
-            if chunk:
-                w.conn.send([(t.task_id, t.fn, t.args) for t in chunk])
+            blob = ForkingPickler.dumps([(t.task_id, t.fn, t.args) for t in chunk])
         if chunk:
+            w.conn.send(([t.task_id for t in chunk], bytes(blob)))
             self.stats["chunks"] += 1
             w.chunk.extend(chunk)
             w.head_since = time.monotonic()
@@ -398,6 +547,8 @@ class VerifierPool:
                 with self._ready:
                     w.ready, self._start_failures = True, 0
                     self._ready.notify_all()
+            elif kind == "failed":  # its warm-up raised; it dies next
+                w.start_error = str(msg[0])
             else:
                 task_id, ok, payload = msg
                 if not w.chunk or w.chunk[0].task_id != task_id:  # it answers in the order sent
@@ -412,6 +563,21 @@ class VerifierPool:
                     task.future.set_exception(PoolTaskError("verifier_error", payload))
             if not w.conn.poll():
                 return
+
+    def _run(self) -> None:
+        """The dispatcher thread: :meth:`_loop`, and if that ever raises (a bug), every task
+        still waiting fails with the reason instead of leaving its caller waiting."""
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 -- the pool's own failure reaches every caller
+            why = f"the verifier pool's dispatcher stopped: {type(e).__name__}: {e}"
+            self._break(why)
+            for w in list(self._workers):
+                w.process.kill()
+                for task in w.chunk:
+                    if not task.future.done():
+                        task.future.set_exception(PoolTaskError("worker_crash", why))
+                w.chunk.clear()
 
     def _loop(self) -> None:
         while not self._dispatch():

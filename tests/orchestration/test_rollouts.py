@@ -412,3 +412,58 @@ def test_a_request_past_its_timeout_is_sent_once_more_then_scored_as_it_stands(t
         assert sorted(servers.values()) == [2 * G, 2 * G]  # the second try went to the other one
         state = [fleet.server_info(u)["internal_states"][0] for u in fleet.update_urls]
         assert all(x["num_running_reqs"] + x["num_waiting_reqs"] == 0 for x in state), state
+
+
+class _StuckPool:
+    """A verifier pool that takes tasks and never answers (a wedged pool), or is broken."""
+
+    def __init__(self, broken: str | None = None):
+        from concurrent.futures import Future
+
+        self.futures: list[Future] = []
+        self.broken = broken
+        self._future = Future
+
+    def submit(self, fn, *args, timeout_s=None):
+        if self.broken:
+            from megatron_rl.rewards.pool import PoolBroken
+
+            raise PoolBroken(self.broken)
+        f = self._future()
+        self.futures.append(f)
+        return f
+
+    def deadline(self) -> float:
+        return time.monotonic() + 0.5
+
+
+@pytest.mark.fault("crash")
+def test_a_sample_not_scored_by_its_deadline_scores_0_and_its_group_finishes(tok, script):
+    stuck = _StuckPool()
+    with timing_fleet(tok, script) as (fleet, _):
+        r = make_rollouts(fleet, stuck, tok)
+        recs = [r.issue_group() for _ in range(2)]
+        assert r.outstanding == 2 * G  # generating or scoring: what the async loop bounds
+        assert r.wait_until(lambda: r.in_flight == 0, timeout=60)
+        assert r.outstanding == 2 * G  # generated, not scored: still counted
+        t0 = time.monotonic()
+        while any(x.kept is None for x in recs):  # the loop's waits call check() like this
+            r.check()
+            time.sleep(0.05)
+            assert time.monotonic() - t0 < 30
+        assert r.outstanding == 0
+        assert {s.reason for x in recs for s in x.all_scored()} == {"scoring_timeout"}
+        assert r.snapshot_stats()["reason/scoring_timeout"] == 2 * G
+        assert all(f.cancelled() for f in stuck.futures)  # they will never run
+
+
+@pytest.mark.fault("crash")
+def test_a_pool_that_cannot_start_stops_the_rollouts_with_its_reason(tok, script):
+    from megatron_rl.rewards.pool import PoolBroken
+
+    with timing_fleet(tok, script) as (fleet, _):
+        r = make_rollouts(fleet, _StuckPool(broken="3 verifier processes in a row died while starting"), tok)
+        r.issue_group()
+        assert r.wait_until(lambda: r.failed, timeout=60)
+        with pytest.raises(PoolBroken, match="died while starting"):
+            r.check()
