@@ -27,8 +27,9 @@ from typing import Literal
 from megatron_rl.cli.reward import parse_line
 from megatron_rl.config import ConfigError
 from megatron_rl.data.problems import DataError
+from megatron_rl.errors import UsageError
 from megatron_rl.fileio import JsonValue
-from megatron_rl.orchestration.recipe import RunConfig, load_config
+from megatron_rl.orchestration.recipe import RunConfig, load_config, validate_config
 from megatron_rl.rewards.compose import RewardConfig, score_many
 from megatron_rl.rewards.result import RewardResult
 
@@ -62,7 +63,9 @@ def train(
             raise ValueError(
                 "overrides: set the RunConfig's fields instead (overrides go with a recipe path)"
             )
-        cfg = config
+        # Checked again here, as the loader checks a recipe: the caller may have changed fields
+        # after the dataclass was built, and a dataclass checks them only at construction.
+        cfg = validate_config(config, source="train(config)")
     else:
         cfg = load_config(Path(config), list(overrides), paths=True)
     return run_training(cfg, progress=progress, stop_after=stop_after)
@@ -99,28 +102,35 @@ def convert_checkpoint(
     pipeline_parallel: int = 1,
     hf_config: str | os.PathLike[str] | None = None,
     dtype: str = "keep",
+    max_shard_size: str | int = "5GB",
     overwrite: bool = False,
+    allow_nonfinite: bool = False,
+    progress: bool = True,
 ) -> Path:
-    """Convert a checkpoint, as ``megatron-rl convert``: ``to="mcore"`` reads the HF folder
-    ``src`` and writes the Megatron checkpoint ``dst`` at ``tensor_parallel x pipeline_parallel``
-    (it loads at any layout); ``to="hf"`` exports the Megatron checkpoint ``src`` as an HF folder
-    (``hf_config``: a folder with config.json, for a checkpoint written by Megatron itself).
-    Returns ``dst``."""
-    from megatron_rl.convert.checkpoint import hf_to_mcore, mcore_to_hf  # lazy: torch, megatron-core
+    """Convert a checkpoint, as ``megatron-rl convert`` (the same function,
+    :func:`megatron_rl.convert.run.convert`): ``to="mcore"`` reads the HF folder ``src`` and
+    writes the Megatron checkpoint ``dst`` at ``tensor_parallel x pipeline_parallel`` (it loads
+    at any layout), starting that many local CPU ranks itself unless this process is one rank
+    of a ``torchrun`` group that can hold them; ``to="hf"`` exports the Megatron checkpoint
+    ``src`` as an HF folder (``hf_config``: a folder with config.json, for a checkpoint written
+    by Megatron itself). ``progress``: one line per stage on stderr, a bar on a terminal, and
+    the closing ``wrote ...`` line. Refusals raise :mod:`megatron_rl.errors` exceptions
+    (``UsageError``, ``InputError`` -- also for a tensor holding NaN/Inf unless
+    ``allow_nonfinite`` -- ``OutputError``) before anything is written. Returns ``dst``."""
+    from megatron_rl.convert.run import convert  # lazy: torch, megatron-core
 
-    if to == "mcore":
-        return hf_to_mcore(
-            src,
-            dst,
-            tensor_parallel=tensor_parallel,
-            pipeline_parallel=pipeline_parallel,
-            dtype=dtype,
-            overwrite=overwrite,
-        )
-    if to == "hf":
-        if (tensor_parallel, pipeline_parallel) != (1, 1):
-            raise ValueError(
-                "tensor_parallel / pipeline_parallel: an HF export has no layout; leave them at 1"
-            )
-        return mcore_to_hf(src, dst, hf_config=hf_config, dtype=dtype, overwrite=overwrite)
-    raise ValueError(f"to: must be 'mcore' or 'hf', got {to!r}")
+    if to not in ("mcore", "hf"):
+        raise UsageError(f"to: must be 'mcore' or 'hf', got {to!r}")
+    return convert(
+        "hf-to-mcore" if to == "mcore" else "mcore-to-hf",
+        src,
+        dst,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+        hf_config=hf_config,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        allow_nonfinite=allow_nonfinite,
+        progress=progress,
+    )

@@ -56,7 +56,7 @@ class ConfigError(UsageError):
     """A configuration problem, with the place it comes from in the message."""
 
 
-class ConfigFieldError(ValueError):
+class ConfigFieldError(UsageError):
     """Raised by a config's ``__post_init__``; the loader adds the file, line and section."""
 
     def __init__(self, field: str, message: str):
@@ -196,8 +196,8 @@ def load_yaml_text(text: str, source: str) -> tuple[YamlValue, dict[str, int]]:
     """Parse YAML strictly (see the module docstring); also return the 1-based line of every dotted
     key path. Raises :class:`ConfigError` naming ``source`` and the line."""
     text = text.removeprefix("\ufeff")  # a byte-order mark, as some editors write it
-    loader = _StrictLoader(text, source)
     try:
+        loader = _StrictLoader(text, source)  # its reader refuses control characters right here
         try:
             node = loader.get_single_node()
             if node is not None:
@@ -205,8 +205,14 @@ def load_yaml_text(text: str, source: str) -> tuple[YamlValue, dict[str, int]]:
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: invalid YAML: {e}") from None
+    except yaml.YAMLError as e:  # one line: the place, the problem, and what it was inside
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        context = getattr(e, "context", None)
+        raise ConfigError(
+            f"{where}: invalid YAML: {problem}" + (f" ({context})" if context else "")
+        ) from None
     except RecursionError:
         raise ConfigError(f"{source}: nested too deeply (or an alias refers to itself)") from None
     lines: dict[str, int] = {}

@@ -28,10 +28,12 @@ Layer 0: imports nothing of megatron_rl.
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import sys
 import traceback
+import typing
 from collections.abc import Callable, Sequence
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "EXIT_RESOURCE",
     "EXIT_STOPPED",
     "EXIT_USAGE",
+    "ArgumentParser",
     "InputError",
     "OutputError",
     "ResourceError",
@@ -98,6 +101,15 @@ class RunStopped(UserError):
     """A run that cannot go on (no progress, a non-finite loss): says why and where it stopped."""
 
     exit_code = EXIT_STOPPED
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line: a :class:`UsageError` naming the argument and
+    pointing at ``--help``, instead of the usage block and ``error:`` line argparse prints. Its
+    subparsers are of this class too (argparse makes them of the parent's class)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def debug_enabled() -> bool:

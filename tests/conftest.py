@@ -52,5 +52,8 @@ def pytest_runtest_logreport(report):
     if not path or not kinds:
         return
     if report.when == "call" or (report.when == "setup" and not report.passed):
+        # A fuzz test (tests/test_cli_fuzz.py) also says how many cases of which verb it ran.
+        fuzz = [v for k, v in report.user_properties if k == "fuzz"]
+        row = {"test": report.nodeid, "kind": kinds[0], "outcome": report.outcome}
         with open(path, "a") as f:
-            f.write(json.dumps({"test": report.nodeid, "kind": kinds[0], "outcome": report.outcome}) + "\n")
+            f.write(json.dumps(row | ({"fuzz": fuzz} if fuzz else {})) + "\n")

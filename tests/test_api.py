@@ -104,3 +104,25 @@ def test_the_readme_python_block_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     reward, reason = out.stdout.split()
     assert reason == "ok" and float(reward) == pytest.approx(1.1)
+
+
+@pytest.mark.fault("input")
+def test_train_checks_a_config_changed_in_python_as_the_loader_does(tmp_path):
+    """A field set after the RunConfig was built is checked again at train(): the CLI's message,
+    before anything starts (no run directory), however the config was made."""
+    from megatron_rl import load_config, train
+    from megatron_rl.config import ConfigError
+
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}"])
+    cfg.loop.group_size = -3
+    with pytest.raises(ConfigError, match=r"loop\.group_size: must be in \[2, inf\), got -3"):
+        train(cfg)
+    cfg.loop.group_size = 4
+    cfg.algorithm.eps_high = "high"  # a wrong type, as the loader refuses it
+    with pytest.raises(ConfigError, match=r"algorithm\.eps_high: expected a number"):
+        train(cfg)
+    cfg.algorithm.eps_high = 0.28
+    cfg.model.hf = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="model.hf: no such file or folder"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

@@ -7,7 +7,10 @@ A fault test injects one fault (a bad input, a hostile client or program, a kill
 corrupted file, a non-finite number, load at real scale) into the real components and asserts
 what a user relies on: a clear refusal naming the file/line/field, nothing lost, nothing changed
 that should not be, no hang. "Survived" is a passed test; each parametrized case counts once.
-The last line is JSON: ``{"faults": N, "survived": N, "by_kind": {...}}``.
+A second table counts the CLI fuzz suite (``tests/test_cli_fuzz.py``): the generated bad inputs
+each verb was given, and whether every one was handled (one line, an input-mistake exit code, no
+input changed). The last line is JSON: ``{"faults": N, "survived": N, "by_kind": {...},
+"fuzz_cases": N}``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,27 @@ KINDS = {
 }
 
 
+def _fuzz_counts(rows: list[dict]) -> list[tuple[str, int, bool]]:
+    """(verb, cases tried, all handled) per verb of the CLI fuzz suite (tests/test_cli_fuzz.py)."""
+    tried: Counter = Counter()
+    failed: set[str] = set()
+    for r in rows:
+        for f in r.get("fuzz", []):
+            tried[f["verb"]] += f["cases"]
+            if r["outcome"] != "passed":
+                failed.add(f["verb"])
+    return [(verb, n, verb not in failed) for verb, n in sorted(tried.items())]
+
+
+def _fuzz_table(rows: list[dict]) -> str:
+    lines = ["| verb | generated bad inputs tried | all handled |", "|---|---:|---|"]
+    counts = _fuzz_counts(rows)
+    lines += [f"| `{verb}` | {n} | {'yes' if ok else '**no**'} |" for verb, n, ok in counts]
+    total, ok = sum(n for _, n, _ in counts), all(ok for _, _, ok in counts)
+    lines.append(f"| **all** | **{total}** | {'yes' if ok else '**no**'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="also write the counts here (JSON)")
@@ -43,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "pytest", "-m", "fault", "-p", "no:cacheprovider", *args.pytest_args]
         print("+", " ".join(cmd), flush=True)
         rc = subprocess.run(cmd, cwd=ROOT, env=env).returncode
-        rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+        faults = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    rows = faults
     if not rows:
         print("fault_report: no fault test ran", file=sys.stderr)
         return 1
@@ -58,17 +83,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     table = "\n".join(rows)
     print("\n" + table)
+    fuzz_table = _fuzz_table(faults)
+    print("\n" + fuzz_table)
     if args.readme and rc == 0:
         readme = ROOT / "README.md"
         text = readme.read_text()
-        begin, end = "<!-- faults:begin -->\n", "<!-- faults:end -->"
-        head, rest = text.split(begin, 1)
-        readme.write_text(head + begin + table + "\n" + end + rest.split(end, 1)[1])
+        for name, body in (("faults", table), ("fuzz", fuzz_table)):
+            begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+            head, rest = text.split(begin, 1)
+            text = head + begin + body + "\n" + end + rest.split(end, 1)[1]
+        readme.write_text(text)
     summary = {
         "faults": sum(tried.values()),
         "survived": sum(survived.values()),
         "skipped": sum(skipped.values()),
         "by_kind": {k: {"tried": tried[k], "survived": survived[k]} for k in KINDS},
+        "fuzz_cases": sum(n for _, n, _ in _fuzz_counts(faults)),
     }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rl.errors import run_cli
+from megatron_rl.errors import ArgumentParser, run_cli
 
 # Verbs implemented by a module's ``main(argv) -> int``, which parses its own arguments.
 _PASSTHROUGH = {
@@ -78,18 +78,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     from megatron_rl.config import (  # lazy: each verb imports only what it runs, so --help stays quick
-        ConfigError,
         config_to_dict,
     )
     from megatron_rl.orchestration.recipe import (
         load_config,  # lazy: the recipe imports torch; the parser must not
     )
 
-    try:
-        cfg = load_config(args.recipe, args.overrides, paths=args.check_paths)
-    except ConfigError as e:
-        print(f"megatron-rl config: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.recipe, args.overrides, paths=args.check_paths)  # ConfigError: one line, exit 2
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0
 
@@ -100,15 +95,10 @@ def _sglang_args(args: argparse.Namespace) -> int:
     server R.yaml)``."""
     import shlex  # lazy: each verb imports only what it runs
 
-    from megatron_rl.config import ConfigError  # lazy: as above
     from megatron_rl.generation.protocol import router_launch_args, server_launch_args  # lazy: as above
     from megatron_rl.orchestration.recipe import load_config  # lazy: the recipe imports torch
 
-    try:
-        cfg = load_config(args.recipe, args.overrides)
-    except ConfigError as e:
-        print(f"megatron-rl sglang-args: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.recipe, args.overrides)  # ConfigError: one line, exit 2
     if args.target == "router":
         words = router_launch_args(request_timeout_s=cfg.fleet.request_timeout_s)
     else:
@@ -126,7 +116,7 @@ def _passthrough(module: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-rl", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="megatron-rl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     b = sub.add_parser("bench", help="run a benchmark program from tools/ (bench_NAME.py)")
     b.add_argument("name", help=f"one of: {', '.join(_benchmarks()) or '(none found)'}")
@@ -185,8 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     mistake is one line naming what is wrong and an exit code of its kind; ``--debug`` anywhere
     shows the stack."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    verbs = [a for a in argv if not a.startswith("-")]
-    prog = f"megatron-rl {verbs[0]}" if verbs else "megatron-rl"
+    words = [a for a in argv if not a.startswith("-")][:2]
+    if words[:1] not in (["curate"], ["convert"]):  # verbs whose next word is a tool of theirs
+        words = words[:1]
+    prog = " ".join(["megatron-rl", *words])
     return run_cli(prog, _main, argv)
 
 

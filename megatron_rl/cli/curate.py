@@ -24,10 +24,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_rl.data.problems import DataError, read_problems, write_problems
+from megatron_rl.data.problems import read_problems, write_problems
 from megatron_rl.data.report import CurationReport
-from megatron_rl.errors import run_cli
-from megatron_rl.fileio import atomic_write_json, write_jsonl
+from megatron_rl.errors import ArgumentParser, InputError, UsageError, UserError, run_cli
+from megatron_rl.fileio import atomic_write_json, check_output_apart, write_jsonl
 
 __all__ = ["build_parser", "main"]
 
@@ -372,23 +372,43 @@ def _add_sft_traces(sub) -> None:
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The ``curate`` parser (or its subcommands added to ``parser``); ``args.func(args)`` runs
     the chosen tool and returns the exit status."""
-    p = parser or argparse.ArgumentParser(prog="megatron-rl curate", description=__doc__.split("\n\n")[0])
+    p = parser or ArgumentParser(prog="megatron-rl curate", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="tool", required=True, metavar="TOOL")
     for add in (_add_math_format, _add_difficulty, _add_code_tests, _add_translation, _add_sft_traces):
         add(sub)
     return p
 
 
+# The files each tool writes beside --output (see the module docstring).
+_SIDECARS = (".report.json", ".difficulty.jsonl", ".flagged.jsonl", ".pass_rate.png")
+# Every argument of any tool that names something read.
+_INPUT_ARGS = ("input", "scored", "run", "general", "recipe", "tokenizer", "model")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Before any work: every file the tool will write (``--output`` and its sidecars) is apart
+    from every file or folder it reads (OutputError naming both)."""
+    inputs = [getattr(args, a, None) for a in _INPUT_ARGS]
+    inputs = [i for i in inputs if i and not str(i).startswith("hf:")]
+    given = getattr(args, "input", None)
+    if given and not str(given).startswith("hf:") and not Path(given).exists():
+        raise InputError(f"--input {given}: no such file or folder")
+    for written in (Path(args.output), *(_sidecar(args.output, s) for s in _SIDECARS)):
+        check_output_apart(written, inputs, what="--output" if str(written) == args.output else "output")
+
+
 def _guarded(tool):
-    """The tool, with bad input reported as one line on stderr and exit status 2."""
+    """The tool, behind the path check; a ValueError from the tool's own option checks (a
+    ConfigFieldError of its config, say) is a usage error, one line with exit status 2."""
 
     def run(args: argparse.Namespace) -> int:
+        _check_paths(args)
         try:
             return tool(args)
-        # ConfigFieldError is a ValueError; OSError covers missing files and unreachable servers.
-        except (DataError, ValueError, OSError) as e:
-            print(f"megatron-rl curate {args.tool}: {e}", file=sys.stderr)
-            return 2
+        except ValueError as e:
+            if isinstance(e, UserError):
+                raise
+            raise UsageError(str(e)) from None
 
     return run
 

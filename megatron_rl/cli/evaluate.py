@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from megatron_rl.cli.reward import reward_config
 from megatron_rl.data.benchmarks import FORMATS, load_benchmark
@@ -31,9 +32,10 @@ from megatron_rl.data.sampling import (
     render_prompt,
     sample_and_score,
 )
-from megatron_rl.errors import run_cli
+from megatron_rl.errors import ArgumentParser, OutputError, UsageError, UserError, run_cli
 from megatron_rl.evaluation.metrics import default_ks
-from megatron_rl.evaluation.report import evaluate, write_report
+from megatron_rl.evaluation.report import REPORT_FILES, evaluate, write_report
+from megatron_rl.fileio import check_output_apart
 from megatron_rl.rewards.pool import VerifierPool
 
 __all__ = ["add_generator_args", "build_parser", "main"]
@@ -51,7 +53,7 @@ def add_generator_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="megatron-rl eval", description=__doc__.split("\n\n")[0])
+    p = parser or ArgumentParser(prog="megatron-rl eval", description=__doc__.split("\n\n")[0])
     add_generator_args(p)
     p.add_argument("--data", required=True, help="problems or benchmark file (JSONL, CSV, Parquet, hf:NAME)")
     p.add_argument("--format", default="auto", choices=FORMATS, help="input format (default: auto)")
@@ -71,6 +73,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 
 def run(args: argparse.Namespace) -> int:
+    """Evaluate; every argument is checked before the model loads: the report folder must be a
+    folder apart from everything read (OutputError), the recipe and overrides must load."""
+    reads = [x for x in (args.data, args.recipe, args.tokenizer, args.model) if x and not x.startswith("hf:")]
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise OutputError(f"--out {args.out}: is a file; the report is a folder")
+    for name in REPORT_FILES:  # the folder may hold inputs; the files written into it may not be one
+        check_output_apart(Path(args.out) / name, reads, what="the report file")
     reward_cfg = reward_config(args.recipe, args.overrides, args.workers)
     sampling = SamplingConfig(
         k=args.k,
@@ -134,9 +143,10 @@ def run(args: argparse.Namespace) -> int:
 def _entry(args: argparse.Namespace) -> int:
     try:
         return run(args)
-    except (DataError, ValueError, OSError) as e:  # OSError: missing files, unreachable servers
-        print(f"megatron-rl eval: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # an option the data or a config refuses: a usage error, exit 2
+        if isinstance(e, UserError):
+            raise
+        raise UsageError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

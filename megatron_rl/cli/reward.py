@@ -24,6 +24,7 @@ the built-in correctness check beside it. See ``megatron_rl/rewards/custom.py``.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from collections import Counter, deque
@@ -32,9 +33,9 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from megatron_rl.config import ConfigError
 from megatron_rl.data.problems import DataError, check_scorable, problem_from_json, reward_input
-from megatron_rl.fileio import JsonlError, atomic_path, iter_jsonl
+from megatron_rl.errors import ArgumentParser, InputError, OutputError, ResourceError, UsageError
+from megatron_rl.fileio import JsonlError, atomic_path, check_output_apart, iter_jsonl
 from megatron_rl.rewards.code import ensure_pch
 from megatron_rl.rewards.compose import (
     RewardConfig,
@@ -44,7 +45,7 @@ from megatron_rl.rewards.compose import (
     score,
     verifier_warmup,
 )
-from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
+from megatron_rl.rewards.pool import PoolTaskError, VerifierPool, max_workers
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -91,11 +92,8 @@ def _read(path: Path, skip_bad: bool, tokenizer, bad: list[str], needs_reference
             if inp.num_tokens is None and tokenizer is not None:
                 inp.num_tokens = len(tokenizer(inp.completion, add_special_tokens=False)["input_ids"])
             yield obj, inp
-    except (DataError, JsonlError, FileNotFoundError) as e:
-        raise SystemExit(
-            f"megatron-rl reward: {e}"
-            + ("" if skip_bad or isinstance(e, FileNotFoundError) else " (--skip-bad leaves bad lines out)")
-        ) from None
+    except DataError as e:  # JsonlError is one: both name the file and line
+        raise InputError(f"{e}{'' if skip_bad else ' (--skip-bad leaves bad lines out)'}") from None
 
 
 def reward_config(recipe: str | None, overrides: list[str], workers: int | None) -> RewardConfig:
@@ -107,43 +105,47 @@ def reward_config(recipe: str | None, overrides: list[str], workers: int | None)
 
     bad = [o for o in overrides if not o.startswith("reward.")]
     if bad:
-        raise ValueError(f"only reward.KEY=VALUE overrides apply here, got {' '.join(bad)}")
-    try:
-        cfg = load_config(recipe, overrides).reward
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
-    if workers:
+        raise UsageError(f"only reward.KEY=VALUE overrides apply here, got {' '.join(bad)}")
+    if workers is not None and not 1 <= workers <= max_workers():
+        raise UsageError(f"--workers: must be in [1, {max_workers()}] on this machine, got {workers}")
+    cfg = load_config(recipe, overrides).reward  # ConfigError names the file, line and field
+    if workers is not None:
         cfg.workers = workers
     return cfg
 
 
 def run(args) -> Counter:
-    try:
-        cfg = reward_config(args.recipe, args.overrides, args.workers)
-    except ValueError as e:  # a usage error, as argparse's: exit status 2
-        print(f"megatron-rl reward: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import (
-            AutoTokenizer,  # lazy: transformers takes seconds to import; only this path needs it
-        )
+    """Score ``args.input`` into ``args.output``; every argument is checked before the verifier
+    pool starts, and the output is refused before its first byte if it would touch the input."""
+    cfg = reward_config(args.recipe, args.overrides, args.workers)
+    in_path, out_path = Path(args.input), Path(args.output)
+    if not in_path.is_file():
+        raise InputError(f"--input {in_path}: no such file")
+    check_output_apart(out_path, [in_path, args.recipe, args.tokenizer], what="--output")
+    from megatron_rl.data.sampling import load_tokenizer  # lazy: it imports torch; the parser must not
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, local_files_only=True)
-    out_path = Path(args.output)
-    reasons: Counter = Counter()
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    # Every line is checked before the verifier pool starts (a parse pass costs little next to
+    # scoring): a bad line stops the command before any work, or with --skip-bad is listed.
     bad: list[str] = []
+    good = sum(1 for _ in _read(in_path, args.skip_bad, None, bad, not cfg.replaces_correctness))
+    if not good:
+        raise InputError(
+            f"--input {in_path}: no records to score"
+            + (f" ({len(bad)} bad lines left out)" if bad else " (the file is empty)")
+        )
+    reasons: Counter = Counter()
     total = 0.0
     window: deque = deque()
     pch_ready = False
-    bar = tqdm(desc="scoring", unit="sample", file=sys.stderr, disable=args.quiet)
+    bar = tqdm(total=good, desc="scoring", unit="sample", file=sys.stderr, disable=args.quiet)
 
-    def flush(until_size: int, out) -> None:
+    def flush(until_size: int, out, pool: VerifierPool) -> None:
         nonlocal total
         while len(window) > until_size:
             obj, pending = window.popleft()
-            try:
-                res = pending.result().to_json()
+            try:  # due by the pool's bound: each task queued before it within its hard limit
+                res = pool.result(pending).to_json()
             except PoolTaskError as e:
                 res = failed_result(e.reason, e.detail, cfg).to_json()
             reasons[res["reason"]] += 1
@@ -157,17 +159,17 @@ def run(args) -> Counter:
             atomic_path(out_path) as tmp,
             tmp.open("w", encoding="utf-8") as out,
         ):
-            for obj, inp in _read(
-                Path(args.input), args.skip_bad, tokenizer, bad, not cfg.replaces_correctness
-            ):
+            for obj, inp in _read(in_path, args.skip_bad, tokenizer, [], not cfg.replaces_correctness):
                 if inp.language == "cpp" and not pch_ready and not cfg.replaces_correctness:
                     ensure_pch(cfg.code)  # once, outside the per-sample hard limits
                     pch_ready = True
                 window.append((obj, pool.submit(score, inp, cfg, timeout_s=hard_timeout_s(inp, cfg))))
-                flush(8 * cfg.workers, out)  # keep a bounded number of samples in flight
-            flush(0, out)
-    except OSError as e:
-        raise SystemExit(f"megatron-rl reward: cannot write {out_path}: {e.strerror}") from None
+                flush(8 * cfg.workers, out, pool)  # keep a bounded number of samples in flight
+            flush(0, out, pool)
+    except OSError as e:  # the output's folder cannot be made or written (inputs were read above)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ResourceError(f"cannot write {out_path}: disk full ({e.strerror})") from None
+        raise OutputError(f"cannot write {out_path}: {e.strerror}") from None
     finally:
         bar.close()
     for line in bad:
@@ -183,10 +185,10 @@ def run(args) -> Counter:
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="megatron-rl reward", description=__doc__.split("\n\n")[0])
+    p = parser or ArgumentParser(prog="megatron-rl reward", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="JSONL of samples")
     p.add_argument("--output", required=True, help="JSONL to write (atomically)")
-    p.add_argument("--workers", type=int, default=0, help="verifier processes (default: reward.workers)")
+    p.add_argument("--workers", type=int, default=None, help="verifier processes (default: reward.workers)")
     p.add_argument(
         "--skip-bad",
         action="store_true",

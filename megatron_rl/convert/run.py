@@ -62,7 +62,7 @@ def convert(
     folder to export with). UsageError for an argument that does not fit, before anything runs.
     """
     from megatron_rl.convert.checkpoint import hf_to_mcore, mcore_to_hf  # lazy: torch, megatron-core
-    from megatron_rl.convert.ranks import group_rank
+    from megatron_rl.convert.ranks import group_rank  # lazy: it imports torch.distributed
 
     start = time.perf_counter()
     if direction == "hf-to-mcore":

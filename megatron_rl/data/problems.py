@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from megatron_rl.errors import InputError
 from megatron_rl.fileio import JsonlError, iter_jsonl, write_jsonl
 from megatron_rl.rewards.compose import RewardInput
 
@@ -69,7 +70,7 @@ MAPPABLE_FIELDS = (*_KNOWN, "difficulty")
 _DATASETS_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A malformed input record; the message starts with ``file:line: field:``. ``where``,
     ``field`` and ``detail`` are its parts when a record's field is at fault."""
 

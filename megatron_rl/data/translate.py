@@ -30,7 +30,9 @@ from tqdm import tqdm
 from megatron_rl.data.problems import Problem
 from megatron_rl.data.report import CurationReport
 from megatron_rl.data.sampling import stop_token_ids
+from megatron_rl.errors import UsageError
 from megatron_rl.generation.api import GenRequest
+from megatron_rl.rewards.language import detect_language
 
 __all__ = [
     "LANGUAGE_NAMES",
@@ -74,7 +76,9 @@ def mark_for_translation(
     problems: Sequence[Problem], *, fraction: float = 0.1, languages: Sequence[str], seed: int = 0
 ) -> tuple[list[Problem], CurationReport]:
     """Every problem, ``fraction`` of them with ``translate_to`` set (see the module docstring).
-    A problem already in a target language is not marked for it."""
+    A problem already in a target language is not marked for it; one without a ``lang`` field has
+    its statement's language detected (fastText, as the language reward does), and the report
+    counts those."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"fraction: must be in [0, 1], got {fraction}")
     if not languages:
@@ -85,7 +89,11 @@ def mark_for_translation(
         if _unit(seed, p.id) >= fraction:
             out.append(p)
             continue
-        choices = [lang for lang in languages if lang != p.lang]
+        source = p.lang
+        if source is None:  # no `lang` field: what the statement is in decides what it is not
+            source = detect_language(p.problem)[0]
+            report.note(f"no lang field: detected {source or 'no language'}")
+        choices = [lang for lang in languages if lang != source]
         if not choices:
             report.note("already in the only target language")
             out.append(p)
@@ -197,8 +205,13 @@ def load_translator(spec: str) -> Translator:
     """``module:function`` -> that callable (a user's own translator)."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise ValueError(f"--translator: expected MODULE:FUNCTION, got {spec!r}")
-    fn = getattr(importlib.import_module(module), name, None)
+        raise UsageError(f"--translator: expected MODULE:FUNCTION, got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), name, None)
+    except Exception as e:  # noqa: BLE001 -- the user's module: missing, or failing as it imports
+        raise UsageError(f"--translator: cannot import module {module!r}: {type(e).__name__}: {e}") from None
     if not callable(fn):
-        raise ValueError(f"--translator: {spec!r} is not a callable")
+        raise UsageError(
+            f"--translator: {spec!r} is not a callable (module {module!r} has no function {name!r})"
+        )
     return fn

@@ -9,13 +9,14 @@ line and the dotted field (:mod:`megatron_rl.config` does the reading)::
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
-from megatron_rl.config import ConfigFieldError, load_dataclass
+from megatron_rl.config import ConfigError, ConfigFieldError, config_from_dict, config_to_dict, load_dataclass
 from megatron_rl.orchestration.config import (
     DataConfig,
     FleetConfig,
@@ -28,7 +29,15 @@ from megatron_rl.rewards.compose import RewardConfig
 from megatron_rl.training.config import TrainerConfig
 from megatron_rl.weight_sync.broadcast import WeightSyncConfig
 
-__all__ = ["PATH_FIELDS", "RunConfig", "check_paths", "load_config"]
+__all__ = [
+    "PATH_FIELDS",
+    "RunConfig",
+    "check_before_run",
+    "check_machine",
+    "check_paths",
+    "load_config",
+    "validate_config",
+]
 
 
 @dataclass(kw_only=True)
@@ -113,17 +122,64 @@ PATH_FIELDS = ("model.hf", "model.tokenizer", "data.train", "data.eval")
 
 def check_paths(cfg: RunConfig) -> None:
     """Raise ConfigFieldError naming the first path field that is set but does not exist
-    (``hf:NAME`` data sets are resolved by their reader, not here)."""
+    (``hf:NAME`` data sets are resolved by their reader, not here), or ``run.dir`` when the run
+    would write where it reads: the run directory is, or holds, one of those paths."""
+    run_dir = Path(cfg.run.dir).resolve()
     for dotted in PATH_FIELDS:
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
-        if value and not str(value).startswith("hf:") and not Path(value).exists():
+        if not value or str(value).startswith("hf:"):
+            continue
+        if not Path(value).exists():
             raise ConfigFieldError(dotted, f"no such file or folder: {value}")
+        if Path(value).resolve().is_relative_to(run_dir):  # the run writes files and folders there
+            raise ConfigFieldError(
+                "run.dir", f"{cfg.run.dir} is or holds {dotted} ({value}): the run would write where it reads"
+            )
+
+
+def check_machine(cfg: RunConfig) -> None:
+    """What this machine must hold for the run to start here: the built-in engine servers the run
+    starts itself (``fleet.local_servers`` x ``fleet.threads`` torch threads, when no ``urls``)
+    within a few per core. A recipe may be resolved elsewhere (``megatron-rl config``); ``train``
+    checks it here, before it starts anything."""
+    cores = os.cpu_count() or 1
+    if not cfg.fleet.urls and cfg.fleet.local_servers * cfg.fleet.threads > 4 * cores:
+        raise ConfigFieldError(
+            "fleet.local_servers",
+            f"{cfg.fleet.local_servers} servers x {cfg.fleet.threads} threads is more than 4 per core "
+            f"on this machine ({cores} cores); start fewer, or give fleet.urls of servers elsewhere",
+        )
+
+
+def check_before_run(cfg: RunConfig) -> None:
+    """Every check ``train`` makes before it starts anything: paths, then this machine."""
+    check_paths(cfg)
+    check_machine(cfg)
 
 
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, *, paths: bool = False
 ) -> RunConfig:
     """Read a YAML recipe (or only defaults when ``path`` is None) and apply overrides; every
-    curriculum stage is checked, and with ``paths`` every path the recipe names must exist."""
-    return load_dataclass(RunConfig, path, overrides, check=check_paths if paths else None)
+    curriculum stage is checked, and with ``paths`` every path the recipe names must exist and
+    this machine must hold what the run starts (:func:`check_before_run`)."""
+    return load_dataclass(RunConfig, path, overrides, check=check_before_run if paths else None)
+
+
+def validate_config(cfg: RunConfig, *, paths: bool = True, source: str = "RunConfig") -> RunConfig:
+    """Check a :class:`RunConfig` built or changed in Python exactly as :func:`load_config` checks
+    a recipe, and return the checked copy. A dataclass checks its fields only when it is built, so
+    ``cfg.loop.group_size = -3`` after that passes unseen; rebuilding the whole recipe from its
+    values runs every field's type check and every ``__post_init__`` again (the loader's own
+    code, :func:`config_from_dict`), then :func:`check_before_run`. Raises :class:`ConfigError` with
+    the dotted field, as the command line reports it."""
+    if not isinstance(cfg, RunConfig):
+        raise ConfigError(f"{source}: expected a RunConfig, got {type(cfg).__name__}")
+    checked = config_from_dict(RunConfig, config_to_dict(cfg), source=source)
+    if paths:
+        try:
+            check_before_run(checked)
+        except ConfigFieldError as e:
+            raise ConfigError(f"{source}: {e.field}: {e.message}") from None
+    return checked

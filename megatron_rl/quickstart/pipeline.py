@@ -19,29 +19,31 @@ current one, and running the command again resumes the RL run from its last chec
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from megatron_rl.errors import run_cli
-from megatron_rl.fileio import atomic_write_json
-from megatron_rl.orchestration.recipe import load_config
+from megatron_rl.errors import ArgumentParser, OutputError, run_cli
+from megatron_rl.fileio import atomic_write_json, check_output_apart
+from megatron_rl.orchestration.recipe import RunConfig, load_config
 
 __all__ = ["main"]
 
 DEFAULT_RECIPE = Path(__file__).resolve().with_name("recipe.yaml")  # examples/quickstart.yaml links to it
 
 
-def _loop_mode(recipe: str, overrides: list[str]) -> str:
-    """The recipe's ``loop.mode`` after the overrides, for the stage title; a recipe that does not
-    load is reported by ``megatron-rl train`` itself, with the file and field."""
-    try:
-        return load_config(recipe, overrides).loop.mode
-    except (OSError, ValueError):
-        return "the recipe's"
+def _check_inputs(out: Path, recipe: str, overrides: list[str]) -> RunConfig:
+    """Everything the command is given, checked before the minutes of warm-up start: the recipe
+    and its overrides (ConfigError naming the file, line and field; the paths the warm-up will
+    fill in are not checked yet), and the output folder (a folder, never where the recipe is)."""
+    cfg = load_config(recipe, overrides)
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: is a file; the quick start writes a folder there")
+    for written in (out / "warmup", out / "rl", out / "quickstart.json"):
+        check_output_apart(written, [recipe], what="the quick start's output")
+    return cfg
 
 
 def _stage(title: str, cmd: list[str]) -> None:
@@ -52,12 +54,13 @@ def _stage(title: str, cmd: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-rl quickstart", description=__doc__.split("\n")[0])
+    p = ArgumentParser(prog="megatron-rl quickstart", description=__doc__.split("\n")[0])
     p.add_argument("--out", default="runs/quickstart", help="output folder (reused to resume)")
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the RL recipe")
     p.add_argument("overrides", nargs="*", help="overrides for the RL recipe, e.g. loop.max_steps=20")
     args = p.parse_intermixed_args(argv)
     out = Path(args.out).absolute()
+    cfg = _check_inputs(out, args.recipe, args.overrides)
     warm = out / "warmup"
     t0 = time.monotonic()
     if not (warm / "warmup.json").exists():
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = warmup["paths"]
     rl = out / "rl"
     _stage(
-        f"2/2 GRPO ({_loop_mode(args.recipe, args.overrides)} loop, full reward)",
+        f"2/2 GRPO ({cfg.loop.mode} loop, full reward)",
         [
             sys.executable,
             "-m",

@@ -26,7 +26,6 @@ verifier pool starts its workers from a forkserver, which imports the main modul
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -35,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rl.data.problems import write_problems
-from megatron_rl.errors import run_cli
+from megatron_rl.errors import ArgumentParser, run_cli
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.generation.api import LocalGenerator
 from megatron_rl.quickstart.evaluate import EvalConfig, EvalReport, evaluate
@@ -125,7 +124,7 @@ def run_warmup(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m megatron_rl.quickstart.warmup", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", required=True, help="output folder")

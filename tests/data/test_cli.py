@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import json
 
-from megatron_rl.cli.curate import main
+from megatron_rl.cli import main as cli_main
 from megatron_rl.data.benchmarks import sample_file
 from megatron_rl.data.problems import read_problems
 from megatron_rl.data.rundir import SampleWriter
 from tests.data.test_sft import run_samples
+
+
+def main(argv: list[str]) -> int:
+    """``megatron-rl curate ...`` in this process, behind the console script's error path (one
+    line on stderr and the exit code of the mistake's kind)."""
+    return cli_main(["curate", *argv])
 
 
 def test_math_format(tmp_path, capsys):
@@ -28,7 +34,9 @@ def test_math_format(tmp_path, capsys):
 def test_bad_input_is_one_line_naming_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1?", "answer": "2"}\n{"answer": "3"}\n')
-    assert main(["math-format", "--input", str(bad), "--output", str(tmp_path / "o.jsonl")]) == 2
+    assert (
+        main(["math-format", "--input", str(bad), "--output", str(tmp_path / "o.jsonl")]) == 3
+    )  # a bad input file
     assert (
         capsys.readouterr().err.strip()
         == f"megatron-rl curate math-format: {bad}:2: problem: missing or not a non-empty string"

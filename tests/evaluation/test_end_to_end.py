@@ -17,8 +17,7 @@ from collections import Counter
 import pytest
 
 from megatron_rl.batching.sft import build_sft_batch
-from megatron_rl.cli.curate import main as curate
-from megatron_rl.cli.evaluate import main as evaluate
+from megatron_rl.cli import main as cli_main
 from megatron_rl.data.difficulty import difficulty_filter
 from megatron_rl.data.problems import Problem, read_problems, write_problems
 from megatron_rl.data.rundir import Sample, SampleWriter
@@ -27,6 +26,17 @@ from megatron_rl.data.sft import read_sft_pairs
 from megatron_rl.evaluation.metrics import pass_at_k
 from megatron_rl.generation.api import LocalGenerator
 from megatron_rl.rewards.compose import RewardConfig
+
+
+def curate(argv: list[str]) -> int:
+    """``megatron-rl curate ...`` in this process, behind the console script's error path."""
+    return cli_main(["curate", *argv])
+
+
+def evaluate(argv: list[str]) -> int:
+    """``megatron-rl eval ...`` in this process, behind the console script's error path."""
+    return cli_main(["eval", *argv])
+
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SET = [
@@ -193,10 +203,14 @@ def test_eval_cli_writes_json_markdown_and_plots(answering_folder, tmp_path, cap
 def test_eval_cli_bad_input(answering_folder, tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"problem": "x", "answer": "1"}\n{"problem": 3}\n')
-    assert evaluate(["--model", answering_folder, "--data", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert (
+        evaluate(["--model", answering_folder, "--data", str(data), "--out", str(tmp_path / "o")]) == 3
+    )  # a bad input file
     assert f"{data}:2: problem" in capsys.readouterr().err
-    assert evaluate(["--servers", "http://localhost:1", "--data", str(data), "--out", "o"]) == 2
+    assert evaluate(["--servers", "http://localhost:1", "--data", str(data), "--out", "o"]) == 3
     good = tmp_path / "good.jsonl"
     good.write_text('{"problem": "x", "answer": "1"}\n')
-    assert evaluate(["--model", str(tmp_path / "none"), "--data", str(good), "--out", "o"]) == 2
+    assert (
+        evaluate(["--model", str(tmp_path / "none"), "--data", str(good), "--out", "o"]) == 3
+    )  # no tokenizer folder
     assert "none: no such tokenizer folder" in capsys.readouterr().err
