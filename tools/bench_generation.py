@@ -44,6 +44,7 @@ import secrets
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
@@ -102,6 +103,30 @@ def _server_stats(fleet, url: str) -> tuple[float, int]:
     return float(state["busy_s"]), int(state["prefill_tokens"])
 
 
+def drive_groups(
+    send: Callable[[int], list[Future]], n_groups: int, in_flight: int, on_result: Callable[[object], None]
+) -> None:
+    """The RL workload's request pattern: ``in_flight`` groups outstanding, the next group sent
+    (``send(g)`` returns its futures) as soon as one completes; ``on_result(result)`` for every
+    sample as it ends. ``tools/gpu_check_sglang.py`` drives SGLang with it too."""
+    outstanding: dict[int, set[Future]] = {}
+    owner: dict[Future, int] = {}
+    nxt = 0
+    while nxt < n_groups or outstanding:
+        while nxt < n_groups and len(outstanding) < in_flight:
+            futs = send(nxt)
+            outstanding[nxt] = set(futs)
+            owner.update((f, nxt) for f in futs)
+            nxt += 1
+        done, _ = wait([f for fs in outstanding.values() for f in fs], return_when=FIRST_COMPLETED)
+        for f in done:
+            g = owner.pop(f)
+            on_result(f.result())
+            outstanding[g].discard(f)
+            if not outstanding[g]:
+                del outstanding[g]
+
+
 def engine_run(fleet, url: str, w: Workload, in_flight: int, tag: str) -> tuple[float, int, float, int]:
     """(seconds, generated tokens, server busy seconds, prefilled tokens): ``in_flight`` groups
     outstanding, the next group sent when one completes."""
@@ -121,27 +146,17 @@ def engine_run(fleet, url: str, w: Workload, in_flight: int, tag: str) -> tuple[
             for k, n in enumerate(w.lengths[g])
         ]
 
+    tokens = 0
+
+    def count(res) -> None:
+        nonlocal tokens
+        if res.finish_reason != "length":
+            raise SystemExit(f"bench generation: the engine ended a sample with {res.finish_reason}")
+        tokens += len(res.token_ids)
+
     busy, prefill = _server_stats(fleet, url)
     start = time.perf_counter()
-    outstanding: dict[int, set[Future]] = {}
-    owner: dict[Future, int] = {}
-    nxt, tokens = 0, 0
-    while nxt < len(w.prompts) or outstanding:
-        while nxt < len(w.prompts) and len(outstanding) < in_flight:
-            futs = send(nxt)
-            outstanding[nxt] = set(futs)
-            owner.update((f, nxt) for f in futs)
-            nxt += 1
-        done, _ = wait([f for fs in outstanding.values() for f in fs], return_when=FIRST_COMPLETED)
-        for f in done:
-            g = owner.pop(f)
-            res = f.result()
-            if res.finish_reason != "length":
-                raise SystemExit(f"bench generation: the engine ended a sample with {res.finish_reason}")
-            tokens += len(res.token_ids)
-            outstanding[g].discard(f)
-            if not outstanding[g]:
-                del outstanding[g]
+    drive_groups(send, len(w.prompts), in_flight, count)
     seconds = time.perf_counter() - start
     busy2, prefill2 = _server_stats(fleet, url)
     if tokens != w.tokens:

@@ -40,13 +40,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_check import MODEL  # tools/ is on sys.path (above)
+from bench_generation import drive_groups  # tools/ is on sys.path (above)
+from gpu_check import MODEL
 
 SERVER_START_S = 240.0  # the step's own budget (gpu_check.STEPS) cuts this shorter
 CHECK_ROWS = 4  # rows of lm_head.weight read back from SGLang and compared with the trainer's
@@ -226,25 +227,15 @@ def generation(work: Path, logs: Path) -> dict[str, object]:
                     for k, n in enumerate(lengths[g])
                 ]
 
-            in_flight, nxt, tokens, short = 32, 0, 0, 0
-            outstanding: dict[int, set[Future]] = {}
-            owner: dict[Future, int] = {}
+            tokens, short = 0, 0
+
+            def count(res) -> None:
+                nonlocal tokens, short
+                tokens += len(res.token_ids)
+                short += res.finish_reason != "length"
+
             t0 = time.perf_counter()
-            while nxt < len(prompts) or outstanding:
-                while nxt < len(prompts) and len(outstanding) < in_flight:
-                    futs = send(nxt)
-                    outstanding[nxt] = set(futs)
-                    owner.update((f, nxt) for f in futs)
-                    nxt += 1
-                done, _ = wait([f for fs in outstanding.values() for f in fs], return_when=FIRST_COMPLETED)
-                for f in done:
-                    g = owner.pop(f)
-                    res = f.result()
-                    tokens += len(res.token_ids)
-                    short += res.finish_reason != "length"
-                    outstanding[g].discard(f)
-                    if not outstanding[g]:
-                        del outstanding[g]
+            drive_groups(send, len(prompts), 32, count)  # 32 groups in flight, refilled as each ends
             dt = time.perf_counter() - t0
     wanted = sum(map(sum, lengths))
     print(f"SGLang, RL workload: {tokens} tokens ({wanted} asked) in {dt:.1f} s: {tokens / dt:.0f} tokens/s")

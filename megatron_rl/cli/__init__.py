@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     shows the stack."""
     argv = sys.argv[1:] if argv is None else list(argv)
     words = [a for a in argv if not a.startswith("-")][:2]
-    if words[:1] not in (["curate"], ["convert"]):  # verbs whose next word is a tool of theirs
+    if words[:1] != ["curate"]:  # curate's next word is one of its tools
         words = words[:1]
     prog = " ".join(["megatron-rl", *words])
     return run_cli(prog, _main, argv)

@@ -48,7 +48,7 @@ def assert_refused(proc: subprocess.CompletedProcess, code: int, *named: str | P
     assert proc.returncode == code, proc.stderr
     assert len(lines) == 1, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert lines[0].startswith("megatron-rl convert: "), lines[0]
+    assert lines[0].startswith("megatron-rl convert"), lines[0]
     for name in named:
         assert str(name) in lines[0], (name, lines[0])
     return lines[0]
