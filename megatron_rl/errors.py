@@ -29,12 +29,13 @@ Layer 0: imports nothing of megatron_rl.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import sys
 import traceback
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 __all__ = [
     "EXIT_INPUT",
@@ -54,6 +55,7 @@ __all__ = [
     "classify",
     "debug_enabled",
     "run_cli",
+    "value_errors_as_usage",
 ]
 
 EXIT_STOPPED = 1
@@ -110,6 +112,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+@contextlib.contextmanager
+def value_errors_as_usage() -> Iterator[None]:
+    """Inside: a plain ``ValueError`` (a library's own check of an option, a config dataclass's
+    ``__post_init__``) is a :class:`UsageError` with the same message; a UserError passes as it
+    is. For a command whose options feed such checks directly (``curate``, ``eval``)."""
+    try:
+        yield
+    except ValueError as e:
+        if isinstance(e, UserError):
+            raise
+        raise UsageError(str(e)) from None
 
 
 def debug_enabled() -> bool:

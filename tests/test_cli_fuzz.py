@@ -175,12 +175,8 @@ def _digests(paths: list[Path]) -> dict[str, str]:
 class Cases:
     """Counts one verb's cases (in ``record``, which the fault report reads) and checks each."""
 
-    def __init__(self, verb: str, record: dict):
-        self.verb, self.record = verb, record
-
-    @property
-    def tried(self) -> int:
-        return self.record["cases"]
+    def __init__(self, record: dict):
+        self.record = record
 
     def check(self, argv: list[str], inputs: list[Path]) -> int:
         before = _digests(inputs)
@@ -207,7 +203,7 @@ def cases(request):
     def make(verb: str) -> Cases:
         record = {"verb": verb, "cases": 0}
         request.node.user_properties.append(("fuzz", record))
-        return Cases(verb, record)
+        return Cases(record)
 
     return make
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from megatron_rl.data.problems import read_problems, write_problems
 from megatron_rl.data.report import CurationReport
-from megatron_rl.errors import ArgumentParser, InputError, UsageError, UserError, run_cli
+from megatron_rl.errors import ArgumentParser, InputError, run_cli, value_errors_as_usage
 from megatron_rl.fileio import atomic_write_json, check_output_apart, write_jsonl
 
 __all__ = ["build_parser", "main"]
@@ -403,12 +403,8 @@ def _guarded(tool):
 
     def run(args: argparse.Namespace) -> int:
         _check_paths(args)
-        try:
+        with value_errors_as_usage():
             return tool(args)
-        except ValueError as e:
-            if isinstance(e, UserError):
-                raise
-            raise UsageError(str(e)) from None
 
     return run
 

@@ -32,7 +32,7 @@ from megatron_rl.data.sampling import (
     render_prompt,
     sample_and_score,
 )
-from megatron_rl.errors import ArgumentParser, OutputError, UsageError, UserError, run_cli
+from megatron_rl.errors import ArgumentParser, OutputError, run_cli, value_errors_as_usage
 from megatron_rl.evaluation.metrics import default_ks
 from megatron_rl.evaluation.report import REPORT_FILES, evaluate, write_report
 from megatron_rl.fileio import check_output_apart
@@ -141,12 +141,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _entry(args: argparse.Namespace) -> int:
-    try:
+    with value_errors_as_usage():  # an option the data or a config refuses: exit 2
         return run(args)
-    except ValueError as e:  # an option the data or a config refuses: a usage error, exit 2
-        if isinstance(e, UserError):
-            raise
-        raise UsageError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
