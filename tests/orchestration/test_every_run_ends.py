@@ -113,7 +113,13 @@ def test_a_misbehaving_reward_costs_its_samples_and_the_run_ends(tmp_path, mode)
         if kind in EXPECTED:
             assert s["reason"] == EXPECTED[kind] and s["parts"]["custom"] == 0.0, s
     (m,) = _jsonl(run / "metrics.jsonl")
-    assert m["samples/reason/timeout"] >= 4 and m["samples/reason/verifier_error"] >= 12, m
+    step = {k.removeprefix("samples/reason/"): n for k, n in m.items() if k.startswith("samples/reason/")}
+    # The step's samples are counted under their reasons, none the run's totals lack. Which groups
+    # make step 1 is the schedule's choice in async mode (a group still scoring joins a later
+    # batch), so the exact counts are checked where the loop takes its groups in order.
+    assert step and all(n <= counted.get(r, 0) for r, n in step.items()), (m, counted)
+    if mode != "async":
+        assert step.get("timeout", 0) >= 4 and step.get("verifier_error", 0) >= 12, m
 
     # The final evaluation: pass@1 reported, each failure counted under its reason.
     after = _jsonl(run / "eval.jsonl")[-1]
