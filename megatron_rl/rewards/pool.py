@@ -15,8 +15,8 @@ since the previous answer (or the chunk) -- and the hard limit stays per task:
 
 Chunks are sized to the queue (``guided`` scheduling): an idle worker takes 1/4 of its share of
 what is queued, at most ``_MAX_CHUNK``, so a scoring batch of hundreds of samples costs a few dozen
-messages while the last chunks shrink to single tasks and the workers finish together; a task
-submitted on its own (as rollouts do, one completion at a time) still goes out at once.
+messages while the last chunks shrink to single tasks and the workers finish together; a
+group of tasks submitted together (as rollouts do, a group's G samples) still goes out at once.
 
 Workers are started by a forkserver that has already imported the verifiers (math-verify and SymPy
 included), so a replacement is ready in milliseconds rather than re-importing them (the forkserver
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import io
 import itertools
 import multiprocessing as mp
@@ -57,8 +58,8 @@ import os
 import signal
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn
@@ -243,6 +244,13 @@ class VerifierPool:
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)  # a worker became ready or the pool broke
         self._pending: deque[_Task] = deque()
+        # The hard limits of the tasks without an outcome yet (queued or running): what
+        # deadline() sums. Kept by count as tasks come and go (each future's done callback), so a
+        # deadline costs O(distinct limits), not a walk over thousands of queued tasks under the
+        # dispatcher's lock.
+        self._limits_lock = threading.Lock()
+        self._limits: Counter[float] = Counter()
+        self._limit_sum = 0.0
         self._ids = itertools.count()
         self._closing = False
         self._cancel = False  # close(cancel=True): stop without waiting for running chunks
@@ -278,6 +286,17 @@ class VerifierPool:
         task times out, its worker dies or ``fn`` raises."""
         return self._enqueue(fn, [args], timeout_s)[0]
 
+    def submit_many(
+        self,
+        fn: Callable[..., T],
+        items: Iterable[tuple],
+        *,
+        timeout_s: Sequence[float] | float | None = None,
+    ) -> list[Future[T]]:
+        """:meth:`submit` for every item at once (one lock, one wake-up of the dispatcher: a
+        group's G samples cost what one does); ``timeout_s`` one per item, or one for all."""
+        return self._enqueue(fn, list(items), timeout_s)
+
     def map(self, fn: Callable, items: Iterable[tuple], *, timeout_s: float | None = None) -> list:
         """``fn(*item)`` for every item; results (or :class:`PoolTaskError`) in input order."""
         futures = self._enqueue(fn, list(items), timeout_s)  # queued at once: chunked from the start
@@ -299,15 +318,14 @@ class VerifierPool:
     def deadline(self) -> float:
         """A ``time.monotonic()`` by which every task queued or running now has an outcome, if
         every task keeps to its hard limit (see the module docstring)."""
-        with self._lock:
-            limits = [t.timeout_s for t in self._pending] + [
-                t.timeout_s for w in self._workers for t in w.chunk
-            ]
-            workers = max(1, len(self._workers))
-        if not limits:
+        with self._limits_lock:
+            n = sum(self._limits.values())
+            longest = max(self._limits) if n else 0.0
+            total = self._limit_sum + _RESPAWN_S * n
+        workers = max(1, len(self._workers))
+        if not n:
             return time.monotonic() + _START_S
-        total = sum(limits) + _RESPAWN_S * len(limits)
-        return time.monotonic() + _START_S + total / workers + max(limits) + _RESPAWN_S
+        return time.monotonic() + _START_S + total / workers + longest + _RESPAWN_S
 
     def result(
         self, future: Future[T], deadline: float | None = None, *, reason: str = "scoring_timeout"
@@ -390,22 +408,41 @@ class VerifierPool:
         self.close()
 
     # -- callers' side -----------------------------------------------------------------------
-    def _enqueue(self, fn: Callable, arg_lists: list[tuple], timeout_s: float | None) -> list[Future]:
+    def _enqueue(
+        self, fn: Callable, arg_lists: list[tuple], timeout_s: Sequence[float] | float | None
+    ) -> list[Future]:
         if getattr(fn, "__module__", None) == "__main__":
             raise UsageError(
                 f"{getattr(fn, '__qualname__', fn)!r} is defined in the script being run (__main__), "
                 "which the verifier processes do not run: move it into a module and import it from there"
             )
-        limit = timeout_s or self.default_timeout_s
-        tasks = [_Task(next(self._ids), fn, args, limit) for args in arg_lists]
+        if timeout_s is None or isinstance(timeout_s, (int, float)):
+            limits = [float(timeout_s or self.default_timeout_s)] * len(arg_lists)
+        else:
+            limits = [float(t or self.default_timeout_s) for t in timeout_s]
+            if len(limits) != len(arg_lists):
+                raise ValueError(f"timeout_s: one per item ({len(arg_lists)}), got {len(limits)}")
+        tasks = [_Task(next(self._ids), fn, args, limit) for args, limit in zip(arg_lists, limits)]
         with self._lock:
             if self._closing:
                 raise RuntimeError("the verifier pool is closed")
             if self._broken:
                 raise PoolBroken(f"the verifier pool is broken: {self._broken}")
+            with self._limits_lock:
+                self._limits.update(limits)
+                self._limit_sum += sum(limits)
             self._pending.extend(tasks)
+        for t in tasks:  # whatever ends it (result, failure, cancel), its limit leaves the sum
+            t.future.add_done_callback(functools.partial(self._task_done, t.timeout_s))
         self._wake_w.send_bytes(b"")
         return [t.future for t in tasks]
+
+    def _task_done(self, limit: float, _future: Future) -> None:
+        with self._limits_lock:
+            self._limits[limit] -= 1
+            if self._limits[limit] <= 0:
+                del self._limits[limit]
+            self._limit_sum = max(0.0, self._limit_sum - limit) if self._limits else 0.0
 
     # -- dispatcher thread -------------------------------------------------------------------
     def _spawn(self) -> _Worker:

@@ -282,3 +282,41 @@ def test_close_with_cancel_drops_a_long_queue_at_once():
     assert not any(w.is_alive() for w in workers)
     with pytest.raises(RuntimeError, match="closed"):
         p.submit(square, 2)
+
+
+def test_deadline_counts_what_is_queued_or_running_while_submitters_and_workers_race(pool):
+    """``deadline()`` sums the hard limits of the tasks without an outcome: read from many
+    threads while groups are submitted and answered (it used to walk the workers' chunks as the
+    dispatcher changed them: "deque mutated during iteration" in a scoring callback), it never
+    raises, and once everything is answered it is back to the start-up allowance alone."""
+    import threading
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def read():
+        while not stop.is_set():
+            try:
+                pool.deadline()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for t in readers:
+        t.start()
+    futures = []
+    for g in range(200):
+        futures += pool.submit_many(
+            identity, [(g * 16 + i,) for i in range(16)], timeout_s=[5.0 + i for i in range(16)]
+        )
+    queued = pool.deadline() - time.monotonic()
+    assert [f.result(timeout=120) for f in futures] == list(range(3200))
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors, errors[:1]
+    idle = pool.deadline() - time.monotonic()
+    assert queued > idle + 1000  # thousands of seconds of limits were outstanding
+    assert idle <= 30.0 + 0.5  # nothing outstanding: the start-up allowance only
+    with pytest.raises(ValueError, match="one per item"):
+        pool.submit_many(identity, [(1,), (2,)], timeout_s=[1.0])
