@@ -16,7 +16,7 @@ import random
 import statistics
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,7 +205,9 @@ def size_fleet(
     step = costs.decode_s + costs.decode_s_per_seq * args.slots
     fleet_tok_s = args.servers * args.slots / step  # generated tokens per second at full slots
     groups = args.n_batch / args.group_size
-    prefill = groups * min(args.group_size, args.servers) * plen * costs.prefill_s_per_token / args.servers
+    spread = 1 if getattr(args, "group_requests", False) else min(args.group_size, args.servers)
+    # A group's prompt is prefilled once on every server its samples reach.
+    prefill = groups * spread * plen * costs.prefill_s_per_token / args.servers
     gen_s = args.n_batch * mean_len / fleet_tok_s + prefill
     train1_s = costs.train_s + costs.train_s_per_token * args.n_batch * (plen + mean_len)
     speedup = args.train_speedup or train1_s / (args.train_share * gen_s)
@@ -269,6 +271,7 @@ class _Grp:
 class _Server:
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
+    held: Counter = field(default_factory=Counter)  # prompt -> running requests of it
     in_flight: int = 0  # the client's count (least-loaded routing)
     busy_until: float | None = None  # end of the step in progress
     running_n: int = 0  # sequences the step in progress decodes
@@ -282,8 +285,10 @@ class IdealSchedule:
     """An exact event simulation of the loop's schedule on the cost model, with no overhead:
     requests reach a server, results the client, groups the verifier and the trainer, the
     instant they are sent; scoring takes no time. The same rules as the real parts: the client's
-    least-loaded routing, the engine's first-come slots, prefill once per distinct prompt of a step
-    and two tokens in the admission step, the async loop's room test (``n_async``, the KV cap
+    least-loaded routing of each request (``fleet.group_requests``: a group's G samples to one
+    server in one request, counted in flight until the last one ends), the engine's
+    first-come slots, a prompt prefilled once per step and not while a sample of it runs, two tokens
+    in the admission step, the async loop's room test (``n_async``, the KV cap
     from the length EMA, the bounded queue), staleness drops, the sync loop's waves and surplus,
     the real :class:`PromptSampler`, and the real group filter (``kept``, from the script's
     rewards). ``length(seed)``: completion tokens of the request with that sampling seed."""
@@ -301,6 +306,7 @@ class IdealSchedule:
         kept: Callable[[list[int]], bool],
         run_seed: int,
         max_new_tokens: int,
+        group_requests: bool = False,
     ):
         from megatron_rl.orchestration.rollouts import request_seed
 
@@ -308,6 +314,7 @@ class IdealSchedule:
         self.prompt, self.length, self.kept_fn = prompt, length, kept
         self.seed_of = lambda pid, epoch, i: request_seed(run_seed, pid, epoch, i)
         self.max_new_tokens = max_new_tokens
+        self.group_requests = group_requests
         self.servers = [_Server() for _ in range(fleet.servers)]
         self.t, self._events, self._n = 0.0, [], itertools.count()
         self.in_flight, self.ema, self.max_prompt = 0, 0.0, 0
@@ -385,13 +392,17 @@ class IdealSchedule:
         prompt = tuple(self.prompt(problem))
         self.max_prompt = max(self.max_prompt, len(prompt))
         grp = _Grp(next(self.index), (problem.id, int(epoch)), prompt, [])
-        for i in range(self.loop.group_size):
+        g = self.loop.group_size
+        pick = lambda: min(self.servers, key=lambda s: s.in_flight)  # equal capacities: fewest in flight
+        server = pick()
+        for i in range(g):
             seed = self.seed_of(problem.id, int(epoch), i)
             req = _Req(grp, seed, min(self.length(seed), self.max_new_tokens))
             grp.reqs.append(req)
-            server = min(self.servers, key=lambda s: s.in_flight)  # equal capacities: fewest in flight
-            server.in_flight += 1
+            if not self.group_requests:  # one request each, each to the least-loaded server
+                server = pick()
             server.waiting.append(req)
+            server.in_flight += 1
         self.in_flight += self.loop.group_size
         self.counts["issued"] += 1
         return grp
@@ -402,7 +413,9 @@ class IdealSchedule:
         f, finished, prompts = self.fleet, [], set()
         while s.waiting and len(s.running) < f.slots:
             req = s.waiting.popleft()
-            prompts.add(req.group.prompt)
+            if not s.held[req.group.prompt]:  # a running sibling's prompt KV is shared
+                prompts.add(req.group.prompt)
+            s.held[req.group.prompt] += 1
             req.version, req.written = s.version, 1  # the prefill's token
             (finished if req.written >= req.length else s.running).append(req)
         for req in s.running:
@@ -410,6 +423,8 @@ class IdealSchedule:
         n = len(s.running)
         finished += [r for r in s.running if r.written >= r.length]
         s.running = [r for r in s.running if r.written < r.length]
+        for req in finished:
+            s.held[req.group.prompt] -= 1
         cost = f.decode_s + f.decode_s_per_seq * n + f.prefill_s_per_token * sum(map(len, prompts))
         s.busy_s += cost
         self.counts["engine_steps"] += 1
@@ -421,12 +436,16 @@ class IdealSchedule:
     def _step_done(self, s: _Server, finished: list[_Req]) -> None:
         s.busy_until = None
         for req in finished:
-            s.in_flight -= 1
-            self.in_flight -= 1
+            if not self.group_requests:  # its reply comes now; a group's, with its last sample
+                s.in_flight -= 1
+                self.in_flight -= 1
             self.ema = req.length if not self.ema else 0.95 * self.ema + 0.05 * req.length
             grp = req.group
             grp.done += 1
             if grp.done == len(grp.reqs):
+                if self.group_requests:
+                    s.in_flight -= len(grp.reqs)
+                    self.in_flight -= len(grp.reqs)
                 grp.kept = bool(self.kept_fn([r.seed for r in grp.reqs]))
                 if grp.kept:
                     self.completed.append(grp)
@@ -551,5 +570,6 @@ def ideal_schedule(
         kept=kept,
         run_seed=cfg.loop.seed,
         max_new_tokens=cfg.reward.l_max,
+        group_requests=cfg.fleet.group_requests,
     )
     return sim.run(args.steps)

@@ -4,11 +4,14 @@
     fleet = FleetClient(["http://10.0.0.1:30000", "http://10.0.0.2:30000"])
     for result in fleet.generate(requests):      # yields each completion as it finishes
         ...
-    future = fleet.submit(request)               # or one at a time (the RL orchestrator does)
+    future = fleet.submit(request)               # or one at a time
+    future = fleet.submit_batch(group)           # or a group's G samples in one (the RL loop does)
 
 **Routing.** Each request goes to the live server with the fewest requests in flight relative to
 its KV capacity (``max_total_num_tokens`` from ``/server_info``): the client's own
-least-loaded routing. With sglang-router in front of the servers, give the router's single URL
+least-loaded routing. A batch (:meth:`FleetClient.submit_batch`) goes to one server as one
+``/generate``: the control plane's cost then grows with the groups, not the samples (one HTTP
+request, one JSON body, one callback per group), and the server prefills the group's prompt once. With sglang-router in front of the servers, give the router's single URL
 instead; the router balances and the client sees one server (weight updates then go to the
 servers themselves: pass ``update_urls``).
 
@@ -71,10 +74,12 @@ from megatron_rl.generation.protocol import (
     api_key_from_env,
     auth_headers,
     check_api_key,
+    generate_batch_payload,
     generate_payload,
     init_group_payload,
     memory_payload,
     parse_generate,
+    parse_generate_batch,
     parse_weights_checker,
     pause_payload,
     update_group_ranks,
@@ -130,14 +135,16 @@ _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
 
 
-def _settle(out: Future[GenResult], task: asyncio.Task[GenResult]) -> None:
-    """Give ``out`` the outcome of ``task`` (on a callback thread: ``out``'s callbacks run here)."""
+def _settle(out: Future, task: asyncio.Task[list[GenResult]], batch: bool) -> None:
+    """Give ``out`` the outcome of ``task``: its list of results (``batch``) or its one result
+    (on a callback thread: ``out``'s callbacks run here)."""
     if task.cancelled():  # the client was closed with the request in flight
         out.set_exception(ServerLost("fleet", None, ConnectionAbortedError("FleetClient closed")))
     elif (e := task.exception()) is not None:
         out.set_exception(e)
     else:
-        out.set_result(task.result())
+        results = task.result()
+        out.set_result(results if batch else results[0])
 
 
 def _parse_json(raw: bytes) -> JsonValue:
@@ -250,7 +257,7 @@ class FleetClient:
             self._open_sessions(max_connections), self._loop
         ).result()
         self._probes: dict[str, asyncio.Task[bool]] = {}  # touched on the event loop only
-        self._tasks: set[asyncio.Task[GenResult]] = set()  # touched on the event loop only
+        self._tasks: set[asyncio.Task[list[GenResult]]] = set()  # touched on the event loop only
         try:
             self.refresh()
         except BaseException:
@@ -372,7 +379,9 @@ class FleetClient:
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.servers)
 
-    def _pick(self, exclude: frozenset[str] | set[str] = frozenset()) -> ServerState:
+    def _pick(self, exclude: frozenset[str] | set[str] = frozenset(), n: int = 1) -> ServerState:
+        """The live server (not in ``exclude`` where there is another) with the fewest requests
+        in flight for its KV capacity once it takes ``n`` more; counted as taken."""
         with self._lock:
             live = [s for s in self.servers if s.alive and s.url not in exclude] or [
                 s for s in self.servers if s.alive
@@ -383,8 +392,8 @@ class FleetClient:
                     None,
                     ConnectionError("no live server in the fleet"),
                 )
-            best = min(live, key=lambda s: (s.in_flight + 1) / max(s.capacity_tokens, 1))
-            best.in_flight += 1
+            best = min(live, key=lambda s: (s.in_flight + n) / max(s.capacity_tokens, 1))
+            best.in_flight += n
             return best
 
     # ------------------------------------------------------------------ generation
@@ -399,69 +408,104 @@ class FleetClient:
         ``request_timeout_s`` is aborted there and its result has ``finish_reason == "abort"``.
         Its callbacks run on the client's callback threads.
         """
+        out: Future[GenResult] = Future()
+        self._send([req], out, url=url, exclude=exclude, batch=False)
+        return out
+
+    def submit_batch(
+        self,
+        reqs: Sequence[GenRequest],
+        *,
+        url: str | None = None,
+        exclude: frozenset[str] | set[str] = frozenset(),
+    ) -> Future[list[GenResult]]:
+        """Send several requests (a group's G samples) to one server in one ``/generate``
+        (:func:`~megatron_rl.generation.protocol.generate_batch_payload`): one HTTP request, one
+        connection and one callback for all of them, and the server prefills their shared
+        prompt once. The future's results are in the order of ``reqs``; it fails as
+        :meth:`submit`'s does (a lost server loses them all), and past ``request_timeout_s``
+        every request is aborted there and comes back ``abort`` with ``meta["timed_out"]``."""
+        if not reqs:
+            raise ValueError("submit_batch: need at least one request")
+        out: Future[list[GenResult]] = Future()
+        self._send(list(reqs), out, url=url, exclude=exclude, batch=True)
+        return out
+
+    def _send(
+        self,
+        reqs: list[GenRequest],
+        out: Future,
+        *,
+        url: str | None,
+        exclude: frozenset[str] | set[str],
+        batch: bool,
+    ) -> None:
         if self._closed:
             raise ClientClosed("FleetClient: closed")
         if url is None:
-            server = self._pick(exclude)
+            server = self._pick(exclude, len(reqs))
         else:
             named = [s for s in self.servers if s.url == url.rstrip("/")]
             if not named:
                 raise KeyError(f"{url}: not a server of this fleet")
             server = named[0]
             with self._lock:
-                server.in_flight += 1
-        out: Future[GenResult] = Future()
+                server.in_flight += len(reqs)
         out.set_running_or_notify_cancel()  # running from now on: it cannot be cancelled
-        self._loop.call_soon_threadsafe(self._start, server, req, out)
-        return out
+        self._loop.call_soon_threadsafe(self._start, server, reqs, out, batch)
 
-    def _start(self, server: ServerState, req: GenRequest, out: Future[GenResult]) -> None:
-        """On the event loop: run the request; hand its outcome to ``out`` off the loop."""
-        task = self._loop.create_task(self._run(server, req))
+    def _start(self, server: ServerState, reqs: list[GenRequest], out: Future, batch: bool) -> None:
+        """On the event loop: run the request(s); hand the outcome to ``out`` off the loop."""
+        task = self._loop.create_task(self._run(server, reqs, batch))
         self._tasks.add(task)
 
-        def done(t: asyncio.Task[GenResult]) -> None:
+        def done(t: asyncio.Task[list[GenResult]]) -> None:
             self._tasks.discard(t)
             try:
-                self._deliver.submit(_settle, out, t)
+                self._deliver.submit(_settle, out, t, batch)
             except RuntimeError:  # closing: the callback threads are gone, settle it here
-                _settle(out, t)
+                _settle(out, t, batch)
 
         task.add_done_callback(done)
 
-    async def _run(self, server: ServerState, req: GenRequest) -> GenResult:
+    async def _run(self, server: ServerState, reqs: list[GenRequest], batch: bool) -> list[GenResult]:
+        body = generate_batch_payload(reqs) if batch else generate_payload(reqs[0])
         try:
             try:
                 async with self._session.post(
                     server.url + "/generate",
-                    data=json.dumps(generate_payload(req)).encode(),
+                    data=json.dumps(body).encode(),
                     headers={"Content-Type": "application/json"},
                 ) as resp:
                     status, raw = resp.status, await resp.read()
             except aiohttp.ConnectionTimeoutError as e:  # never connected: nothing to abort there
-                await self._lost(server, req, e)
+                await self._lost(server, reqs, e)
             except TimeoutError:  # aiohttp's total timeout is asyncio.TimeoutError, i.e. TimeoutError
-                return await self._timed_out(server, req)
+                return await self._timed_out(server, reqs)
             except (aiohttp.ClientError, OSError) as e:
-                await self._lost(server, req, e)
+                await self._lost(server, reqs, e)
         finally:
             with self._lock:
-                server.in_flight -= 1
+                server.in_flight -= len(reqs)
         payload = _parse_json(raw)
         if status != 200:
             raise ServerError(server.url, "/generate", status, payload)
+        if batch:
+            return parse_generate_batch(
+                reqs, payload, server=server.url, initial_version=self.initial_version
+            )
         if not isinstance(payload, dict):
             raise ProtocolError(f"/generate reply from {server.url} is not a JSON object")
-        return parse_generate(req, payload, server=server.url, initial_version=self.initial_version)
+        return [parse_generate(reqs[0], payload, server=server.url, initial_version=self.initial_version)]
 
-    async def _lost(self, server: ServerState, req: GenRequest, cause: BaseException) -> NoReturn:
-        """Record a request whose server went away and raise :class:`ServerLost`; a reset
+    async def _lost(self, server: ServerState, reqs: list[GenRequest], cause: BaseException) -> NoReturn:
+        """Record requests whose server went away and raise :class:`ServerLost`; a reset
         connection is not always a dead server, so ask it before taking it out of routing."""
         alive = await self._probe(server)
         with self._lock:
             server.alive = server.alive and alive
-            self.lost.append((req.request_id, server.url))
-        raise ServerLost(server.url, req.request_id, cause) from cause
+            self.lost.extend((r.request_id, server.url) for r in reqs)
+        raise ServerLost(server.url, reqs[0].request_id, cause) from cause
 
     async def _probe(self, server: ServerState) -> bool:
         """Whether ``server`` answers ``/health``: one probe at a time per server, shared by
@@ -484,18 +528,17 @@ class FleetClient:
             probe = self._probes[server.url] = self._loop.create_task(ask())
         return await asyncio.shield(probe)
 
-    async def _timed_out(self, server: ServerState, req: GenRequest) -> GenResult:
-        """Abort a request that ran past ``request_timeout_s`` on its server (best effort: a
+    async def _timed_out(self, server: ServerState, reqs: list[GenRequest]) -> list[GenResult]:
+        """Abort requests that ran past ``request_timeout_s`` on their server (best effort: a
         server that does not answer either is found out by its next request)."""
         with self._lock:
-            self.timed_out.append((req.request_id, server.url))
-        body = json.dumps(abort_payload(req.request_id)).encode()
+            self.timed_out.extend((r.request_id, server.url) for r in reqs)
 
-        async def abort_at(url: str) -> None:
+        async def abort_at(url: str, rid: str) -> None:
             try:
                 async with self._aux.post(
                     url + "/abort_request",
-                    data=body,
+                    data=json.dumps(abort_payload(rid)).encode(),
                     headers={"Content-Type": "application/json"},
                     timeout=_ABORT_TIMEOUT,
                 ) as resp:
@@ -503,17 +546,20 @@ class FleetClient:
             except (aiohttp.ClientError, OSError, TimeoutError):
                 pass
 
-        await asyncio.gather(*(abort_at(u) for u in self._abort_urls(server)))
-        return GenResult(
-            request_id=req.request_id,
-            prompt_ids=list(req.input_ids),
-            token_ids=[],
-            logprobs=[],
-            versions=[],
-            finish_reason="abort",
-            server=server.url,
-            meta={"timed_out": True, "timeout_s": self.request_timeout_s},
-        )
+        await asyncio.gather(*(abort_at(u, r.request_id) for u in self._abort_urls(server) for r in reqs))
+        return [
+            GenResult(
+                request_id=req.request_id,
+                prompt_ids=list(req.input_ids),
+                token_ids=[],
+                logprobs=[],
+                versions=[],
+                finish_reason="abort",
+                server=server.url,
+                meta={"timed_out": True, "timeout_s": self.request_timeout_s},
+            )
+            for req in reqs
+        ]
 
     def generate(self, requests: Iterable[GenRequest], *, resend_lost: bool = True) -> Iterator[GenResult]:
         """Yield a result per request as each finishes; lost requests are re-sent elsewhere

@@ -9,7 +9,9 @@ built-in engine server (``megatron_rl/generation/engine/server.py``) answers the
 Routes and payloads (all JSON):
 
 ========================================  ==================================================
-``POST /generate``                        :func:`generate_payload` -> :func:`parse_generate`
+``POST /generate``                        :func:`generate_payload` -> :func:`parse_generate`;
+                                          a group in one: :func:`generate_batch_payload` ->
+                                          :func:`parse_generate_batch`
 ``POST /pause_generation``                ``{"mode": "in_place"}`` (keep running requests and
                                           their KV cache; ``"abort"`` ends them)
 ``POST /continue_generation``             ``{}``
@@ -91,11 +93,13 @@ __all__ = [
     "bucket_layout",
     "check_api_key",
     "dtype_name",
+    "generate_batch_payload",
     "generate_payload",
     "init_group_payload",
     "memory_payload",
     "pack_bucket",
     "parse_generate",
+    "parse_generate_batch",
     "parse_weights_checker",
     "pause_payload",
     "router_launch_args",
@@ -165,8 +169,8 @@ def auth_headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def generate_payload(req: GenRequest) -> dict[str, object]:
-    """``/generate`` body for one request: token ids in, token ids + log-probs + versions out."""
+def _sampling_params(req: GenRequest) -> dict[str, object]:
+    """A request's ``sampling_params``: its own sampling seed, token ids in and out."""
     sampling: dict[str, object] = {
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -179,12 +183,36 @@ def generate_payload(req: GenRequest) -> dict[str, object]:
         sampling["stop_token_ids"] = list(req.stop_token_ids)
     if req.seed is not None:
         sampling["sampling_seed"] = int(req.seed)
+    return sampling
+
+
+def generate_payload(req: GenRequest) -> dict[str, object]:
+    """``/generate`` body for one request: token ids in, token ids + log-probs + versions out."""
     return {
         "rid": req.request_id,
         "input_ids": list(req.input_ids),
-        "sampling_params": sampling,
+        "sampling_params": _sampling_params(req),
         "return_logprob": True,
         # -1: log-probs of the output tokens only.
+        "logprob_start_len": -1,
+        "stream": False,
+    }
+
+
+def generate_batch_payload(reqs: Sequence[GenRequest]) -> dict[str, object]:
+    """``/generate`` body for several requests at once (a group's G samples of one prompt):
+    SGLang's batch form, a ``rid``, a prompt and a ``sampling_params`` (its own sampling seed)
+    per request. The reply is a list, one object per request in this order
+    (:func:`parse_generate_batch`). A group then costs one HTTP request, and the server sees its
+    samples together, so their shared prompt is prefilled once (SGLang's prefix cache; the
+    built-in engine's prompt sharing)."""
+    if not reqs:
+        raise ValueError("generate_batch_payload: need at least one request")
+    return {
+        "rid": [r.request_id for r in reqs],
+        "input_ids": [list(r.input_ids) for r in reqs],
+        "sampling_params": [_sampling_params(r) for r in reqs],
+        "return_logprob": True,
         "logprob_start_len": -1,
         "stream": False,
     }
@@ -256,6 +284,25 @@ def parse_generate(
             "cached_tokens": int(meta.get("cached_tokens") or 0),
         },
     )
+
+
+def parse_generate_batch(
+    reqs: Sequence[GenRequest], body: JsonValue, *, server: str = "", initial_version: int = 0
+) -> list[GenResult]:
+    """Read a batch ``/generate`` reply (:func:`generate_batch_payload`): one result per
+    request, in the order sent."""
+    if not isinstance(body, list) or len(body) != len(reqs):
+        got = f"a list of {len(body)}" if isinstance(body, list) else type(body).__name__
+        raise ProtocolError(
+            f"/generate batch reply from {server or 'server'}: expected a list of {len(reqs)} "
+            f"results, got {got}"
+        )
+    out = []
+    for req, item in zip(reqs, body):
+        if not isinstance(item, dict):
+            raise ProtocolError(f"/generate batch reply from {server or 'server'}: an item is not an object")
+        out.append(parse_generate(req, item, server=server, initial_version=initial_version))
+    return out
 
 
 def pause_payload(mode: str = "in_place") -> dict[str, object]:

@@ -181,6 +181,11 @@ class FleetConfig:
     # with --enable-deterministic-inference (slower kernels). true: the launch scripts pass that
     # flag (`megatron-rl sglang-args`), and the client refuses a server that reports it off.
     deterministic: bool = False
+    # A group's G samples in one /generate (SGLang's batch form) instead of one request each:
+    # the orchestrator's work per completion falls ~3x (one HTTP request, reply and callback per
+    # group) and the server prefills the prompt once, but a group's slots count as in flight
+    # until its longest sample ends, so at equal n_async fewer sequences decode (README "Scale").
+    group_requests: bool = False
 
     def __post_init__(self) -> None:
         try:

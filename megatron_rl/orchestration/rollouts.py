@@ -3,16 +3,19 @@
 :class:`Rollouts` (rank 0 of the trainer, the orchestrating process) owns the fleet client, the
 verifier pool and the prompt sampler:
 
-- :meth:`Rollouts.issue_group` renders a problem into prompt tokens and sends G requests (one
-  sampling seed each, derived from the run seed, the prompt, its epoch and the sample index, so
-  a re-issued prompt draws the same samples under the same weights);
-- each completion goes to the verifier pool the moment it finishes (future callbacks: no thread
-  waits on a batch);
+- :meth:`Rollouts.issue_group` renders a problem into prompt tokens and sends its G samples to
+  one server in one request (:meth:`~megatron_rl.generation.client.FleetClient.submit_batch`;
+  one sampling seed each, derived from the run seed, the prompt, its epoch and the sample index,
+  so a re-issued prompt draws the same samples under the same weights). The control plane's work
+  is per group, not per sample: one HTTP request, one reply, one callback, one lock section and
+  one hand-over to the verifier pool for G samples, and the server prefills the prompt once;
+- the group's completions go to the verifier pool together the moment they are back (future
+  callbacks: no thread waits on a batch), each scored as soon as a worker has it;
 - when all G completions of a group are scored the group is filtered (equal rewards dropped, with
   the reason) and either waits in the completed queue (kept: :meth:`Rollouts.take_completed`) or
   is recorded as dropped (:meth:`Rollouts.drain_dropped`);
-- a completion lost with its server (:class:`~megatron_rl.generation.client.ServerLost`) is
-  re-sent to another live server at once; the loss is counted. A completion that comes back
+- completions lost with their server (:class:`~megatron_rl.generation.client.ServerLost`) are
+  re-sent to another live server at once; the losses are counted. A completion that comes back
   aborted (``weight_sync.pause_mode: abort``, ``/abort_request``) is re-sent too: a cut-off
   sample is never scored or trained. A request that ran past the fleet's ``request_timeout_s``
   (aborted by the client on its server) is re-sent once, to another server where there is one;
@@ -48,6 +51,7 @@ drawn but not yet recorded. The sampler has a lock of its own, always taken afte
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import queue
@@ -77,7 +81,7 @@ from megatron_rl.rewards.result import RewardResult
 from megatron_rl.types import Completion, Group, Prompt, ScoredCompletion
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Iterable, Sequence
     from concurrent.futures import Future
 
     from transformers import PreTrainedTokenizerBase
@@ -101,8 +105,9 @@ class Fleet(Protocol):
     """What :class:`Rollouts` needs of the fleet: a
     :class:`~megatron_rl.generation.client.FleetClient`, or a stand-in with these two methods."""
 
-    def submit(self, req: GenRequest, *, exclude: set[str]) -> Future[GenResult]:
-        """Send one request to a live server not in ``exclude``; the future fails with
+    def submit_batch(self, reqs: Sequence[GenRequest], *, exclude: set[str]) -> Future[list[GenResult]]:
+        """Send requests (one group's samples) together to a live server not in ``exclude``;
+        the future's results are in their order, and it fails with
         :class:`~megatron_rl.generation.client.ServerLost` if that server dies."""
         ...
 
@@ -113,19 +118,18 @@ class Fleet(Protocol):
 
 class ScoringPool(Protocol):
     """What :class:`Rollouts` needs of the verifier pool: a
-    :class:`~megatron_rl.rewards.pool.VerifierPool`, or a stand-in with ``submit``."""
+    :class:`~megatron_rl.rewards.pool.VerifierPool`, or a stand-in with ``submit_many``."""
 
-    def submit(
+    def submit_many(
         self,
         fn: Callable[[RewardInput, RewardConfig], RewardResult],
-        inp: RewardInput,
-        cfg: RewardConfig,
-        /,
+        items: Iterable[tuple[RewardInput, RewardConfig]],
         *,
-        timeout_s: float | None = None,
-    ) -> Future[RewardResult]:
-        """Run ``fn(inp, cfg)`` in a worker; the future fails with :class:`PoolTaskError` when
-        the task times out, its worker dies or ``fn`` raises."""
+        timeout_s: Sequence[float],
+    ) -> list[Future[RewardResult]]:
+        """Run ``fn(inp, cfg)`` for every item in a worker, each within its own limit; a future
+        fails with :class:`PoolTaskError` when its task times out, its worker dies or ``fn``
+        raises."""
         ...
 
 
@@ -225,8 +229,11 @@ class Rollouts:
         filter_tolerance: float = 0.0,
         stall_groups: int = 0,
         version: Callable[[], int] = lambda: 0,
+        group_requests: bool = True,
     ):
-        """``stall_groups``: this many groups dropped in a row stop the run (0: never)."""
+        """``stall_groups``: this many groups dropped in a row stop the run (0: never);
+        ``group_requests``: a group's samples go to one server in one request (else one each)."""
+        self.group_requests = group_requests
         self.fleet, self.pool, self.sampler, self.tok = fleet, pool, sampler, tokenizer
         self.reward, self.group_size = reward, group_size
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
@@ -286,6 +293,7 @@ class Rollouts:
             filter_tolerance=cfg.algorithm.filter_tolerance,
             stall_groups=cfg.loop.stall_groups(),
             version=version,
+            group_requests=cfg.fleet.group_requests,
         )
 
     # ------------------------------------------------------------------ counts (read-only)
@@ -487,8 +495,7 @@ class Rollouts:
             self._unscored += self.group_size
             self._stats["groups_issued"] += 1
             self._cond.notify_all()
-        for i in range(self.group_size):
-            self._submit(rec, i)
+        self._submit(rec, list(range(self.group_size)))
         return rec
 
     def _request(self, rec: GroupRecord, i: int) -> GenRequest:
@@ -502,83 +509,115 @@ class Rollouts:
             stop_token_ids=(self.eos,) if self.eos is not None else (),
         )
 
-    def _submit(self, rec: GroupRecord, i: int, exclude: frozenset[str] = frozenset()) -> None:
-        try:
-            fut = self.fleet.submit(self._request(rec, i), exclude=set(exclude))
-        except (ServerLost, ClientClosed) as e:  # no live server at all, or the run is stopping
-            self.fail(e)
-            return
-        fut.add_done_callback(lambda f: self._on_generated(rec, i, f, exclude))
+    def _submit(self, rec: GroupRecord, samples: list[int], exclude: frozenset[str] = frozenset()) -> None:
+        """Send samples ``samples`` of ``rec`` (a whole group, or the samples being re-sent): to
+        one server in one request (``group_requests``), or one request each."""
+        batches = [samples] if self.group_requests else [[i] for i in samples]
+        for batch in batches:
+            try:
+                fut = self.fleet.submit_batch([self._request(rec, i) for i in batch], exclude=set(exclude))
+            except (ServerLost, ClientClosed) as e:  # no live server at all, or the run is stopping
+                self.fail(e)
+                return
+            fut.add_done_callback(functools.partial(self._on_generated, rec, batch, exclude=exclude))
 
     # ------------------------------------------------------------------ callbacks
 
     def _on_generated(
-        self, rec: GroupRecord, i: int, fut: Future[GenResult], exclude: frozenset[str]
+        self,
+        rec: GroupRecord,
+        samples: list[int],
+        fut: Future[list[GenResult]],
+        *,
+        exclude: frozenset[str],
     ) -> None:
+        """The fleet's answer for samples ``samples`` of ``rec``: re-send what was lost, aborted
+        or timed out for the first time; score the rest."""
         try:
-            result = fut.result()
+            results = fut.result()
         except ServerLost as e:
             with self._lock:
-                rec.lost += 1
-                self._stats["requests_lost"] += 1
-            self._submit(rec, i, exclude | {e.url})  # re-issue elsewhere, same seed
+                rec.lost += len(samples)
+                self._stats["requests_lost"] += len(samples)
+            self._submit(rec, samples, exclude | {e.url})  # re-issue elsewhere, same seeds
             return
         except BaseException as e:  # noqa: BLE001 - a refused request stops the run, with why
             self.fail(e)
             return
-        timed_out = bool(result.meta.get("timed_out"))
-        if timed_out:
-            with self._lock:
-                if not rec.timed_out:
-                    rec.timed_out = [0] * self.group_size
-                rec.timed_out[i] += 1
-                again = rec.timed_out[i] == 1
-                self._stats["requests_timed_out"] += 1
-            if again:  # once more, elsewhere if there is another server
-                self._submit(rec, i, exclude | {result.server})
-                return
-        elif result.finish_reason == "abort":  # cut off (abort pause, /abort_request): send again
-            with self._lock:
-                self._stats["requests_aborted"] += 1
-            self._submit(rec, i, exclude)
-            return
-        n = len(result.token_ids)
+        done: list[tuple[int, GenResult]] = []
+        again: dict[str, list[int]] = {}  # timed out once: sent again away from this server
+        resend: list[int] = []  # aborted (abort pause, /abort_request): sent again
+        with self._lock:
+            for i, result in zip(samples, results):
+                if result.meta.get("timed_out"):
+                    if not rec.timed_out:
+                        rec.timed_out = [0] * self.group_size
+                    rec.timed_out[i] += 1
+                    self._stats["requests_timed_out"] += 1
+                    if rec.timed_out[i] == 1:
+                        again.setdefault(result.server, []).append(i)
+                        continue
+                elif result.finish_reason == "abort":
+                    self._stats["requests_aborted"] += 1
+                    resend.append(i)
+                    continue
+                done.append((i, result))
+        for server, idx in again.items():  # once more, elsewhere if there is another server
+            self._submit(rec, idx, exclude | {server})
+        if resend:
+            self._submit(rec, resend, exclude)
+        if done:
+            self._generated(rec, done)
+
+    def _generated(self, rec: GroupRecord, done: list[tuple[int, GenResult]]) -> None:
+        """Samples of ``rec`` came back whole (or timed out twice): count them and send them to
+        the verifier pool together, each with its deadline."""
         with self._cond:
-            rec.results[i] = result
-            self._in_flight -= 1
+            for i, result in done:
+                n = len(result.token_ids)
+                rec.results[i] = result
+                self._length_ema = n if not self._length_ema else 0.95 * self._length_ema + 0.05 * n
+                self._stats["generated_tokens"] += n
+                self._stats["prompt_tokens"] += len(result.prompt_ids)
+                self._stats["prefix_cached_tokens"] += int(result.meta.get("cached_tokens") or 0)
+            self._in_flight -= len(done)
+            self._stats["completions"] += len(done)
             if self._in_flight == 0 and self._busy_since is not None:
                 self._busy_s += time.monotonic() - self._busy_since
                 self._busy_since = None
-            self._length_ema = n if not self._length_ema else 0.95 * self._length_ema + 0.05 * n
-            self._stats["generated_tokens"] += n
-            self._stats["completions"] += 1
-            self._stats["prompt_tokens"] += len(result.prompt_ids)
-            self._stats["prefix_cached_tokens"] += int(result.meta.get("cached_tokens") or 0)
             self._cond.notify_all()
-        text = decode_completion(self.tok, result.token_ids)
-        inp = reward_input(rec.problem, text, num_tokens=n, group_id=f"{rec.problem.id}@{rec.epoch}")
-        if inp.task == "code":
+        group_id = f"{rec.problem.id}@{rec.epoch}"
+        texts = [decode_completion(self.tok, r.token_ids) for _, r in done]
+        inputs = [
+            reward_input(rec.problem, text, num_tokens=len(r.token_ids), group_id=group_id)
+            for text, (_, r) in zip(texts, done)
+        ]
+        if inputs[0].task == "code":
             with self._prepare_lock:  # later code samples wait for the set-up, not race it
                 if not self._prepared_code:
-                    prepare_verifiers([inp], self.reward)
+                    prepare_verifiers([inputs[0]], self.reward)
                     self._prepared_code = True
-        limit = hard_timeout_s(inp, self.reward)
+        limits = [hard_timeout_s(inp, self.reward) for inp in inputs]
         try:
-            sfut = self.pool.submit(score, inp, self.reward, timeout_s=limit)
+            futs = self.pool.submit_many(score, [(inp, self.reward) for inp in inputs], timeout_s=limits)
         except PoolBroken as e:  # no verifier can start: the run stops, saying why
             self.fail(e)
             return
-        except BaseException as e:  # noqa: BLE001 - a refused task: the sample scores 0, says why
-            self._score(rec, i, result, text, RewardResult(0.0, {}, "verifier_error", f"pool: {e}"))
+        except BaseException as e:  # noqa: BLE001 - refused tasks: the samples score 0, say why
+            for (i, result), text in zip(done, texts):
+                self._score(rec, i, result, text, RewardResult(0.0, {}, "verifier_error", f"pool: {e}"))
             return
         deadline_fn = getattr(self.pool, "deadline", None)  # a stand-in pool may have none
-        deadline = deadline_fn() if callable(deadline_fn) else time.monotonic() + limit + 30.0
+        deadline = deadline_fn() if callable(deadline_fn) else time.monotonic() + max(limits) + 30.0
         with self._lock:
             if self._stopped:
-                sfut.cancel()
+                for sfut in futs:
+                    sfut.cancel()
                 return
-            self._scoring[(rec.index, i)] = (rec, i, result, text, deadline, sfut)
-        sfut.add_done_callback(lambda f: self._on_scored(rec, i, f))
+            for (i, result), text, sfut in zip(done, texts, futs):
+                self._scoring[(rec.index, i)] = (rec, i, result, text, deadline, sfut)
+        for (i, _), sfut in zip(done, futs):
+            sfut.add_done_callback(functools.partial(self._on_scored, rec, i))
 
     def _on_scored(self, rec: GroupRecord, i: int, fut: Future[RewardResult]) -> None:
         """The pool's answer for sample ``i`` of ``rec`` (ignored when its deadline came first)."""

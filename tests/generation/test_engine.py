@@ -252,6 +252,36 @@ def test_a_group_shares_one_prefill_and_equals_each_sample_alone(hf_models):
     assert [len(out[f"g{k}"].token_ids) for k in range(4)] == [3, 7, 11, 15]
 
 
+def test_a_sample_admitted_while_its_siblings_run_shares_their_prefill_and_writes_what_it_writes_alone(
+    hf_models,
+):
+    """A busy engine admits a group's samples as slots free: the late ones copy the running
+    siblings' prompt KV and first-token logits (no second prefill) and still write, token for
+    token, what each writes alone. New weights drop the shared prompt: it is prefilled again."""
+    folder = hf_models["qwen2"][0]
+    shared = _prompt(7, 30)
+    engine = _engine(folder, slots=2)
+    specs = [(f"g{k}", 4 + 3 * k, 200 + k) for k in range(4)]
+    for rid, n, seed in specs:  # two slots: g2 and g3 wait for g0 and g1 to end
+        engine.add_request(rid, shared, max_new_tokens=n, temperature=1.0, seed=seed)
+    out: dict = {}
+    while engine.has_work():
+        out.update({f.request_id: f for f in engine.step()})
+    assert engine.prefill_tokens == 7  # g2 and g3 entered while a sibling ran: no prefill
+    for rid, n, seed in specs:
+        alone = _engine(folder, slots=1)
+        alone.add_request(rid, shared, max_new_tokens=n, temperature=1.0, seed=seed)
+        want = _run(alone)[rid]
+        assert out[rid].token_ids == want.token_ids, rid
+        torch.testing.assert_close(out[rid].logprobs, want.logprobs, atol=1e-5, rtol=0)
+    engine.add_request("a", shared, max_new_tokens=20, temperature=1.0, seed=1)
+    engine.step()
+    engine.weights_changed(1)
+    engine.add_request("b", shared, max_new_tokens=5, temperature=1.0, seed=2)
+    engine.step()
+    assert engine.prefill_tokens == 21  # "a" after the group ended, "b" after new weights
+
+
 def test_kv_cache_move_and_fork_copy_sequences(hf_models):
     from megatron_rl.generation.engine import KVCache
 

@@ -134,3 +134,56 @@ def test_a_request_past_its_timeout_is_aborted_on_its_server_and_returned_as_abo
     finally:
         fleet.resume()
         fleet.close()
+
+
+@pytest.mark.fault("load")
+def test_groups_in_one_request_each_come_back_whole_in_order_and_prefill_their_prompt_once(server):
+    """``submit_batch``: 64 groups of 8 samples (one shared prompt each, its own seed per sample)
+    as 64 HTTP requests. Each future holds its group's results in the order sent, each sample
+    exactly what it writes when sent alone, and the server prefills each prompt once."""
+    fleet = FleetClient([server.url], api_key="scale-test-key")
+    try:
+        groups = [
+            [
+                GenRequest(
+                    request_id=f"grp-{g}.{i}",
+                    input_ids=prompt(6, 500 + g),
+                    max_new_tokens=4 + (g * 7 + i * 5) % 24,
+                    temperature=1.0,
+                    seed=1000 * g + i,
+                )
+                for i in range(8)
+            ]
+            for g in range(64)
+        ]
+        before = fleet.server_info(server.url)["internal_states"][0]["prefill_tokens"]
+        futures = [fleet.submit_batch(reqs) for reqs in groups]
+        results, _ = _guarded("the groups", lambda: [f.result() for f in futures])
+        prefilled = fleet.server_info(server.url)["internal_states"][0]["prefill_tokens"] - before
+        alone, _ = _guarded("single requests", lambda: [fleet.submit(r).result() for r in groups[3]])
+    finally:
+        fleet.close()
+    for reqs, got in zip(groups, results):
+        assert [r.request_id for r in got] == [r.request_id for r in reqs]
+        assert [len(r.token_ids) for r in got] == [r.max_new_tokens for r in reqs]
+    assert [r.token_ids for r in results[3]] == [r.token_ids for r in alone]
+    # A group's later samples share a running sibling's prompt (64 slots, 512 samples).
+    assert prefilled == 64 * 6, prefilled
+    assert not fleet.lost and not fleet.timed_out
+
+
+@pytest.mark.fault("crash")
+def test_a_group_past_its_timeout_is_aborted_whole_and_every_sample_returned_as_abort(server):
+    fleet = FleetClient([server.url], api_key="scale-test-key", request_timeout_s=1.0)
+    try:
+        fleet.pause("in_place")
+        reqs = [_request(20_000 + i, 32) for i in range(6)]
+        results, _ = _guarded("a timed-out group", fleet.submit_batch(reqs).result)
+        assert [r.request_id for r in results] == [r.request_id for r in reqs]
+        assert all(r.finish_reason == "abort" and r.meta["timed_out"] for r in results)
+        assert sorted(fleet.timed_out) == sorted((r.request_id, server.url) for r in reqs)
+        state = fleet.server_info(server.url)["internal_states"][0]
+        assert state["num_running_reqs"] + state["num_waiting_reqs"] == 0, state
+    finally:
+        fleet.resume()
+        fleet.close()

@@ -46,6 +46,7 @@ from megatron_rl.generation.protocol import (
     SGLANG_VERSION,
     abort_payload,
     bucket_layout,
+    generate_batch_payload,
     generate_payload,
     init_group_payload,
     memory_payload,
@@ -375,6 +376,12 @@ def _cases() -> list[tuple[str, str, dict]]:
     return [
         ("/generate", "GenerateReqInput", generate_payload(gen)),
         ("/generate", "GenerateReqInput", generate_payload(_gen_request(seed=None, stop_token_ids=()))),
+        # A group in one request (fleet.group_requests): SGLang's batch form.
+        (
+            "/generate",
+            "GenerateReqInput",
+            generate_batch_payload([_gen_request(request_id=f"g.{i}", seed=i) for i in range(4)]),
+        ),
         *[
             ("/pause_generation", "PauseGenerationReqInput", pause_payload(m))
             for m in ("in_place", "abort", "retract")

@@ -89,7 +89,7 @@ def test_step_sleeps_the_cost_model_and_slots_bound_the_batch():
     assert e.capacity_tokens == 2 * 64
 
 
-def test_a_groups_shared_prompt_is_prefilled_once_per_step_as_in_the_real_engine():
+def test_a_groups_shared_prompt_is_prefilled_once_as_in_the_real_engine():
     e, slept = engine(slots=8, decode_s=0.0, prefill_s_per_token=0.001)
     for i in range(4):  # one group: four samples of one prompt
         e.add_request(f"g{i}", [1, 2, 3, 4, 5], max_new_tokens=10, seed=1)
@@ -97,8 +97,15 @@ def test_a_groups_shared_prompt_is_prefilled_once_per_step_as_in_the_real_engine
     e.step()
     assert e.running == 5 and e.prefill_tokens == 5 + 2  # not 4 * 5 + 2
     assert slept == [pytest.approx(0.007)]
-    # The same prompt admitted in a later step is prefilled again (no prefix cache).
+    # A sample admitted in a later step while its siblings run shares their prompt's KV: no
+    # prefill (a group's samples reach free slots one by one in a busy engine).
     e.add_request("late", [1, 2, 3, 4, 5], max_new_tokens=10, seed=1)
+    e.step()
+    assert e.prefill_tokens == 7 and len(slept) == 1  # a step of no modeled time: no sleep
+    # Once no sample of it runs any more, the prompt is prefilled again.
+    while e.running:
+        e.step()
+    e.add_request("again", [1, 2, 3, 4, 5], max_new_tokens=10, seed=1)
     e.step()
     assert e.prefill_tokens == 12 and slept[-1] == pytest.approx(0.005)
 

@@ -31,6 +31,7 @@ def simulate(
     prefill=0.0,
     prompt_len=3,
     steps=2,
+    group_requests=False,
 ):
     loop = LoopConfig(mode=mode, group_size=g, n_batch=n_batch, n_async=n_async)
     sim = IdealSchedule(
@@ -51,6 +52,7 @@ def simulate(
         kept=kept or (lambda seeds: True),
         run_seed=0,
         max_new_tokens=100,
+        group_requests=group_requests,
     )
     return sim.run(steps)
 
@@ -104,6 +106,42 @@ def test_a_groups_prompt_is_prefilled_once_per_server_and_requests_go_to_the_lea
     )
     assert out["wall_s"] == pytest.approx(2.0 + 0.5 + 0.25)
     assert out["generator_busy"] == pytest.approx((2.0 + 2.0) / (2 * 2.75))
+
+
+def test_a_group_in_one_request_goes_to_one_server_and_holds_its_slots_until_its_last_sample():
+    # fleet.group_requests: G=4 all on one server, its prompt prefilled once there: 1 + 0.1 * 10.
+    out = simulate(
+        "sync",
+        servers=2,
+        g=4,
+        n_batch=4,
+        n_async=8,
+        length=lambda s: 2,
+        prefill=0.1,
+        prompt_len=10,
+        steps=1,
+        group_requests=True,
+    )
+    assert out["wall_s"] == pytest.approx(2.0 + 0.5 + 0.25)
+    assert out["generator_busy"] == pytest.approx(2.0 / (2 * 2.75))  # the other server idles
+    assert out["prefill_tokens"] == 10
+
+    # Async, n_async = two groups, each one long sample and three short: a group's reply comes
+    # with its long sample, so its short samples' slots stay counted in flight meanwhile; one
+    # request per sample refills them at once.
+    def run(group_requests):
+        lengths = {}
+
+        def length(seed):
+            return lengths.setdefault(seed, 8 if len(lengths) % 4 == 0 else 2)
+
+        return simulate(
+            "async", g=4, slots=8, n_batch=4, n_async=8, length=length, steps=3, group_requests=group_requests
+        )
+
+    per_group, per_sample = run(True), run(False)
+    assert per_group["wall_s"] > per_sample["wall_s"]
+    assert per_group["slot_occupancy"] < per_sample["slot_occupancy"]
 
 
 def test_decode_cost_grows_with_the_running_batch():

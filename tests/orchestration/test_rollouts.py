@@ -25,7 +25,7 @@ from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.engine import EngineConfig
 from megatron_rl.generation.engine.server import EngineServer
 from megatron_rl.generation.engine.timing import TimingConfig, TimingEngine
-from megatron_rl.orchestration.config import LoopConfig
+from megatron_rl.orchestration.config import FleetConfig, LoopConfig
 from megatron_rl.orchestration.loop import staleness_stats
 from megatron_rl.orchestration.recipe import RunConfig
 from megatron_rl.orchestration.rollouts import GroupRecord, NoProgressError, Rollouts, request_seed
@@ -130,7 +130,14 @@ def timing_fleet(
 
 
 def make_rollouts(
-    fleet, pool, tok, sampler=None, version=lambda: 0, max_dropped_batches=8, language_reward=0.1
+    fleet,
+    pool,
+    tok,
+    sampler=None,
+    version=lambda: 0,
+    max_dropped_batches=8,
+    language_reward=0.1,
+    group_requests=False,
 ) -> Rollouts:
     cfg = RunConfig(
         loop=LoopConfig(
@@ -138,6 +145,7 @@ def make_rollouts(
         ),
         reward=RewardConfig(l_max=L_MAX, l_cache=L_MAX // 4, workers=1, language_reward=language_reward),
         algorithm=GRPOConfig(),
+        fleet=FleetConfig(group_requests=group_requests),
     )
     return Rollouts.from_config(
         cfg,
@@ -165,10 +173,13 @@ def expected_tokens(script, rec: GroupRecord, i: int) -> list[int]:
     return script[seed % len(script)][:L_MAX]
 
 
-def test_concurrent_producers_and_consumers_account_for_every_group_exactly_once(tok, script, pool):
+@pytest.mark.parametrize("group_requests", [False, True], ids=["per-sample", "per-group"])
+def test_concurrent_producers_and_consumers_account_for_every_group_exactly_once(
+    tok, script, pool, group_requests
+):
     producers, per_producer, consumers = 4, 8, 3
     with timing_fleet(tok, script) as (fleet, _):
-        r = make_rollouts(fleet, pool, tok)
+        r = make_rollouts(fleet, pool, tok, group_requests=group_requests)
         issued: list[GroupRecord] = []
         trained: list[GroupRecord] = []
         requeued: list[GroupRecord] = []
@@ -205,12 +216,14 @@ def test_concurrent_producers_and_consumers_account_for_every_group_exactly_once
 
         with ThreadPoolExecutor(producers + consumers + 1) as ex:
             side = [ex.submit(consume, k) for k in range(consumers)] + [ex.submit(checkpoint)]
-            for f in [ex.submit(produce) for _ in range(producers)]:
-                f.result()
-            settle(r, issued)
-            kept = sum(bool(x.kept) for x in issued)
-            assert r.wait_until(lambda: len(trained) + len(requeued) == kept, timeout=60)
-            stop.set()
+            try:
+                for f in [ex.submit(produce) for _ in range(producers)]:
+                    f.result()
+                settle(r, issued)
+                kept = sum(bool(x.kept) for x in issued)
+                assert r.wait_until(lambda: len(trained) + len(requeued) == kept, timeout=60)
+            finally:  # a failure above must not leave the consumers running (the test would hang)
+                stop.set()
             assert side.pop().result() > 0  # the checkpoint reader ran
             for f in side:
                 f.result()
@@ -395,12 +408,15 @@ def test_every_group_dropped_stops_with_a_diagnosis_instead_of_waiting(tok, scri
 
 
 @pytest.mark.fault("crash")
-def test_a_request_past_its_timeout_is_sent_once_more_then_scored_as_it_stands(tok, script, pool):
+@pytest.mark.parametrize("group_requests", [False, True], ids=["per-sample", "per-group"])
+def test_a_request_past_its_timeout_is_sent_once_more_then_scored_as_it_stands(
+    tok, script, pool, group_requests
+):
     """Decoding at 0.2 s a token, no sample finishes within the fleet's 0.3 s timeout: each is
     aborted on its server, re-sent once (to the other server), aborted again, then scored with
     no tokens (no reward): the group ends, nothing hangs and nothing is lost."""
     with timing_fleet(tok, script, decode_s=0.2, request_timeout_s=0.3) as (fleet, _):
-        r = make_rollouts(fleet, pool, tok)
+        r = make_rollouts(fleet, pool, tok, group_requests=group_requests)
         recs = [r.issue_group() for _ in range(2)]
         settle(r, recs)
         st = r.snapshot_stats()
@@ -432,6 +448,9 @@ class _StuckPool:
         f = self._future()
         self.futures.append(f)
         return f
+
+    def submit_many(self, fn, items, *, timeout_s=None):
+        return [self.submit(fn, *item) for item in items]
 
     def deadline(self) -> float:
         return time.monotonic() + 0.5

@@ -375,8 +375,7 @@ class ColocateRoutes(ServerServices):
                 for n, t in tensors:
                     params[n].copy_(t)  # a copy: the sender frees its shared memory after this
             self._memory().unloaded.difference_update(n for n, _ in tensors)
-            if version is not None:
-                engine.set_version(version)
+            engine.weights_changed(version)
             self.stats["weight_updates"] += 1
         note = f" Weight version updated to {version}." if version is not None else ""
         return {

@@ -6,7 +6,10 @@ One :meth:`Engine.step`:
    prefilled once (a group's G samples share its forward; its keys and values are then copied
    into the siblings' slots), distinct prompts of equal length together (``[n, P]``), the output
    head on the last position only, and each request samples its first token from there with its
-   own generator;
+   own generator. A prompt that a running request already holds (a group's samples admitted in
+   a later step than their siblings, as slots free one by one) is not prefilled again: its keys
+   and values are copied from that request's slot and its last position's logits kept from its
+   prefill (a prefix cache that lives as long as one sample of the prompt runs);
 2. runs one decode step for every running request (``[B, 1]``, each slot at its own length), and
    samples its next token. Running requests always hold the leading slots ``0 .. B-1`` (a freed
    slot takes the last one's sequence), so attention reads the cache in place;
@@ -277,6 +280,17 @@ class SlotEngine(ABC, Generic[R]):
         """Weight version recorded for every token sampled from now on."""
         self.version = int(version)
 
+    def weights_changed(self, version: int | None = None) -> None:
+        """New weights are in place (and ``version``, when given, is theirs): what was computed
+        from the old ones and kept for later requests (shared prompts) is dropped. Requests
+        already running keep their KV cache, as with SGLang's in-place pause."""
+        if version is not None:
+            self.set_version(version)
+        self._forget_prompts()
+
+    def _forget_prompts(self) -> None:  # a hook; engines that keep no prompt state keep it
+        """Drop what is kept of prompts for later requests."""
+
     def pause(self) -> None:
         """Stop :meth:`step` from advancing; cache and requests are kept."""
         self.paused = True
@@ -382,6 +396,8 @@ class Engine(SlotEngine[_Request]):
             device=model.model.norm.weight.device,
         )
         self.eos_token_ids = frozenset(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        # prompt -> (its last position's logits, the running requests holding its KV)
+        self._prompts: dict[tuple[int, ...], tuple[torch.Tensor, list[_Request]]] = {}
 
     @classmethod
     def from_pretrained(
@@ -448,10 +464,19 @@ class Engine(SlotEngine[_Request]):
     def _clear_slot(self, slot: int) -> None:
         self.cache.reset(slot)
 
+    def _forget_prompts(self) -> None:
+        self._prompts.clear()
+
     def _release(self, req: _Request) -> None:
         """Free ``req``'s slot and keep the running requests in the leading slots: the request in
         the last occupied slot moves into the freed one (its KV copied), so a decode step reads
         slots ``0 .. running-1`` of the cache in place."""
+        key = tuple(req.prompt_ids)
+        held = self._prompts.get(key)
+        if held is not None:
+            held[1][:] = [r for r in held[1] if r is not req]
+            if not held[1]:
+                del self._prompts[key]
         slot, last = req.slot, len(self._running) - 1
         super()._release(req)
         if slot != last:
@@ -481,6 +506,11 @@ class Engine(SlotEngine[_Request]):
         groups: dict[tuple[int, ...], list[_Request]] = {}
         for req in admitted:
             groups.setdefault(tuple(req.prompt_ids), []).append(req)
+        for key in [k for k in groups if k in self._prompts]:  # a running request holds its KV
+            members, (row, holders) = groups.pop(key), self._prompts[key]
+            self.cache.fork(holders[0].slot, [r.slot for r in members], length=len(key))
+            holders.extend(members)
+            self._accept(members, row.expand(len(members), -1), finished)
         by_len: dict[int, list[list[_Request]]] = {}
         for members in groups.values():
             by_len.setdefault(len(members[0].prompt_ids), []).append(members)
@@ -489,8 +519,9 @@ class Engine(SlotEngine[_Request]):
             self.prefill_tokens += ids.numel()
             slots = torch.tensor([m[0].slot for m in batch], dtype=torch.long)
             last = self.model(ids, slots, self.cache, last_only=True)[:, -1]
-            for members in batch:
+            for j, members in enumerate(batch):
                 self.cache.fork(members[0].slot, [r.slot for r in members[1:]])
+                self._prompts[tuple(members[0].prompt_ids)] = (last[j].clone(), list(members))
             rows = torch.tensor([i for i, m in enumerate(batch) for _ in m], device=last.device)
             self._accept([r for m in batch for r in m], last[rows], finished)
         if self._running:

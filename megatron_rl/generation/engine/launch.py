@@ -77,6 +77,7 @@ class EngineProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
         self.port: int | None = None
+        self._port_file: Path | None = None  # where the launched server writes its port
 
     @property
     def url(self) -> str:
@@ -89,8 +90,15 @@ class EngineProcess:
         return None if self.proc is None else self.proc.pid
 
     def start(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Start the server and wait until it answers ``/health``."""
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> EngineProcess:
+        """Start the server process without waiting for it (:meth:`wait_ready` waits): a fleet's
+        servers then import and load side by side instead of one after another."""
         tmp = tempfile.mkdtemp(prefix="megatron-rl-engine-")
-        port_file = Path(tmp) / "port"
+        self._port_file = Path(tmp) / "port"
+        port_file = self._port_file
         log = open(self.log_path, "ab") if self.log_path else None
         env = dict(os.environ, OMP_NUM_THREADS=self.args[self.args.index("--threads") + 1])
         env[API_KEY_ENV] = self.api_key  # "" reads as no key
@@ -116,6 +124,14 @@ class EngineProcess:
         )
         if log is not None:
             log.close()
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Wait until the launched server answers ``/health``; stopped and ``TimeoutError`` past
+        ``timeout_s``, ``RuntimeError`` if it exits first."""
+        if self.proc is None or self._port_file is None:
+            raise RuntimeError("EngineProcess.wait_ready: launch() first")
+        port_file = self._port_file
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -128,7 +144,7 @@ class EngineProcess:
                 try:
                     urllib.request.urlopen(f"{self.url}/health", timeout=5).read()
                     port_file.unlink()
-                    os.rmdir(tmp)
+                    os.rmdir(port_file.parent)
                     return self
                 except OSError:
                     pass

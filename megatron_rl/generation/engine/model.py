@@ -204,12 +204,13 @@ class KVCache:
         self.lengths[dst] = n
         self.lengths[src] = 0
 
-    def fork(self, src: int, dsts: list[int]) -> None:
-        """Copy slot ``src``'s sequence into every slot of ``dsts`` (a group's shared prompt,
-        prefilled once: the copies hold bit for bit the keys and values ``src`` holds)."""
+    def fork(self, src: int, dsts: list[int], length: int | None = None) -> None:
+        """Copy slot ``src``'s sequence (its first ``length`` positions: a running sibling's
+        prompt) into every slot of ``dsts`` (a group's shared prompt, prefilled once: the copies
+        hold bit for bit the keys and values ``src`` holds)."""
         if not dsts:
             return
-        n = int(self.lengths[src])
+        n = int(self.lengths[src]) if length is None else length
         index = torch.tensor(dsts, dtype=torch.long, device=self.k.device)
         self.k[:, index, :, :n] = self.k[:, src : src + 1, :, :n]
         self.v[:, index, :, :n] = self.v[:, src : src + 1, :, :n]

@@ -156,7 +156,7 @@ OPEN_ROUTES = frozenset({"/health", "/health_generate"})
 
 # How often a handler waiting for its generation looks whether its client is still connected:
 # a disconnect is noticed within this, at one poll() per waiting request per interval.
-_POLL_S = 0.2
+_POLL_S = 1.0
 
 
 class _Waiter:
@@ -240,6 +240,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             "steps": 0,
             "busy_s": 0.0,
             "generated_tokens": 0,
+            "completions": 0,  # requests that ended, by any cause
             "weight_updates": 0,
             "aborted_requests": 0,  # by any cause: abort routes, pause(abort), a failed step, a client gone
             "client_disconnects": 0,  # requests aborted because their client closed the connection
@@ -348,6 +349,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
     def _deliver(self, finished: list[Finished]) -> None:
         for f in finished:
             self.stats["generated_tokens"] += len(f.token_ids)
+            self.stats["completions"] += 1
             self.stats["aborted_requests"] += f.finish_reason == "abort"
             w = self._waiters.pop(f.request_id, None)
             if w is not None:
@@ -570,6 +572,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                         "steps": self.stats["steps"],
                         "busy_s": self.stats["busy_s"],
                         "generated_tokens": self.stats["generated_tokens"],
+                        "completions": self.stats["completions"],
                         "prefill_tokens": e.prefill_tokens,
                         "weight_updates": self.stats["weight_updates"],
                         "aborted_requests": self.stats["aborted_requests"],

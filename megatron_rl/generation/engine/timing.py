@@ -21,8 +21,9 @@ decodes one token for every running request, and takes
     decode_s + decode_s_per_seq * running + prefill_s_per_token * distinct prompt tokens admitted
 
 seconds (while the server holds its engine lock, as a real step computes under it). As in the
-real engine, the requests admitted in one step that share a prompt (a group's G samples) are
-prefilled once: a prompt's tokens are charged once per step, however many of its samples enter.
+real engine, the samples of one prompt (a group's G) are prefilled once: a prompt's tokens are
+charged once per step however many of its samples enter, and not at all while a sample of it
+already runs (its prompt's KV is shared, as a prefix cache serves it).
 ``tools/bench_async.py`` measures the three costs on the real engine and writes them here.
 
 **Time.** A step's seconds are counted from the moment it starts (its own bookkeeping is part of
@@ -47,6 +48,7 @@ import json
 import math
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -146,6 +148,7 @@ class _Scripted:
     stop: frozenset[int]
     logprob: float  # reported for every token
     slot: int = -1
+    held: tuple[int, ...] = ()  # its prompt, while it holds a slot
     token_ids: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
 
@@ -184,6 +187,7 @@ class TimingEngine(SlotEngine[_Scripted]):
         self.late_s = 0.0  # past steps' overshoot not yet taken off a sleep (see "Time")
         self._sleep, self._clock = sleep, clock
         self._arrivals = 0
+        self._held: Counter[tuple[int, ...]] = Counter()  # prompt -> running requests of it
 
     @classmethod
     def from_json(
@@ -251,7 +255,11 @@ class TimingEngine(SlotEngine[_Scripted]):
         finished: list[Finished] = []
         prompts: set[tuple[int, ...]] = set()  # prefilled once each, as the real engine does
         for req in self._admit():
-            prompts.add(tuple(req.prompt_ids))
+            key = tuple(req.prompt_ids)
+            if not self._held[key]:  # no running sibling holds its prompt's KV
+                prompts.add(key)
+            self._held[key] += 1
+            req.held = key
             self._write(req, finished)  # the prefill's token
         running = len(self._running)
         for req in list(self._running.values()):
@@ -270,6 +278,12 @@ class TimingEngine(SlotEngine[_Scripted]):
         if want > 0:
             self._sleep(want)
         self.late_s = max(0.0, self._clock() - t0 - (seconds - self.late_s))
+
+    def _release(self, req: _Scripted) -> None:
+        super()._release(req)
+        self._held[req.held] -= 1
+        if not self._held[req.held]:
+            del self._held[req.held]
 
     def _write(self, req: _Scripted, finished: list[Finished]) -> None:
         token = req.script[len(req.token_ids)]

@@ -153,7 +153,7 @@ class UpdateRoutes(ServerServices):
             with self._between_steps():
                 t0 = time.perf_counter()
                 install(params, tensors)
-                self.engine.set_version(version)
+                self.engine.weights_changed(version)
                 self.stats["weight_updates"] += 1
                 return time.perf_counter() - t0
 
@@ -227,8 +227,7 @@ class UpdateRoutes(ServerServices):
             with torch.no_grad():
                 for n, t in tensors:
                     params[n].copy_(t)
-            if version is not None:
-                self.engine.set_version(version)
+            self.engine.weights_changed(version)
             self.stats["weight_updates"] += 1
         note = cast_note(casts)
         if note:
