@@ -78,8 +78,11 @@ step. ``n_async / n_batch`` = 2, the paper's bound.
 
 **Figures.** ``generator_busy_<mode>``: the servers' own accounting, the sum of their engine step
 times over the mode's wall time and the number of servers (``/server_info``
-``internal_states.busy_s``); ``client_busy_<mode>``: the orchestrator's ``generator/busy_fraction``
-(any request in flight), averaged over steps; ``slot_occupancy_<mode>``: generated tokens per
+``internal_states.busy_s``); ``client_busy_<mode>``: the orchestrator process's CPU seconds (every
+thread: loop, fleet client, pool dispatcher; not the verifier workers or the servers) over the
+mode's wall time -- one Python process saturates near 1.0 -- and
+``client_cpu_ms_per_completion_<mode>`` the same CPU per completion the servers returned;
+``--group-requests`` sends a group's samples in one request (``fleet.group_requests``); ``slot_occupancy_<mode>``: generated tokens per
 engine step over the slots (a sync step's tail runs steps with a nearly empty batch; tokens are
 counted when their request finishes). The last line is one JSON object.
 
@@ -93,6 +96,7 @@ import argparse
 import json
 import math
 import random
+import resource
 import secrets
 import shutil
 import socket
@@ -316,7 +320,7 @@ class RealParts:
 def run_config(mode: str, args: argparse.Namespace):
     """The run's config for loop ``mode``: the bench's loop, reward and GRPO settings."""
     from megatron_rl.algorithms.config import GRPOConfig
-    from megatron_rl.orchestration.config import LoopConfig
+    from megatron_rl.orchestration.config import FleetConfig, LoopConfig
     from megatron_rl.orchestration.recipe import RunConfig
     from megatron_rl.rewards.compose import RewardConfig
 
@@ -332,6 +336,7 @@ def run_config(mode: str, args: argparse.Namespace):
         ),
         reward=RewardConfig(l_max=args.l_max, l_cache=args.l_max // 4, workers=args.workers),
         algorithm=GRPOConfig(),
+        fleet=FleetConfig(group_requests=args.group_requests),
     )
 
 
@@ -368,6 +373,7 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, part
     orch = Orchestrator(cfg, trainer=trainer, broadcaster=broadcaster, rollouts=rollouts)
     before = _server_stats(fleet)
     metrics: list[dict] = []
+    cpu0 = _cpu_s()
     t0 = time.monotonic()
     try:
         orch.start()
@@ -384,12 +390,20 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, part
                 flush=True,
             )
         wall = time.monotonic() - t0
+        cpu = _cpu_s() - cpu0
         after = _server_stats(fleet)
     finally:
         orch.stop()
         fleet.abort()  # async leaves requests in flight: end them before the next mode
         _drain(rollouts)
-    return _summary(mode, wall, before, after, metrics, args)
+    return _summary(mode, wall, cpu, before, after, metrics, args)
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, every thread (the orchestrator: loop, fleet client,
+    pool dispatcher; not the verifier workers or the servers, which are other processes)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _drain(rollouts, timeout_s: float = 30.0) -> None:
@@ -399,6 +413,7 @@ def _drain(rollouts, timeout_s: float = 30.0) -> None:
 def _summary(
     mode: str,
     wall: float,
+    cpu: float,
     before: list[dict],
     after: list[dict],
     metrics: list[dict],
@@ -407,7 +422,7 @@ def _summary(
     servers = len(before)
     delta = {
         k: sum(a[k] - b[k] for a, b in zip(after, before))
-        for k in ("busy_s", "steps", "generated_tokens", "prefill_tokens")
+        for k in ("busy_s", "steps", "generated_tokens", "prefill_tokens", "completions")
     }
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in metrics)
     return {
@@ -415,7 +430,11 @@ def _summary(
         "wall_s": wall,
         "steps": len(metrics),
         "generator_busy": min(1.0, delta["busy_s"] / (wall * servers)),
-        "client_busy": mean("generator/busy_fraction"),
+        # The orchestrator process's CPU over the wall: one Python process saturates near 1.0.
+        "client_busy": cpu / wall,
+        "client_cpu_s": cpu,
+        "completions": delta["completions"],
+        "in_flight_fraction": mean("generator/busy_fraction"),
         "slot_occupancy": delta["generated_tokens"] / max(1, delta["steps"] * args.slots),
         "generated_tokens_per_s": delta["generated_tokens"] / wall,
         "trained_sequences": sum(m.get("sequences", 0.0) for m in metrics),
@@ -428,6 +447,7 @@ def _summary(
         "engine_steps": delta["steps"],
         "prefill_tokens": delta["prefill_tokens"],
         "weight_update_ms": 1e3 * mean("weight_sync/seconds"),
+        "weight_update_ms_max": 1e3 * max((m.get("weight_sync/seconds", 0.0) for m in metrics), default=0.0),
         "step_s": [m.get("time/step_s", 0.0) for m in metrics],
     }
 
@@ -456,7 +476,7 @@ def start_servers(
     extra = [] if timing is None else ["--timing-model", str(timing)]
     procs = []
     try:
-        for i in range(args.servers):
+        for i in range(args.servers):  # launched side by side, then waited for
             procs.append(
                 EngineProcess(
                     folder,
@@ -466,8 +486,10 @@ def start_servers(
                     log_path=root / f"engine-{i}.log",
                     extra_args=extra,
                     api_key=api_key,
-                ).start()
+                ).launch()
             )
+        for p in procs:
+            p.wait_ready(timeout_s=120.0 + 2.0 * args.servers)
     except BaseException:
         for p in procs:
             p.stop()
@@ -536,6 +558,8 @@ def _mode_figures(r: dict, out: dict) -> None:
         {
             f"wall_s_{m}": round(r["wall_s"], 3),
             f"client_busy_{m}": round(r["client_busy"], 4),
+            # Orchestrator CPU per completion the servers returned: what sizes one orchestrator's fleet.
+            f"client_cpu_ms_per_completion_{m}": round(1e3 * r["client_cpu_s"] / max(1, r["completions"]), 4),
             f"slot_occupancy_{m}": round(r["slot_occupancy"], 4),
             f"generated_tokens_per_s_{m}": round(r["generated_tokens_per_s"], 1),
             f"staleness_mean_{m}": round(r["staleness_mean"], 4),
@@ -784,6 +808,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=1, help="verifier processes")
     ap.add_argument("--sft-steps", type=int, default=60, help="--real: SFT steps on the script")
     ap.add_argument("--lr", type=float, default=1e-5, help="--real: RL learning rate")
+    ap.add_argument(
+        "--group-requests",
+        action="store_true",
+        help="fleet.group_requests: a group's samples in one /generate (default: one request each)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")
     args = ap.parse_args(argv)

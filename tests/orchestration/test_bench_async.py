@@ -68,3 +68,45 @@ def test_bench_async_runs_both_loops_and_async_keeps_the_generators_fuller():
     assert out["slot_occupancy_async"] > out["slot_occupancy_sync"]
     # The speed-up itself is a benchmark figure (README), not a test assertion.
     assert out["async_speedup"] > 0.0
+
+
+def test_bench_scale_sweeps_fleet_sizes_and_loses_nothing():
+    """``megatron-rl bench scale`` at two tiny fleet sizes, groups in one request each: a row per
+    size with the orchestrator's cost figures, nothing lost or timed out (~40 s)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rl",
+            "bench",
+            "scale",
+            "--servers",
+            "1,2",
+            "--slots",
+            "16",
+            "--steps",
+            "2",
+            "--group-size",
+            "8",
+            "--decode-ms",
+            "5",
+            "--l-max",
+            "128",
+            "--median-len",
+            "24",
+            "--group-requests",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r["servers"] for r in out["rows"]] == [1, 2]
+    assert [r["in_flight"] for r in out["rows"]] == [16, 32]
+    for r in out["rows"]:
+        assert r["completions_per_s"] > 0 and r["cpu_ms_per_completion"] > 0
+        assert 0 < r["async_efficiency"] and r["update_ms_max"] >= r["update_ms_mean"] > 0
+    assert out["lost"] == 0 and out["timed_out"] == 0 and out["group_requests"] is True
+    assert out["max_servers_95"] >= 0
