@@ -25,7 +25,15 @@ median over rounds of the baseline's time over the pool's, measured back to back
 
 C++: a typical competitive-programming solution is compiled ``--compiles`` times with and without
 the precompiled ``bits/stdc++.h`` (built once, before timing); the ratio of the median times is
-``cpp_pch_compile_ratio`` (lower is better). The last line is one JSON object of the figures.
+``cpp_pch_compile_ratio`` (lower is better).
+
+Capacity per core: ``math_verifications_per_s_per_core`` (``verify_math`` in one process, the
+batch above), ``python_code_verifications_per_s_per_core`` and
+``cpp_code_verifications_per_s_per_core``: one solution ("print the sum of n numbers") verified
+in one process against 20 stdin/stdout tests (Magistral's count), sandboxed, C++ with the PCH,
+all tests passing (a failing test ends a run early, so this is the costly case); what sizes a
+verifier pool against a fleet's completion rate (README "Scale"). The last line is one JSON
+object of the figures.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.rewards.math_pairs
 
-from megatron_rl.rewards.code import CodeConfig, compile_cpp
+from megatron_rl.rewards.code import CodeConfig, compile_cpp, verify_code
 from megatron_rl.rewards.math import MathConfig, clear_verdict_cache, verify_math, warm_up
 from megatron_rl.rewards.pool import VerifierPool
 from tests.rewards.math_pairs import EQUIVALENT, NOT_EQUIVALENT
@@ -161,6 +169,43 @@ def cpp_compiles(n: int) -> tuple[float, float]:
     return statistics.median(times[True]), statistics.median(times[False])
 
 
+SUM_CPP = r"""
+#include <bits/stdc++.h>
+int main() { long long n, x, s = 0; std::cin >> n; while (n-- && std::cin >> x) s += x; std::cout << s << "\n"; }
+"""
+SUM_PY = "n = int(input())\nprint(sum(map(int, input().split())))\n"
+
+
+def sum_tests(k: int, seed: int) -> list[dict]:
+    """``k`` stdin/stdout tests of "print the sum of n numbers", answers computed here."""
+    rng = random.Random(seed)
+    tests = []
+    for _ in range(k):
+        xs = [rng.randint(-(10**9), 10**9) for _ in range(rng.randint(1, 200))]
+        tests.append({"input": f"{len(xs)}\n{' '.join(map(str, xs))}\n", "output": f"{sum(xs)}\n"})
+    return tests
+
+
+def code_capacity(runs: int, tests_per_problem: int) -> dict[str, float]:
+    """Code verifications per second in one process (one core: the sandboxed compile and test
+    runs are its children and run one after another), ``tests_per_problem`` tests each, all
+    passing (the costliest verdict: a failing test stops the run early): median over ``runs``."""
+    cfg = CodeConfig(tests_per_problem=tests_per_problem)
+    tests = sum_tests(tests_per_problem, seed=7)
+    out = {}
+    for lang, code in (("python", SUM_PY), ("cpp", SUM_CPP)):
+        verdict = verify_code(code, lang, tests, cfg)  # warm: the PCH is built here, once
+        if not verdict.correct:
+            raise SystemExit(f"{lang} capacity solution failed: {verdict.reason} {verdict.detail}")
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            verify_code(code, lang, tests, cfg)
+            times.append(time.perf_counter() - t0)
+        out[lang] = 1.0 / statistics.median(times)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -174,6 +219,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5, help="batches timed on every side")
     ap.add_argument("--compiles", type=int, default=3)
+    ap.add_argument(
+        "--capacity-runs", type=int, default=5, help="code verifications timed per language (20 tests each)"
+    )
     args = ap.parse_args(argv)
 
     n = len(EQUIVALENT + NOT_EQUIVALENT) * args.samples_per_prompt
@@ -187,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict:
     speedups = [p / q for p, q in zip(plain, pool)]
     print(f"c++: {args.compiles} compiles with and without the PCH ...", file=sys.stderr, flush=True)
     t_pch, t_nopch = cpp_compiles(args.compiles)
+    print(f"code: {args.capacity_runs} verifications per language ...", file=sys.stderr, flush=True)
+    code_rate = code_capacity(args.capacity_runs, CodeConfig().tests_per_problem)
 
     print(
         f"math: {n} samples per batch, {len(EQUIVALENT + NOT_EQUIVALENT)} prompts x "
@@ -204,6 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{what:48} {t:8.2f} {n / t:11.1f} {statistics.median(plain) / t:8.2f}x {share:6.1%}")
     print(f"{'C++ compile, precompiled bits/stdc++.h':48} {t_pch:8.2f}")
     print(f"{'C++ compile, no precompiled header (baseline)':48} {t_nopch:8.2f}")
+    tests = CodeConfig().tests_per_problem
+    print(
+        f"capacity per core (one process): math {n / statistics.median(ours_inline):.0f}/s, "
+        f"Python code {code_rate['python']:.2f}/s and C++ code {code_rate['cpp']:.2f}/s "
+        f"({tests} tests each, PCH on, all passing)"
+    )
     out = {
         "math_pool_speedup": round(statistics.median(speedups), 3),
         "math_plain_per_s": round(n / statistics.median(plain), 2),
@@ -214,6 +270,10 @@ def main(argv: list[str] | None = None) -> dict:
         "cpp_pch_compile_ratio": round(t_pch / t_nopch, 3),
         "cpp_pch_s": round(t_pch, 3),
         "cpp_no_pch_s": round(t_nopch, 3),
+        # Per core (one process): what sizes the verifier pool against the fleet's completion rate.
+        "math_verifications_per_s_per_core": round(n / statistics.median(ours_inline), 1),
+        "python_code_verifications_per_s_per_core": round(code_rate["python"], 3),
+        "cpp_code_verifications_per_s_per_core": round(code_rate["cpp"], 3),
         "workers": args.workers,
         "verifications": n,
         "samples_per_prompt": args.samples_per_prompt,
