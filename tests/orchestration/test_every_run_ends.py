@@ -106,8 +106,11 @@ def test_a_misbehaving_reward_costs_its_samples_and_the_run_ends(tmp_path, mode)
 
     # Training: the first groups were the misbehaving problems; each sample scored 0 with why.
     counted = summary["train_reasons"]
+    # A whole group of each; in async mode the run may end (its scoring not yet started
+    # cancelled) before the last of a group's samples is scored, e.g. a hang's fourth worker kill.
+    least = 1 if mode == "async" else 4
     for kind in ("sleep", "raise", "hang"):
-        assert counted.get(EXPECTED[kind], 0) >= 4, counted  # a whole group of each
+        assert counted.get(EXPECTED[kind], 0) >= least, counted
     for s in _jsonl(run / "samples.jsonl"):
         kind = s["prompt_id"].rstrip("0123456789")
         if kind in EXPECTED:
