@@ -476,13 +476,26 @@ class VerifierPool:
                 why = f"its warm-up raised {w.start_error}" if w.start_error else detail
                 self._break(f"3 verifier processes in a row died while starting ({why})")
                 return
-        try:
-            new = self._spawn()
-        except Exception as e:  # noqa: BLE001 -- e.g. the forkserver itself is gone
-            with self._lock:
-                self._workers.remove(w)
-            self._break(f"cannot start a verifier process: {type(e).__name__}: {e}")
-            return
+        while True:
+            try:
+                new = self._spawn()
+                break
+            except OSError as e:
+                # The child died during the forkserver's hand-over (a broken pipe): a worker that
+                # cannot start, counted as in __init__, so a start-up that always fails breaks the
+                # pool with that reason after three, whichever step the dying happens in.
+                self._start_failures += 1
+                if self._start_failures < 3:
+                    continue
+                with self._lock:
+                    self._workers.remove(w)
+                self._break(f"3 verifier processes in a row died while starting ({type(e).__name__}: {e})")
+                return
+            except Exception as e:  # noqa: BLE001 -- e.g. the forkserver itself is gone
+                with self._lock:
+                    self._workers.remove(w)
+                self._break(f"cannot start a verifier process: {type(e).__name__}: {e}")
+                return
         with self._lock:  # wait_ready reads the list
             self._workers[self._workers.index(w)] = new
 
