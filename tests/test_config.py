@@ -184,3 +184,14 @@ def test_check_range_refuses_nan_and_inf_whatever_the_bounds():
     check_range("x", 10**400)  # a huge int is still a number in range (no float overflow)
     with pytest.raises(ConfigFieldError, match=r"eps_high: must be a finite number"):
         GRPOConfig(eps_high=float("inf"))
+
+
+def test_fleet_group_requests_is_auto_true_or_false(tmp_path):
+    assert load_config().fleet.group_requests == "auto"
+    for text, want in (("auto", "auto"), ("true", True), ("false", False)):
+        assert (
+            load_config(write(tmp_path, f"fleet:\n  group_requests: {text}\n")).fleet.group_requests == want
+        )
+    p = write(tmp_path, "fleet:\n  group_requests: sometimes\n")
+    with pytest.raises(ConfigError, match=r"recipe.yaml:2: fleet.group_requests"):
+        load_config(p)

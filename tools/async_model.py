@@ -205,7 +205,7 @@ def size_fleet(
     step = costs.decode_s + costs.decode_s_per_seq * args.slots
     fleet_tok_s = args.servers * args.slots / step  # generated tokens per second at full slots
     groups = args.n_batch / args.group_size
-    spread = 1 if getattr(args, "group_requests", False) else min(args.group_size, args.servers)
+    spread = 1 if getattr(args, "group_requests", "off") != "off" else min(args.group_size, args.servers)
     # A group's prompt is prefilled once on every server its samples reach.
     prefill = groups * spread * plen * costs.prefill_s_per_token / args.servers
     gen_s = args.n_batch * mean_len / fleet_tok_s + prefill
@@ -286,7 +286,8 @@ class IdealSchedule:
     requests reach a server, results the client, groups the verifier and the trainer, the
     instant they are sent; scoring takes no time. The same rules as the real parts: the client's
     least-loaded routing of each request (``fleet.group_requests``: a group's G samples to one
-    server in one request, counted in flight until the last one ends), the engine's
+    server in one request; ``streamed``, as the built-in engine does, each sample's reply comes as
+    it ends, else all with the last one, as SGLang's whole batch reply), the engine's
     first-come slots, a prompt prefilled once per step and not while a sample of it runs, two tokens
     in the admission step, the async loop's room test (``n_async``, the KV cap
     from the length EMA, the bounded queue), staleness drops, the sync loop's waves and surplus,
@@ -307,6 +308,7 @@ class IdealSchedule:
         run_seed: int,
         max_new_tokens: int,
         group_requests: bool = False,
+        streamed: bool = True,
     ):
         from megatron_rl.orchestration.rollouts import request_seed
 
@@ -314,7 +316,7 @@ class IdealSchedule:
         self.prompt, self.length, self.kept_fn = prompt, length, kept
         self.seed_of = lambda pid, epoch, i: request_seed(run_seed, pid, epoch, i)
         self.max_new_tokens = max_new_tokens
-        self.group_requests = group_requests
+        self.group_requests, self.streamed = group_requests, streamed
         self.servers = [_Server() for _ in range(fleet.servers)]
         self.t, self._events, self._n = 0.0, [], itertools.count()
         self.in_flight, self.ema, self.max_prompt = 0, 0.0, 0
@@ -436,14 +438,14 @@ class IdealSchedule:
     def _step_done(self, s: _Server, finished: list[_Req]) -> None:
         s.busy_until = None
         for req in finished:
-            if not self.group_requests:  # its reply comes now; a group's, with its last sample
+            if not self.group_requests or self.streamed:  # its reply comes now, else with the group's last
                 s.in_flight -= 1
                 self.in_flight -= 1
             self.ema = req.length if not self.ema else 0.95 * self.ema + 0.05 * req.length
             grp = req.group
             grp.done += 1
             if grp.done == len(grp.reqs):
-                if self.group_requests:
+                if self.group_requests and not self.streamed:
                     s.in_flight -= len(grp.reqs)
                     self.in_flight -= len(grp.reqs)
                 grp.kept = bool(self.kept_fn([r.seed for r in grp.reqs]))
@@ -570,6 +572,6 @@ def ideal_schedule(
         kept=kept,
         run_seed=cfg.loop.seed,
         max_new_tokens=cfg.reward.l_max,
-        group_requests=cfg.fleet.group_requests,
+        group_requests=cfg.fleet.group_requests is not False,  # auto: the timing servers stream
     )
     return sim.run(args.steps)

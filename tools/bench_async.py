@@ -82,7 +82,7 @@ times over the mode's wall time and the number of servers (``/server_info``
 thread: loop, fleet client, pool dispatcher; not the verifier workers or the servers) over the
 mode's wall time -- one Python process saturates near 1.0 -- and
 ``client_cpu_ms_per_completion_<mode>`` the same CPU per completion the servers returned;
-``--group-requests`` sends a group's samples in one request (``fleet.group_requests``); ``slot_occupancy_<mode>``: generated tokens per
+``--group-requests on|off|auto`` sends a group's samples in one request or one each (``fleet.group_requests``; auto: per group, the built-in engine streams them); ``slot_occupancy_<mode>``: generated tokens per
 engine step over the slots (a sync step's tail runs steps with a nearly empty batch; tokens are
 counted when their request finishes). The last line is one JSON object.
 
@@ -336,7 +336,7 @@ def run_config(mode: str, args: argparse.Namespace):
         ),
         reward=RewardConfig(l_max=args.l_max, l_cache=args.l_max // 4, workers=args.workers),
         algorithm=GRPOConfig(),
-        fleet=FleetConfig(group_requests=args.group_requests),
+        fleet=FleetConfig(group_requests={"auto": "auto", "on": True, "off": False}[args.group_requests]),
     )
 
 
@@ -810,8 +810,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-5, help="--real: RL learning rate")
     ap.add_argument(
         "--group-requests",
-        action="store_true",
-        help="fleet.group_requests: a group's samples in one /generate (default: one request each)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="fleet.group_requests: a group's samples in one /generate (on), one request each "
+        "(off); auto (default): per group, as the built-in engine streams them back one by one",
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")

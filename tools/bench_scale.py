@@ -1,6 +1,6 @@
 """The control plane as the fleet grows: one orchestrator process against 4, 16, 64 servers.
 
-    megatron-rl bench scale [--servers 4,16,64] [--slots 256] [--steps 3] [--group-requests]
+    megatron-rl bench scale [--servers 4,16,64] [--slots 256] [--steps 3] [--group-requests on|off]
 
 At the paper's sizes one orchestrator process (rank 0 of the trainer) issues every request,
 receives every completion, hands each to the verifier pool and assembles the batches. How large
@@ -81,8 +81,7 @@ def measure(servers: int, args: argparse.Namespace, root: Path) -> dict:
         "--l-max", str(args.l_max), "--sync-ms", str(args.sync_ms), "--workers", str(args.workers),
         "--seed", str(args.seed),
     ]  # fmt: skip
-    if args.group_requests:
-        argv.append("--group-requests")
+    argv += ["--group-requests", args.group_requests]
     a = bench_async.parse_args(argv)
     here = root / f"fleet-{servers}"
     here.mkdir(parents=True, exist_ok=True)
@@ -141,7 +140,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=256, help="sequences per server")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per fleet size")
     ap.add_argument("--group-size", type=int, default=16, help="G")
-    ap.add_argument("--group-requests", action="store_true", help="fleet.group_requests")
+    ap.add_argument(
+        "--group-requests",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="fleet.group_requests (auto: per group, streamed back by the built-in engine)",
+    )
     ap.add_argument("--decode-ms", type=float, default=60.0, help="engine step, fixed part")
     ap.add_argument("--decode-ms-per-seq", type=float, default=0.02, help="engine step, per sequence")
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.001)
@@ -211,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         "trace_tokens_assumed": args.trace_tokens,
         "orchestrator_tokens_per_s_95": round(tokens_per_s),
         "server_tokens_per_s_assumed": args.server_tokens_per_s,
-        "group_requests": args.group_requests,
+        "group_requests": args.group_requests != "off",
         "max_update_ms": max(r["update_ms_max"] for r in rows),
         "lost": sum(r["lost"] for r in rows),
         "timed_out": sum(r["timed_out"] for r in rows),

@@ -52,23 +52,21 @@ wrong key is a configuration error, not a dead server.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
+import logging
 import threading
-import urllib.parse
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 import aiohttp
+import orjson
 
 from megatron_rl.generation.api import GenRequest, GenResult
 from megatron_rl.generation.engine.weights import ENGINE_CAPABILITY, STREAM_ROUTE
 from megatron_rl.generation.protocol import (
-    API_KEY_ENV,
-    ROUTES,
-    SGLANG_VERSION,
+    STREAMED_BATCH,
     ProtocolError,
     abort_payload,
     api_key_from_env,
@@ -80,11 +78,21 @@ from megatron_rl.generation.protocol import (
     memory_payload,
     parse_generate,
     parse_generate_batch,
+    parse_stream_events,
     parse_weights_checker,
     pause_payload,
     update_group_ranks,
     update_weights_from_tensor_payload,
     weights_checker_payload,
+)
+from megatron_rl.generation.transport import (
+    ClientClosed,
+    ServerError,
+    ServerLost,
+    Sink,
+    parse_json,
+    post_json,
+    settle,
 )
 
 if TYPE_CHECKING:
@@ -92,30 +100,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ClientClosed", "FleetClient", "ServerError", "ServerLost", "ServerState"]
 
-
-class ServerLost(ConnectionError):
-    """The server went away with a request in flight."""
-
-    def __init__(self, url: str, request_id: str | None, cause: BaseException):
-        super().__init__(
-            f"{url}: lost{' request ' + request_id if request_id else ''} ({type(cause).__name__}: {cause})"
-        )
-        self.url, self.request_id, self.cause = url, request_id, cause
-
-
-class ClientClosed(RuntimeError):
-    """:meth:`FleetClient.submit` after :meth:`FleetClient.close`."""
-
-
-class ServerError(RuntimeError):
-    """The server answered with an error status."""
-
-    def __init__(self, url: str, route: str, status: int, body: JsonValue):
-        message = (body.get("message") or body.get("error")) if isinstance(body, dict) else body
-        if status == 401:
-            message = f"{message} (a missing or wrong API key: FleetClient(api_key=...) or ${API_KEY_ENV})"
-        super().__init__(f"{url}{route}: HTTP {status}: {message}")
-        self.url, self.route, self.status, self.body = url, route, status, body
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -133,68 +118,6 @@ class ServerState:
 # request. They use a session of their own, so a full generation connection pool never delays them.
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
-
-
-def _settle(out: Future, task: asyncio.Task[list[GenResult]], batch: bool) -> None:
-    """Give ``out`` the outcome of ``task``: its list of results (``batch``) or its one result
-    (on a callback thread: ``out``'s callbacks run here)."""
-    if task.cancelled():  # the client was closed with the request in flight
-        out.set_exception(ServerLost("fleet", None, ConnectionAbortedError("FleetClient closed")))
-    elif (e := task.exception()) is not None:
-        out.set_exception(e)
-    else:
-        results = task.result()
-        out.set_result(results if batch else results[0])
-
-
-def _parse_json(raw: bytes) -> JsonValue:
-    """A reply's JSON (its text if it is not JSON; ``{}`` if empty)."""
-    try:
-        return json.loads(raw) if raw else {}
-    except ValueError:
-        return raw.decode(errors="replace")
-
-
-def _post_json(
-    url: str,
-    route: str,
-    body: object,
-    *,
-    method: str = "POST",
-    timeout: float | None = None,
-    request_id: str | None = None,
-    api_key: str = "",
-) -> JsonValue:
-    """``body`` (None: no body) sent as JSON, with ``api_key`` ("" for none) as a bearer token;
-    the answer parsed as JSON (its text if it is not)."""
-    # Only routes the SGLang contract test has checked (protocol.ROUTES), with their method; our
-    # own extensions of the built-in engine live under /megatron_rl/ (GET, but the streamed
-    # weight update, a POST).
-    extension = "POST" if route == STREAM_ROUTE else "GET" if route.startswith("/megatron_rl/") else None
-    if ROUTES.get(route, extension) != method:
-        raise ProtocolError(
-            f"{method} {route} is not a route of SGLang {SGLANG_VERSION}'s API "
-            "that the client speaks (generation/protocol.py ROUTES)"
-        )
-    parts = urllib.parse.urlsplit(url)
-    if parts.hostname is None:
-        raise ValueError(f"{url}: not a server URL (expected http://host[:port])")
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        headers.update(auth_headers(api_key))
-        conn.request(method, parts.path.rstrip("/") + route, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
-    except (ConnectionError, http.client.HTTPException, OSError) as e:
-        raise ServerLost(url, request_id, e) from e
-    finally:
-        conn.close()
-    payload = _parse_json(raw)
-    if resp.status != 200:
-        raise ServerError(url, route, resp.status, payload)
-    return payload
 
 
 class FleetClient:
@@ -298,8 +221,8 @@ class FleetClient:
         timeout: float | None = None,
         request_id: str | None = None,
     ) -> JsonValue:
-        """:func:`_post_json` with this client's API key."""
-        return _post_json(
+        """:func:`~megatron_rl.generation.transport.post_json` with this client's API key."""
+        return post_json(
             url, route, body, method=method, timeout=timeout, request_id=request_id, api_key=self._api_key
         )
 
@@ -376,6 +299,13 @@ class FleetClient:
         in tokens; 0 when unknown."""
         return sum(s.capacity_tokens for s in self.alive) + self._update_capacity
 
+    def streams_batches(self) -> bool:
+        """Whether every live server streams a batch's results back as each finishes (the
+        built-in engine's ``/server_info`` says :data:`~megatron_rl.generation.protocol.STREAMED_BATCH`;
+        SGLang's answers a batch whole). False with no live server."""
+        live = self.alive
+        return bool(live) and all(bool(s.info and s.info.get(STREAMED_BATCH)) for s in live)
+
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.servers)
 
@@ -418,17 +348,27 @@ class FleetClient:
         *,
         url: str | None = None,
         exclude: frozenset[str] | set[str] = frozenset(),
+        on_results: Callable[[list[GenResult]], None] | None = None,
     ) -> Future[list[GenResult]]:
         """Send several requests (a group's G samples) to one server in one ``/generate``
-        (:func:`~megatron_rl.generation.protocol.generate_batch_payload`): one HTTP request, one
-        connection and one callback for all of them, and the server prefills their shared
-        prompt once. The future's results are in the order of ``reqs``; it fails as
-        :meth:`submit`'s does (a lost server loses them all), and past ``request_timeout_s``
-        every request is aborted there and comes back ``abort`` with ``meta["timed_out"]``."""
+        (:func:`~megatron_rl.generation.protocol.generate_batch_payload`): one HTTP request and
+        one connection for all of them, and the server prefills their shared prompt once. The
+        future's results are in the order of ``reqs``; it fails as :meth:`submit`'s does, and
+        past ``request_timeout_s`` every request not yet back is aborted there and comes back
+        ``abort`` with ``meta["timed_out"]``.
+
+        ``on_results``: each result is also handed to it as soon as it is known, every one
+        exactly once, in calls that never overlap and that all come before the future settles.
+        Where the server streams a batch (the built-in engine's ``/server_info`` says
+        :data:`~megatron_rl.generation.protocol.STREAMED_BATCH`), that is as each request
+        finishes, so a group's short samples free their slots (and are scored) while its long
+        ones decode; elsewhere, all at once with the reply. If the server is lost mid-stream,
+        the results handed out are final and the future fails with :class:`ServerLost` for
+        the rest (what they are is the caller's to see: those it was not given)."""
         if not reqs:
             raise ValueError("submit_batch: need at least one request")
         out: Future[list[GenResult]] = Future()
-        self._send(list(reqs), out, url=url, exclude=exclude, batch=True)
+        self._send(list(reqs), out, url=url, exclude=exclude, batch=True, on_results=on_results)
         return out
 
     def _send(
@@ -439,6 +379,7 @@ class FleetClient:
         url: str | None,
         exclude: frozenset[str] | set[str],
         batch: bool,
+        on_results: Callable[[list[GenResult]], None] | None = None,
     ) -> None:
         if self._closed:
             raise ClientClosed("FleetClient: closed")
@@ -452,21 +393,83 @@ class FleetClient:
             with self._lock:
                 server.in_flight += len(reqs)
         out.set_running_or_notify_cancel()  # running from now on: it cannot be cancelled
-        self._loop.call_soon_threadsafe(self._start, server, reqs, out, batch)
+        sink = None if on_results is None else Sink(self._deliver, on_results)
+        self._loop.call_soon_threadsafe(self._start, server, reqs, out, batch, sink)
 
-    def _start(self, server: ServerState, reqs: list[GenRequest], out: Future, batch: bool) -> None:
+    def _start(
+        self, server: ServerState, reqs: list[GenRequest], out: Future, batch: bool, sink: Sink | None
+    ) -> None:
         """On the event loop: run the request(s); hand the outcome to ``out`` off the loop."""
-        task = self._loop.create_task(self._run(server, reqs, batch))
+        stream = sink is not None and len(reqs) > 1 and bool(server.info and server.info.get(STREAMED_BATCH))
+        task = self._loop.create_task(
+            self._run_stream(server, reqs, sink) if stream and sink else self._run(server, reqs, batch)
+        )
         self._tasks.add(task)
 
         def done(t: asyncio.Task[list[GenResult]]) -> None:
             self._tasks.discard(t)
+            if sink is not None:  # after every result it was given, in order
+                sink.finish(out, t)
+                return
             try:
-                self._deliver.submit(_settle, out, t, batch)
+                self._deliver.submit(settle, out, t, batch)
             except RuntimeError:  # closing: the callback threads are gone, settle it here
-                _settle(out, t, batch)
+                settle(out, t, batch)
 
         task.add_done_callback(done)
+
+    async def _run_stream(self, server: ServerState, reqs: list[GenRequest], sink: Sink) -> list[GenResult]:
+        """A batch as a stream (the server says it streams finished items only): each result
+        goes to ``sink`` as its event arrives; returns them all in request order."""
+        results: list[GenResult | None] = [None] * len(reqs)
+        pending = set(range(len(reqs)))
+        try:
+            try:
+                async with self._session.post(
+                    server.url + "/generate",
+                    data=orjson.dumps(generate_batch_payload(reqs, stream=True)),
+                    headers={"Content-Type": "application/json"},
+                ) as resp:
+                    if resp.status != 200:
+                        raise ServerError(server.url, "/generate", resp.status, parse_json(await resp.read()))
+                    buf, finished = b"", False
+                    async for chunk in resp.content.iter_any():
+                        buf += chunk
+                        cut = buf.rfind(b"\n\n")
+                        if cut < 0:
+                            continue
+                        events, buf = buf[: cut + 2], buf[cut + 2 :]
+                        items, end = parse_stream_events(
+                            reqs, events, server=server.url, initial_version=self.initial_version
+                        )
+                        finished = finished or end
+                        fresh = [r for i, r in items if i in pending]
+                        for i, r in items:
+                            if i in pending:
+                                pending.discard(i)
+                                results[i] = r
+                        if fresh:
+                            with self._lock:
+                                server.in_flight -= len(fresh)
+                            sink.put(fresh)
+                    if pending:  # the stream ended without them: the server went away mid-reply
+                        raise aiohttp.ClientPayloadError(
+                            f"the stream ended{' ([DONE])' if finished else ''} with {len(pending)} "
+                            f"of {len(reqs)} requests unanswered"
+                        )
+            except aiohttp.ConnectionTimeoutError as e:  # never connected: nothing to abort there
+                await self._lost(server, [reqs[i] for i in sorted(pending)], e)
+            except TimeoutError:
+                late = sorted(pending)
+                for i, r in zip(late, await self._timed_out(server, [reqs[i] for i in late])):
+                    results[i] = r
+                pending.clear()
+            except (aiohttp.ClientError, OSError) as e:
+                await self._lost(server, [reqs[i] for i in sorted(pending)], e)
+        finally:
+            with self._lock:
+                server.in_flight -= len(pending)
+        return [r for r in results if r is not None]
 
     async def _run(self, server: ServerState, reqs: list[GenRequest], batch: bool) -> list[GenResult]:
         body = generate_batch_payload(reqs) if batch else generate_payload(reqs[0])
@@ -474,7 +477,7 @@ class FleetClient:
             try:
                 async with self._session.post(
                     server.url + "/generate",
-                    data=json.dumps(body).encode(),
+                    data=orjson.dumps(body),
                     headers={"Content-Type": "application/json"},
                 ) as resp:
                     status, raw = resp.status, await resp.read()
@@ -487,7 +490,7 @@ class FleetClient:
         finally:
             with self._lock:
                 server.in_flight -= len(reqs)
-        payload = _parse_json(raw)
+        payload = parse_json(raw)
         if status != 200:
             raise ServerError(server.url, "/generate", status, payload)
         if batch:

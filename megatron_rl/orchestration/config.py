@@ -182,10 +182,12 @@ class FleetConfig:
     # flag (`megatron-rl sglang-args`), and the client refuses a server that reports it off.
     deterministic: bool = False
     # A group's G samples in one /generate (SGLang's batch form) instead of one request each:
-    # the orchestrator's work per completion falls ~3x (one HTTP request, reply and callback per
-    # group) and the server prefills the prompt once, but a group's slots count as in flight
-    # until its longest sample ends, so at equal n_async fewer sequences decode (README "Scale").
-    group_requests: bool = False
+    # the orchestrator's work per completion falls (one HTTP request per group) and the server
+    # prefills the prompt once. The built-in engine streams each sample back as it ends; SGLang
+    # answers the batch whole, so a group's slots count as in flight until its longest sample
+    # ends and at equal n_async fewer sequences decode. auto: per group where every server
+    # streams (the built-in engine), per sample elsewhere (README "Scale").
+    group_requests: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         try:
@@ -197,6 +199,7 @@ class FleetConfig:
         check_range("max_len", self.max_len, low=2)
         check_range("request_timeout_s", self.request_timeout_s, low=0.0, low_open=True)
         check_range("threads", self.threads, low=1)
+        check_choice("group_requests", self.group_requests, ("auto", True, False))
         if not self.urls and not self.local_servers:
             raise ConfigFieldError("local_servers", "must be >= 1 when no urls are given")
 

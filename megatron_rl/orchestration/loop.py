@@ -246,7 +246,10 @@ class Orchestrator:
         # (the assembler's notify_all wakes this when the trainer takes a group).
         room = lambda: not r.failed and r.outstanding + g <= self.async_cap() and not self.queue.full()
         while not self._stop.is_set():
-            if not r.wait_until(room, timeout=0.02) or self._stop.is_set():
+            if (
+                not r.wait_until(room, timeout=0.02, outstanding_at_most=self.async_cap() - g)
+                or self._stop.is_set()
+            ):
                 continue
             try:
                 r.issue_group()

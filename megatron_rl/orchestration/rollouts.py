@@ -103,16 +103,28 @@ __all__ = [
 
 class Fleet(Protocol):
     """What :class:`Rollouts` needs of the fleet: a
-    :class:`~megatron_rl.generation.client.FleetClient`, or a stand-in with these two methods."""
+    :class:`~megatron_rl.generation.client.FleetClient`, or a stand-in with these methods."""
 
-    def submit_batch(self, reqs: Sequence[GenRequest], *, exclude: set[str]) -> Future[list[GenResult]]:
+    def submit_batch(
+        self,
+        reqs: Sequence[GenRequest],
+        *,
+        exclude: set[str],
+        on_results: Callable[[list[GenResult]], None],
+    ) -> Future[list[GenResult]]:
         """Send requests (one group's samples) together to a live server not in ``exclude``;
-        the future's results are in their order, and it fails with
-        :class:`~megatron_rl.generation.client.ServerLost` if that server dies."""
+        hand each result to ``on_results`` once, as it finishes or with the others, in calls
+        that never overlap and all come before the future settles; the future fails with
+        :class:`~megatron_rl.generation.client.ServerLost` if that server dies (the requests
+        not handed over are lost)."""
         ...
 
     def capacity_tokens(self) -> int:
         """The live servers' KV capacity in tokens (0 when unknown)."""
+        ...
+
+    def streams_batches(self) -> bool:
+        """Whether every live server hands a group's samples back one by one as they finish."""
         ...
 
 
@@ -229,11 +241,14 @@ class Rollouts:
         filter_tolerance: float = 0.0,
         stall_groups: int = 0,
         version: Callable[[], int] = lambda: 0,
-        group_requests: bool = True,
+        group_requests: bool | str = "auto",
     ):
         """``stall_groups``: this many groups dropped in a row stop the run (0: never);
-        ``group_requests``: a group's samples go to one server in one request (else one each)."""
-        self.group_requests = group_requests
+        ``group_requests``: a group's samples go to one server in one request (else one each);
+        ``"auto"``: where the fleet streams them back one by one (:meth:`Fleet.streams_batches`)."""
+        if group_requests not in ("auto", True, False):
+            raise ValueError(f"group_requests: must be true, false or 'auto', got {group_requests!r}")
+        self.group_requests = fleet.streams_batches() if group_requests == "auto" else bool(group_requests)
         self.fleet, self.pool, self.sampler, self.tok = fleet, pool, sampler, tokenizer
         self.reward, self.group_size = reward, group_size
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
@@ -261,6 +276,8 @@ class Rollouts:
         self._stats: Counter[str] = Counter()  # issued/lost/generated_tokens/scored/verifier reasons
         self._length_ema = 0.0
         self._prompt_cache: dict[str, list[int]] = {}
+        self._max_prompt = 0  # the longest prompt in the cache (read by every room check)
+        self._room_at = -1  # a score wakes the waiters when _unscored is down to this (wait_until)
         self._prepare_lock = threading.Lock()  # one-off verifier set-up, before any code sample
         self._prepared_code = False
 
@@ -333,7 +350,7 @@ class Rollouts:
     def max_prompt_len(self, default: int = 64) -> int:
         """The longest prompt rendered so far (``default`` before any)."""
         with self._lock:
-            return max((len(v) for v in self._prompt_cache.values()), default=default)
+            return self._max_prompt or default
 
     def capacity_tokens(self) -> int:
         """The fleet's KV capacity in tokens (0 when unknown)."""
@@ -360,13 +377,23 @@ class Rollouts:
 
     # ------------------------------------------------------------------ waiting
 
-    def wait_until(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+    def wait_until(
+        self, predicate: Callable[[], bool], timeout: float | None, *, outstanding_at_most: int | None = None
+    ) -> bool:
         """Wait (at most ``timeout`` seconds) until ``predicate()`` holds; its last value.
 
         The predicate runs under the lock, woken by every change of the counts (a group issued,
-        a sequence returned, a group finished, an error) and by :meth:`notify_all`."""
+        a sequence returned, a group finished, an error) and by :meth:`notify_all`. A sample
+        scored wakes it only when :attr:`outstanding` is down to ``outstanding_at_most`` (the
+        async loop's room for a group): one wake-up per group's worth of scores, not per sample."""
         with self._cond:
-            return self._cond.wait_for(predicate, timeout)
+            if outstanding_at_most is None:
+                return self._cond.wait_for(predicate, timeout)
+            before, self._room_at = self._room_at, max(self._room_at, outstanding_at_most)
+            try:
+                return self._cond.wait_for(predicate, timeout)
+            finally:
+                self._room_at = before
 
     def notify_all(self) -> None:
         """Wake every :meth:`wait_until` (a caller's own state, read by its predicate, changed)."""
@@ -468,6 +495,7 @@ class Rollouts:
             if ids is None:
                 ids = render_prompt(self.tok, problem.problem, problem.task, system_prompt=self.system_prompt)
                 self._prompt_cache[problem.id] = ids
+                self._max_prompt = max(self._max_prompt, len(ids))
             return ids
 
     # ------------------------------------------------------------------ issuing
@@ -511,44 +539,61 @@ class Rollouts:
 
     def _submit(self, rec: GroupRecord, samples: list[int], exclude: frozenset[str] = frozenset()) -> None:
         """Send samples ``samples`` of ``rec`` (a whole group, or the samples being re-sent): to
-        one server in one request (``group_requests``), or one request each."""
+        one server in one request (``group_requests``), or one request each. Each comes back
+        through :meth:`_on_results` as it finishes (where the server streams a group's
+        samples) or with its request's others."""
         batches = [samples] if self.group_requests else [[i] for i in samples]
         for batch in batches:
+            reqs = [self._request(rec, i) for i in batch]
+            index = {r.request_id: i for r, i in zip(reqs, batch)}
+            handed: set[int] = set()  # samples of this request handed back (lost ones are not)
             try:
-                fut = self.fleet.submit_batch([self._request(rec, i) for i in batch], exclude=set(exclude))
+                fut = self.fleet.submit_batch(
+                    reqs,
+                    exclude=set(exclude),
+                    on_results=functools.partial(self._on_results, rec, index, handed, exclude),
+                )
             except (ServerLost, ClientClosed) as e:  # no live server at all, or the run is stopping
                 self.fail(e)
                 return
-            fut.add_done_callback(functools.partial(self._on_generated, rec, batch, exclude=exclude))
+            fut.add_done_callback(functools.partial(self._on_request_done, rec, batch, handed, exclude))
 
     # ------------------------------------------------------------------ callbacks
 
-    def _on_generated(
-        self,
-        rec: GroupRecord,
-        samples: list[int],
-        fut: Future[list[GenResult]],
-        *,
-        exclude: frozenset[str],
+    def _on_request_done(
+        self, rec: GroupRecord, samples: list[int], handed: set[int], exclude: frozenset[str], fut: Future
     ) -> None:
-        """The fleet's answer for samples ``samples`` of ``rec``: re-send what was lost, aborted
-        or timed out for the first time; score the rest."""
+        """A request of ``rec`` ended (after every result it handed back): re-send the samples
+        its lost server took with it, or stop the run on a refusal."""
         try:
-            results = fut.result()
+            fut.result()
         except ServerLost as e:
+            lost = [i for i in samples if i not in handed]
             with self._lock:
-                rec.lost += len(samples)
-                self._stats["requests_lost"] += len(samples)
-            self._submit(rec, samples, exclude | {e.url})  # re-issue elsewhere, same seeds
-            return
+                rec.lost += len(lost)
+                self._stats["requests_lost"] += len(lost)
+            if lost:
+                self._submit(rec, lost, exclude | {e.url})  # re-issue elsewhere, same seeds
         except BaseException as e:  # noqa: BLE001 - a refused request stops the run, with why
             self.fail(e)
-            return
+
+    def _on_results(
+        self,
+        rec: GroupRecord,
+        index: dict[str, int],
+        handed: set[int],
+        exclude: frozenset[str],
+        results: list[GenResult],
+    ) -> None:
+        """Samples of ``rec`` came back (``index``: request id -> sample): re-send what was
+        aborted or timed out for the first time; score the rest."""
         done: list[tuple[int, GenResult]] = []
         again: dict[str, list[int]] = {}  # timed out once: sent again away from this server
         resend: list[int] = []  # aborted (abort pause, /abort_request): sent again
         with self._lock:
-            for i, result in zip(samples, results):
+            for result in results:
+                i = index[result.request_id]
+                handed.add(i)
                 if result.meta.get("timed_out"):
                     if not rec.timed_out:
                         rec.timed_out = [0] * self.group_size
@@ -661,7 +706,8 @@ class Rollouts:
             rec.scored[i] = scored
             rec._remaining -= 1
             last = rec._remaining == 0
-            self._cond.notify_all()  # the async loop's room for one more group, maybe
+            if self._unscored <= self._room_at:  # the async loop's room for one more group
+                self._cond.notify_all()
         if last:
             self._group_done(rec)
 

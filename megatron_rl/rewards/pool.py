@@ -265,6 +265,8 @@ class VerifierPool:
             "verifier_error": 0,
         }
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        # A wake-up is written and not yet read (under _lock): a burst of submits writes one.
+        self._woken = False
         self._workers: list[_Worker] = []
         while len(self._workers) < num_workers and self._broken is None:
             try:
@@ -432,9 +434,11 @@ class VerifierPool:
                 self._limits.update(limits)
                 self._limit_sum += sum(limits)
             self._pending.extend(tasks)
+            wake, self._woken = not self._woken, True
         for t in tasks:  # whatever ends it (result, failure, cancel), its limit leaves the sum
             t.future.add_done_callback(functools.partial(self._task_done, t.timeout_s))
-        self._wake_w.send_bytes(b"")
+        if wake:  # else the dispatcher has a wake-up to read, and takes these tasks with it
+            self._wake_w.send_bytes(b"")
         return [t.future for t in tasks]
 
     def _task_done(self, limit: float, _future: Future) -> None:
@@ -638,6 +642,10 @@ class VerifierPool:
                 if obj is self._wake_r:
                     while self._wake_r.poll():
                         self._wake_r.recv_bytes()
+                    # Read first, then cleared: a submit after this writes again, and the tasks
+                    # of those before it are pending already, for the _dispatch that follows.
+                    with self._lock:
+                        self._woken = False
                     continue
                 self._receive(next(w for w in watched if w.conn is obj))
             now = time.monotonic()

@@ -17,7 +17,7 @@ import pytest
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.generation.api import GenRequest
-from megatron_rl.generation.client import FleetClient
+from megatron_rl.generation.client import FleetClient, ServerLost
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
 from tests.generation.conftest import prompt
@@ -187,3 +187,90 @@ def test_a_group_past_its_timeout_is_aborted_whole_and_every_sample_returned_as_
     finally:
         fleet.resume()
         fleet.close()
+
+
+class _Collect:
+    """An ``on_results`` callback that records each call, and an event set by the first."""
+
+    def __init__(self):
+        self.calls: list[list[str]] = []
+        self.results: dict[str, object] = {}
+        self.first = threading.Event()
+
+    def __call__(self, results):
+        self.calls.append([r.request_id for r in results])
+        for r in results:
+            assert r.request_id not in self.results, f"{r.request_id} handed over twice"
+            self.results[r.request_id] = r
+        self.first.set()
+
+
+def _mixed_group(tag: str, lengths: list[int]) -> list[GenRequest]:
+    return [
+        GenRequest(
+            request_id=f"{tag}.{i}", input_ids=prompt(6, 77), max_new_tokens=n, temperature=1.0, seed=i
+        )
+        for i, n in enumerate(lengths)
+    ]
+
+
+def test_a_streamed_group_hands_each_sample_over_as_it_finishes(server):
+    """``on_results`` against the built-in engine (it streams): each sample handed over once, the
+    shortest first and apart from the longest, all before the future settles, and every sample
+    exactly what the whole-reply form returns."""
+    fleet = FleetClient([server.url], api_key="scale-test-key")
+    try:
+        lengths = [40, 2, 20, 2, 8, 40]
+        reqs = _mixed_group("streamed", lengths)
+        got = _Collect()
+        fut = fleet.submit_batch(reqs, on_results=got)
+        streamed, _ = _guarded("a streamed group", fut.result)
+        handed_before_settling = dict(got.results)
+        whole, _ = _guarded("the same group whole", fleet.submit_batch(_mixed_group("whole", lengths)).result)
+    finally:
+        fleet.close()
+    assert [r.request_id for r in streamed] == [r.request_id for r in reqs]
+    assert handed_before_settling.keys() == {r.request_id for r in reqs}
+    assert len(got.calls) >= 3, got.calls  # three different lengths finish in three steps at least
+    order = [rid for call in got.calls for rid in call]
+    assert set(order[:2]) == {"streamed.1", "streamed.3"} and set(order[-2:]) == {"streamed.0", "streamed.5"}
+    assert [r.token_ids for r in streamed] == [r.token_ids for r in whole]
+    assert [r.logprobs for r in streamed] == [r.logprobs for r in whole]
+    assert all(handed_before_settling[r.request_id] is r for r in streamed)
+
+
+@pytest.mark.fault("crash")
+def test_a_streamed_group_past_its_timeout_returns_the_finished_and_aborts_the_rest(server):
+    fleet = FleetClient([server.url], api_key="scale-test-key", request_timeout_s=8.0)
+    got = _Collect()
+    try:
+        fut = fleet.submit_batch(_mixed_group("late", [2, 240, 240]), on_results=got)
+        assert got.first.wait(HANG_GUARD_S), "the short sample never came back"
+        fleet.pause("in_place")  # the long two hold their slots until the timeout
+        results, _ = _guarded("a group past its timeout", fut.result)
+    finally:
+        fleet.resume()
+        fleet.close()
+    assert got.calls[0] == ["late.0"] and results[0].finish_reason == "length"
+    assert all(r.finish_reason == "abort" and r.meta["timed_out"] for r in results[1:])
+    assert sorted(fleet.timed_out) == [("late.1", server.url), ("late.2", server.url)]
+    assert set(got.results) == {"late.0", "late.1", "late.2"}
+
+
+@pytest.mark.fault("crash")
+def test_a_server_lost_mid_stream_loses_only_the_samples_not_yet_handed_over(tiny_llama):
+    with EngineProcess(tiny_llama, max_slots=8, max_len=256) as s:
+        fleet = FleetClient([s.url], api_key="")
+        got = _Collect()
+        try:
+            fut = fleet.submit_batch(_mixed_group("lost", [240, 2, 240]), on_results=got)
+            assert got.first.wait(HANG_GUARD_S), "the short sample never came back"
+            fleet.pause("in_place")
+            s.kill()
+            with pytest.raises(ServerLost):
+                _guarded("a group whose server died", fut.result)
+        finally:
+            fleet.close()
+    assert list(got.results) == ["lost.1"]
+    assert sorted(fleet.lost) == [("lost.0", s.url), ("lost.2", s.url)]
+    assert not fleet.alive

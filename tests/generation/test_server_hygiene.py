@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.generation.engine.model import Decoder
-from megatron_rl.generation.engine.server import _SAMPLING_KEYS
+from megatron_rl.generation.engine.requests import _SAMPLING_KEYS
 from megatron_rl.generation.protocol import SGLANG_VERSION, init_group_payload, pack_bucket, tensor_digest
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
 from tests.generation.conftest import TINY, free_port, prompt
@@ -563,3 +563,48 @@ def test_a_thousand_connections_at_once(server):
     finally:
         for s in socks:
             s.close()
+
+
+def _read_events(sock: socket.socket, want: int) -> list[dict]:
+    """Read a streamed reply from ``sock`` until ``want`` data events (or [DONE]) have arrived."""
+    buf, events = b"", []
+    while len(events) < want:
+        chunk = sock.recv(65536)
+        assert chunk, f"the stream closed after {len(events)} events"
+        buf += chunk
+        head, sep, rest = buf.partition(b"\r\n\r\n")
+        body = rest if sep else b""
+        events = [
+            json.loads(line[6:]) if line != b"data: [DONE]" else "DONE"
+            for line in body.split(b"\n")
+            if line.startswith(b"data: ")
+        ]
+    assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head, head
+    return events
+
+
+@pytest.mark.fault("crash")
+def test_a_streamed_batch_sends_each_item_as_it_finishes_and_a_client_that_leaves_aborts_the_rest(server):
+    """``stream`` on a batch: one ``data:`` event per finished item with its ``index`` (the short
+    one first), then ``[DONE]``; a client that closes after the first event has the rest aborted."""
+    short, long_ = {"max_new_tokens": 2}, {"max_new_tokens": 200}
+    body = {"input_ids": [prompt(5, 7), prompt(5, 7)], "sampling_params": [long_, short], "stream": True}
+    sock = _send_generate(server.url, {**body, "sampling_params": [{"max_new_tokens": 6}, short]})
+    events = _read_events(sock, 3)
+    sock.close()
+    assert [e["index"] for e in events[:2]] == [1, 0] and events[2] == "DONE", events
+    assert [len(e["output_ids"]) for e in events[:2]] == [2, 6]
+    gone0 = _state(server.url)["client_disconnects"]
+    sock = _send_generate(server.url, {**body, "rid": ["stream-long", "stream-short"]})
+    first = _read_events(sock, 1)
+    assert first[0]["index"] == 1 and first[0]["meta_info"]["id"] == "stream-short", first
+    assert _call(server.url, "POST", "/pause_generation", {"mode": "in_place"})[0] == 200  # it still runs
+    try:
+        assert _state(server.url)["num_running_reqs"] == 1
+        sock.close()
+        _wait_for(lambda: _state(server.url)["num_running_reqs"] == 0, "the long request to be aborted")
+        assert _state(server.url)["client_disconnects"] == gone0 + 1
+    finally:
+        assert _call(server.url, "POST", "/continue_generation", {})[0] == 200
+    status, out = _generate(server.url, {**body, "stream": "yes"})
+    assert status == 400 and "stream" in out["message"], out

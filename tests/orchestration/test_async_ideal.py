@@ -32,6 +32,7 @@ def simulate(
     prompt_len=3,
     steps=2,
     group_requests=False,
+    streamed=True,
 ):
     loop = LoopConfig(mode=mode, group_size=g, n_batch=n_batch, n_async=n_async)
     sim = IdealSchedule(
@@ -53,6 +54,7 @@ def simulate(
         run_seed=0,
         max_new_tokens=100,
         group_requests=group_requests,
+        streamed=streamed,
     )
     return sim.run(steps)
 
@@ -126,22 +128,33 @@ def test_a_group_in_one_request_goes_to_one_server_and_holds_its_slots_until_its
     assert out["generator_busy"] == pytest.approx(2.0 / (2 * 2.75))  # the other server idles
     assert out["prefill_tokens"] == 10
 
-    # Async, n_async = two groups, each one long sample and three short: a group's reply comes
-    # with its long sample, so its short samples' slots stay counted in flight meanwhile; one
-    # request per sample refills them at once.
-    def run(group_requests):
+    # Async, n_async = two groups, each one long sample and three short: a group's whole reply
+    # (SGLang's) comes with its long sample, so its short samples' slots stay counted in flight
+    # meanwhile; a streamed reply (the built-in engine's) hands each sample back as it ends and
+    # refills the slots at once, as one request per sample does.
+    def run(group_requests, streamed=True):
         lengths = {}
 
         def length(seed):
             return lengths.setdefault(seed, 8 if len(lengths) % 4 == 0 else 2)
 
         return simulate(
-            "async", g=4, slots=8, n_batch=4, n_async=8, length=length, steps=3, group_requests=group_requests
+            "async",
+            g=4,
+            slots=8,
+            n_batch=4,
+            n_async=8,
+            length=length,
+            steps=3,
+            group_requests=group_requests,
+            streamed=streamed,
         )
 
-    per_group, per_sample = run(True), run(False)
-    assert per_group["wall_s"] > per_sample["wall_s"]
-    assert per_group["slot_occupancy"] < per_sample["slot_occupancy"]
+    whole, streamed, per_sample = run(True, streamed=False), run(True), run(False)
+    assert whole["wall_s"] > per_sample["wall_s"]
+    assert whole["slot_occupancy"] < per_sample["slot_occupancy"]
+    assert streamed["wall_s"] == pytest.approx(per_sample["wall_s"])  # one server: the same schedule
+    assert streamed["slot_occupancy"] == pytest.approx(per_sample["slot_occupancy"])
 
 
 def test_decode_cost_grows_with_the_running_batch():

@@ -28,7 +28,14 @@ def _run(cmd, timeout=400) -> subprocess.CompletedProcess:
 def test_async_run_bounds_staleness_trains_each_group_once_and_syncs_weights(tmp_path, policy):
     # queue of 1 group (4 sequences) with 32 allowed in flight: generation outruns training,
     # so the queue fills and blocks.
-    path = recipe(tmp_path, policy, loop={"max_steps": 4, "queue_groups": 1, "max_staleness": 4})
+    # The tiny policy's groups are mostly all format errors (dropped): ~30 of them in a row
+    # happen, next to the default stall guard (8 batches' worth, 32 groups); this run is about
+    # staleness, so the guard is set far off.
+    path = recipe(
+        tmp_path,
+        policy,
+        loop={"max_steps": 4, "queue_groups": 1, "max_staleness": 4, "max_dropped_batches": 64},
+    )
     _run(train_cmd(path))
     run = tmp_path / "run"
     metrics = read_jsonl(run / "metrics.jsonl")

@@ -173,13 +173,14 @@ def expected_tokens(script, rec: GroupRecord, i: int) -> list[int]:
     return script[seed % len(script)][:L_MAX]
 
 
-@pytest.mark.parametrize("group_requests", [False, True], ids=["per-sample", "per-group"])
+@pytest.mark.parametrize("group_requests", [False, "auto"], ids=["per-sample", "per-group-streamed"])
 def test_concurrent_producers_and_consumers_account_for_every_group_exactly_once(
     tok, script, pool, group_requests
 ):
     producers, per_producer, consumers = 4, 8, 3
     with timing_fleet(tok, script) as (fleet, _):
         r = make_rollouts(fleet, pool, tok, group_requests=group_requests)
+        assert r.group_requests is (group_requests == "auto")  # auto: the built-in engine streams
         issued: list[GroupRecord] = []
         trained: list[GroupRecord] = []
         requeued: list[GroupRecord] = []
@@ -408,7 +409,7 @@ def test_every_group_dropped_stops_with_a_diagnosis_instead_of_waiting(tok, scri
 
 
 @pytest.mark.fault("crash")
-@pytest.mark.parametrize("group_requests", [False, True], ids=["per-sample", "per-group"])
+@pytest.mark.parametrize("group_requests", [False, "auto"], ids=["per-sample", "per-group-streamed"])
 def test_a_request_past_its_timeout_is_sent_once_more_then_scored_as_it_stands(
     tok, script, pool, group_requests
 ):

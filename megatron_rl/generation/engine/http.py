@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Protocol
@@ -48,6 +48,7 @@ __all__ = [
     "ClientGone",
     "EngineHTTPServer",
     "Routed",
+    "StreamedReply",
     "error_body",
     "make_handler",
 ]
@@ -263,7 +264,16 @@ class Routed(Protocol):
 
     def authorized(self, path: str, authorization: str | None) -> bool: ...
 
-    def generate(self, body: Body, client_gone: Callable[[], bool]) -> Body | list[Body]: ...
+    def generate(self, body: Body, client_gone: Callable[[], bool]) -> Body | list[Body] | StreamedReply: ...
+
+
+class StreamedReply(Protocol):
+    """A reply sent as server-sent events (``/generate`` with ``stream``): each item is a list of
+    JSON objects sent together, one ``data:`` event each; ``close`` is called however it ends."""
+
+    def __iter__(self) -> Iterator[list[Body]]: ...
+
+    def close(self) -> None: ...
 
 
 def error_body(message: str) -> Body:
@@ -427,7 +437,37 @@ def make_handler(
                 return self._send(
                     HTTPStatus.INTERNAL_SERVER_ERROR, error_body(f"internal error: {type(e).__name__}")
                 )
-            self._send(HTTPStatus.OK, out)
+            if isinstance(out, (dict, list)):
+                return self._send(HTTPStatus.OK, out)
+            self._send_stream(out)  # type: ignore[arg-type]  # only /generate streams
+
+        def _send_stream(self, out: StreamedReply) -> None:
+            """``out`` as server-sent events in a chunked reply (SGLang's stream form: ``data:
+            {...}`` events, then ``data: [DONE]``); each item of ``out`` is one chunk, so what
+            finished together arrives together. A client gone ends it (``out.close`` aborts
+            the rest); an error after the status line can only close the connection."""
+            self.connection.settimeout(self.server.read_timeout_s)  # bounds each write, as _send
+            try:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for items in out:
+                    self._chunk(b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in items))
+                self._chunk(b"data: [DONE]\n\n")
+                self.wfile.write(b"0\r\n\r\n")
+            except ClientGone:
+                self.close_connection = True
+            except OSError:  # the client went away mid-stream (reset, broken pipe, write timeout)
+                self.close_connection = True
+            except Exception:
+                log.exception("%s failed while streaming", self.path)
+                self.close_connection = True
+            finally:
+                out.close()
+
+        def _chunk(self, data: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
         def do_GET(self) -> None:
             if self._refused():

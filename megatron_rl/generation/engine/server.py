@@ -10,7 +10,8 @@ weight loads, abort) land *between* steps.
 
 - ``/generate``: token ids in (``input_ids``, one list or a batch of lists), ``output_ids`` with
   ``meta_info.output_token_logprobs`` and ``weight_versions`` spans out. Text prompts are refused
-  (the server has no tokenizer); ``stream`` is refused. ``sampling_params`` are read as SGLang
+  (the server has no tokenizer). ``stream``: replies as server-sent events, each sent as its
+  request finishes (a batch's with their ``index``; no partial outputs). ``sampling_params`` are read as SGLang
   0.5.23 reads them and checked as strictly: a key that is not SGLang's, a wrong type or range, a
   parameter we do not implement at other than its "off" value, or ``n`` other than 1 is a 400
   naming the field. ``top_k`` -1 is no cut; a temperature below 1e-6 is greedy. A batch is
@@ -70,12 +71,12 @@ import ipaddress
 import logging
 import math
 import os
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -83,7 +84,7 @@ import torch
 from megatron_rl.errors import run_cli
 from megatron_rl.fileio import atomic_write_text
 from megatron_rl.generation.engine.colocate import ColocateRoutes
-from megatron_rl.generation.engine.engine import TOP_K_OFF, Engine, EngineConfig, Finished
+from megatron_rl.generation.engine.engine import Engine, EngineConfig, Finished
 from megatron_rl.generation.engine.http import (
     DEFAULT_MAX_CONNS_PER_CLIENT,
     DEFAULT_READ_TIMEOUT_S,
@@ -92,6 +93,7 @@ from megatron_rl.generation.engine.http import (
     EngineHTTPServer,
     make_handler,
 )
+from megatron_rl.generation.engine.requests import Job, parse_generate_body
 from megatron_rl.generation.engine.serve_args import bind, parse_serve_args
 from megatron_rl.generation.engine.timing import TimingEngine
 from megatron_rl.generation.engine.updates import UpdateRoutes
@@ -102,6 +104,7 @@ from megatron_rl.generation.engine.weights import (
 )
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
+    STREAMED_BATCH,
     check_api_key,
     tensor_digest,
 )
@@ -160,11 +163,15 @@ _POLL_S = 1.0
 
 
 class _Waiter:
-    __slots__ = ("event", "result")
+    """One queued request's handle: ``event`` is set with its ``result``; in a streamed batch,
+    its ``index`` also goes to the batch's ``ready`` queue."""
 
-    def __init__(self) -> None:
+    __slots__ = ("event", "index", "ready", "result")
+
+    def __init__(self, index: int = 0, ready: queue.SimpleQueue[int] | None = None) -> None:
         self.event = threading.Event()
         self.result: Finished | None = None
+        self.index, self.ready = index, ready
 
     def finished(self) -> Finished:
         """The result, once ``event`` is set (``_deliver`` sets the result first)."""
@@ -173,26 +180,54 @@ class _Waiter:
         return self.result
 
 
-@dataclass(kw_only=True)
-class _Sampling:
-    """One request's sampling parameters, checked (see :func:`_sampling`)."""
+class _Stream:
+    """A streamed ``/generate``'s replies as its requests finish (see :meth:`EngineServer.generate`):
+    each step of the iteration is everything finished since the last, in one list. Closed before
+    the end (the client left, a write failed), it aborts what is still queued or running."""
 
-    max_new_tokens: int | None  # None: up to the context length
-    temperature: float
-    top_p: float
-    top_k: int  # TOP_K_OFF: no cut
-    seed: int | None
-    stop_token_ids: list[int]
+    def __init__(
+        self,
+        server: EngineServer,
+        jobs: list[Job],
+        waiters: list[_Waiter],
+        ready: queue.SimpleQueue[int],
+        client_gone: Callable[[], bool],
+        batch: bool,
+    ) -> None:
+        self._server, self._jobs, self._waiters, self._ready = server, jobs, waiters, ready
+        self._client_gone, self._batch = client_gone, batch
+        self._left = len(waiters)
 
+    def __iter__(self) -> _Stream:
+        return self
 
-@dataclass
-class _Job:
-    """One prompt of a ``/generate`` body, checked; ``where`` is its ``[i]`` in a batch."""
+    def __next__(self) -> list[Body]:
+        if not self._left:
+            raise StopIteration
+        while True:
+            try:
+                done = [self._ready.get(timeout=_POLL_S)]
+                break
+            except queue.Empty:
+                if self._client_gone():
+                    self.close()
+                    raise ClientGone from None
+        while True:
+            try:
+                done.append(self._ready.get_nowait())
+            except queue.Empty:
+                break
+        self._left -= len(done)
+        replies = [self._server._reply(self._waiters[i].finished()) for i in done]
+        if self._batch:
+            for i, reply in zip(done, replies):
+                reply["index"] = i
+        return replies
 
-    rid: str
-    prompt: list[int]
-    sampling: _Sampling
-    where: str
+    def close(self) -> None:
+        if self._left:
+            self._left = 0
+            self._server._abandon([job.rid for job in self._jobs])
 
 
 class EngineServer(UpdateRoutes, ColocateRoutes):
@@ -355,14 +390,30 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             if w is not None:
                 w.result = f
                 w.event.set()
+                if w.ready is not None:
+                    w.ready.put(w.index)
 
     # ------------------------------------------------------------------ routes
 
-    def generate(self, body: Body, client_gone: Callable[[], bool] = lambda: False) -> Body | list[Body]:
+    def generate(
+        self, body: Body, client_gone: Callable[[], bool] = lambda: False
+    ) -> Body | list[Body] | _Stream:
         """``/generate``: every prompt and its sampling parameters are checked before any is
         queued, and they are queued all or none (a batch with one bad prompt queues nothing).
-        ``client_gone`` is polled while waiting: a client that left has its requests aborted."""
-        batch, jobs = self._generate_jobs(body)
+        ``client_gone`` is polled while waiting: a client that left has its requests aborted.
+
+        With ``stream``, the answer is an iterator that the handler sends as server-sent events:
+        each time requests finish, their replies (a batch's with their ``index``, as SGLang's
+        batch stream), so a group's short samples come back while its long ones still decode.
+        Unlike SGLang, which also streams partial outputs every ``stream_interval`` tokens, only
+        finished requests are sent: the RL loop has no use for partial ones."""
+        parsed = parse_generate_body(body)
+        jobs = parsed.jobs
+        for job in jobs:
+            job.rid = job.rid or self._next_rid()
+        if parsed.stream:
+            ready: queue.SimpleQueue[int] = queue.SimpleQueue()
+            return _Stream(self, jobs, self._enqueue(jobs, ready), ready, client_gone, parsed.batch)
         waiters = self._enqueue(jobs)
         for w in waiters:
             while not w.event.wait(_POLL_S):
@@ -370,46 +421,9 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                     self._abandon([job.rid for job in jobs])
                     raise ClientGone
         out = [self._reply(w.finished()) for w in waiters]
-        return out if batch else out[0]
+        return out if parsed.batch else out[0]
 
-    def _generate_jobs(self, body: Body) -> tuple[bool, list[_Job]]:
-        """Whether ``body`` is a batch, and its requests, checked (``BadRequest`` naming the field)."""
-        if body.get("text") is not None or body.get("input_ids") is None:
-            raise BadRequest(
-                "input_ids: required (the built-in engine has no tokenizer; send token ids, not text)"
-            )
-        if body.get("stream"):
-            raise BadRequest("stream: not supported by the built-in engine")
-        ids = body["input_ids"]
-        if not isinstance(ids, list) or not ids:
-            raise BadRequest("input_ids: must be a non-empty list of token ids, or a list of such lists")
-        batch = isinstance(ids[0], list)
-        prompts = ids if batch else [ids]
-        rids = body.get("rid")
-        if rids is not None and batch != isinstance(rids, list):
-            raise BadRequest("rid: one string per prompt (a list for a batch, a string for one prompt)")
-        rid_list = rids if isinstance(rids, list) else [rids] * len(prompts)
-        params = body.get("sampling_params")
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(rid_list) != len(prompts) or len(params_list) != len(prompts):
-            raise BadRequest(f"rid / sampling_params: need one per prompt ({len(prompts)})")
-        jobs: list[_Job] = []
-        for i, (rid, prompt, sp) in enumerate(zip(rid_list, prompts, params_list)):
-            where = f"[{i}]" if batch else ""
-            if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
-                raise BadRequest(f"input_ids{where}: must be a list of token ids (integers)")
-            if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-                raise BadRequest(f"rid{where}: must be a string, got {rid!r}")
-            sampling = _sampling(sp, f"sampling_params{where}")
-            jobs.append(_Job(str(rid) if rid is not None else "", prompt, sampling, where))
-        named = [j.rid for j in jobs if j.rid]
-        if len(set(named)) != len(named):
-            raise BadRequest("rid: the same id twice in one batch")
-        for job in jobs:
-            job.rid = job.rid or self._next_rid()
-        return batch, jobs
-
-    def _enqueue(self, jobs: list[_Job]) -> list[_Waiter]:
+    def _enqueue(self, jobs: list[Job], ready: queue.SimpleQueue[int] | None = None) -> list[_Waiter]:
         """Queue every job in one lock section, or none: the engine's own checks (prompt ids in
         the vocabulary, prompt + max_new_tokens within max_len) refusing one undo the others
         before the engine loop can step them."""
@@ -440,8 +454,8 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                 for rid in added:
                     self.engine.abort(rid)
                 raise BadRequest(f"prompt{job.where}: {e}" if job.where else str(e)) from None
-            for job in jobs:
-                w = _Waiter()
+            for i, job in enumerate(jobs):
+                w = _Waiter(i, ready)
                 self._waiters[job.rid] = w
                 waiters.append(w)
             self.cond.notify_all()
@@ -526,7 +540,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
 
     def abort(self, body: Body) -> Body:
         rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-        if rid is None or (_is_int(rid) and not isinstance(rid, bool)):
+        if rid is None or (isinstance(rid, int) and not isinstance(rid, bool)):
             rid = "" if rid is None else str(rid)
         if not isinstance(rid, str):
             raise BadRequest(f"rid: must be a string, got {rid!r}")
@@ -560,6 +574,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                 "weight_version": str(e.version),
                 **self.memory_state(),  # colocated mode: released tags, weights_loaded
                 ENGINE_CAPABILITY: STREAM_ROUTE,  # takes streamed weight updates (engine/weights.py)
+                STREAMED_BATCH: True,  # streams a batch's finished items only (generate)
                 # One process holds the whole model: one rank of the weight-update group.
                 "tp_size": 1,
                 "pp_size": 1,
@@ -614,114 +629,6 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name, not an address
         return host == "localhost"
-
-
-# SGLang 0.5.23's sampling parameters (``SamplingParams``, sglang/srt/sampling/sampling_params.py)
-# that the built-in engine does not implement, each at the value that switches it off: accepted at
-# that value (or null, SGLang's "default"), refused at any other. A key in neither this table nor
-# _sampling's is not an SGLang parameter at all: refused as unknown, not silently ignored.
-_SAMPLING_OFF: dict[str, JsonValue] = {
-    "min_p": 0.0,
-    "frequency_penalty": 0.0,
-    "presence_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_new_tokens": 0,
-    "ignore_eos": False,
-    "stop": None,  # stop strings need a tokenizer (SGLang refuses them without one too)
-    "stop_regex": None,
-    "json_schema": None,
-    "regex": None,
-    "ebnf": None,
-    "structural_tag": None,
-    "custom_params": None,
-    "logit_bias": None,
-    "stream_interval": None,
-    "beam_width": None,
-    "watermark": None,
-}
-# Token ids in and out: these change only how SGLang detokenises, which we never do.
-_SAMPLING_TEXT_FLAGS = ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim")
-_SAMPLING_KEYS = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "n", "sampling_seed", "stop_token_ids"}
-    | set(_SAMPLING_TEXT_FLAGS)
-    | set(_SAMPLING_OFF)
-)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not the token id 1
-
-
-def _is_off(v: JsonValue, off: JsonValue) -> bool:
-    """Whether a parameter's value ``v`` is its switched-off ``off`` (null and empty count)."""
-    if v is None or (isinstance(v, (str, list, dict)) and not v):
-        return True
-    if isinstance(off, bool):
-        return v is off
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == off
-
-
-def _number(sp: dict[str, JsonValue], key: str, default: float, where: str) -> float:
-    v = sp.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"{where}.{key}: must be a finite number, got {v!r}")
-    return float(v)
-
-
-def _sampling(sp: JsonValue, where: str) -> _Sampling:
-    """The checked sampling parameters of one request, as SGLang 0.5.23 reads and verifies them
-    (null: the default); ``BadRequest`` naming the first bad field otherwise."""
-    if sp is None:
-        sp = {}
-    if not isinstance(sp, dict):
-        raise BadRequest(f"{where}: must be an object, got {type(sp).__name__}")
-    unknown = sorted(set(sp) - _SAMPLING_KEYS)
-    if unknown:
-        raise BadRequest(f"{where}.{unknown[0]}: not a sampling parameter (SGLang 0.5.23)")
-    for key, off in _SAMPLING_OFF.items():
-        if not _is_off(sp.get(key), off):
-            raise BadRequest(f"{where}.{key}: not supported by the built-in engine (only {off!r})")
-    for key in _SAMPLING_TEXT_FLAGS:
-        if sp.get(key) is not None and not isinstance(sp[key], bool):
-            raise BadRequest(f"{where}.{key}: must be true or false, got {sp[key]!r}")
-    n = sp.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise BadRequest(
-            f"{where}.n: must be 1, got {n!r}: the built-in engine draws one sample per request; "
-            "send one request per sample (as the fleet client does, each with its own rid and seed)"
-        )
-    max_new = sp.get("max_new_tokens", 128)  # absent: SGLang's default; null: no limit
-    if max_new is not None and (not _is_int(max_new) or max_new < 1):
-        raise BadRequest(
-            f"{where}.max_new_tokens: must be an integer >= 1 (or null: up to the context length), "
-            f"got {max_new!r}; the built-in engine returns no prompt log-probs, so 0 would answer nothing"
-        )
-    temperature = _number(sp, "temperature", 1.0, where)
-    if temperature < 0:
-        raise BadRequest(f"{where}.temperature: must be >= 0, got {temperature}")
-    top_p = _number(sp, "top_p", 1.0, where)
-    if not 0.0 < top_p <= 1.0:
-        raise BadRequest(f"{where}.top_p: must be in (0, 1], got {top_p}")
-    top_k = sp.get("top_k")
-    top_k = TOP_K_OFF if top_k is None else top_k
-    if not _is_int(top_k) or (top_k != TOP_K_OFF and top_k < 1):
-        raise BadRequest(f"{where}.top_k: must be -1 (no cut) or an integer >= 1, got {top_k!r}")
-    seed = sp.get("sampling_seed")
-    if seed is not None and not _is_int(seed):
-        raise BadRequest(f"{where}.sampling_seed: must be an integer, got {seed!r}")
-    stops = sp.get("stop_token_ids") or []
-    if not isinstance(stops, list) or not all(_is_int(t) and t >= 0 for t in stops):
-        raise BadRequest(f"{where}.stop_token_ids: must be a list of token ids, got {stops!r}")
-    return _Sampling(
-        max_new_tokens=max_new,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=seed,
-        stop_token_ids=stops,
-    )
 
 
 def _raise_open_files_limit() -> None:
