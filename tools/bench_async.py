@@ -340,6 +340,19 @@ def run_config(mode: str, args: argparse.Namespace):
     )
 
 
+def add_group_requests_arg(ap: argparse.ArgumentParser) -> None:
+    """``--group-requests auto|on|off`` (``fleet.group_requests``), shared with bench scale."""
+    ap.add_argument(
+        "--group-requests",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="fleet.group_requests: a group's samples in one /generate (on), one request each "
+        "(off); auto (default): per group, as the built-in engine streams them back one by one",
+    )
+
+
 def _server_stats(fleet) -> list[dict]:
     return [fleet.server_info(s.url)["internal_states"][0] for s in fleet.servers]
 
@@ -808,15 +821,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=1, help="verifier processes")
     ap.add_argument("--sft-steps", type=int, default=60, help="--real: SFT steps on the script")
     ap.add_argument("--lr", type=float, default=1e-5, help="--real: RL learning rate")
-    ap.add_argument(
-        "--group-requests",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="fleet.group_requests: a group's samples in one /generate (on), one request each "
-        "(off); auto (default): per group, as the built-in engine streams them back one by one",
-    )
+    add_group_requests_arg(ap)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")
     args = ap.parse_args(argv)

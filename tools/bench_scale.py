@@ -140,14 +140,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=256, help="sequences per server")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per fleet size")
     ap.add_argument("--group-size", type=int, default=16, help="G")
-    ap.add_argument(
-        "--group-requests",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="fleet.group_requests (auto: per group, streamed back by the built-in engine)",
-    )
+    bench_async.add_group_requests_arg(ap)
     ap.add_argument("--decode-ms", type=float, default=60.0, help="engine step, fixed part")
     ap.add_argument("--decode-ms-per-seq", type=float, default=0.02, help="engine step, per sequence")
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.001)
