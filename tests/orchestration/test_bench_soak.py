@@ -1,0 +1,47 @@
+"""``megatron-rl bench soak`` at a size a test affords: a real run killed (SIGKILL to its process
+group) and resumed trains every step once, n_batch sequences each and no group twice; the sampled
+rows carry each process class; the checkpoints stay within their rotation; the plot is drawn.
+Whether memory stays flat over thousands of steps is the bench's to measure (README "Scale")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.orchestration.conftest import ROOT, read_jsonl
+
+pytestmark = [pytest.mark.slow, pytest.mark.fault("crash")]
+
+
+def test_a_killed_and_resumed_soak_loses_nothing(tmp_path, policy):
+    out = tmp_path / "soak"
+    cmd = [sys.executable, "-m", "megatron_rl", "bench", "soak", "--steps", "14", "--kills", "1"]
+    cmd += ["--checkpoint-every", "2", "--sample-s", "0.5", "--warmup-steps", "2", "--out", str(out)]
+    cmd += ["--model", policy["model"], "--train", policy["train"]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(res["killed_at"]) == 1 and 2 <= res["killed_at"][0] < 14, res
+    assert res["nothing_lost"], res
+    assert (res["trained_steps"], res["trained_sequences"], res["duplicate_groups"]) == (14, 14 * 8, 0)
+    assert res["disk_bounded"] and res["checkpoint_mb"] > 0, res
+    rows = read_jsonl(out / "soak.jsonl")
+    assert {r["segment"] for r in rows} == {0, 1}
+    assert any(r["servers_procs"] >= 1 and r["verifiers_procs"] >= 1 for r in rows)
+    assert all(r["orchestrator_rss_mb"] > 0 for r in rows if r["orchestrator_procs"])
+    assert (out / "soak.png").stat().st_size > 10_000
+
+
+def test_bad_arguments_are_one_line_errors():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl", "bench", "soak", "--model", "x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--model and --train go together" in proc.stderr
+    assert "Traceback" not in proc.stderr
