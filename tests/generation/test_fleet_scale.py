@@ -216,8 +216,9 @@ def _mixed_group(tag: str, lengths: list[int]) -> list[GenRequest]:
 
 def test_a_streamed_group_hands_each_sample_over_as_it_finishes(server):
     """``on_results`` against the built-in engine (it streams): each sample handed over once, the
-    shortest first and apart from the longest, all before the future settles, and every sample
-    exactly what the whole-reply form returns."""
+    shortest first and the longest last, all before the future settles, and every sample exactly
+    what the whole-reply form returns. (That a sample comes back while its siblings still run is
+    the next two tests': they hold the long ones.)"""
     fleet = FleetClient([server.url], api_key="scale-test-key")
     try:
         lengths = [40, 2, 20, 2, 8, 40]
@@ -231,7 +232,8 @@ def test_a_streamed_group_hands_each_sample_over_as_it_finishes(server):
         fleet.close()
     assert [r.request_id for r in streamed] == [r.request_id for r in reqs]
     assert handed_before_settling.keys() == {r.request_id for r in reqs}
-    assert len(got.calls) >= 3, got.calls  # three different lengths finish in three steps at least
+    # Handed over in the order they finished (how many calls depends on how promptly the client
+    # read the stream: what finished between two reads comes in one).
     order = [rid for call in got.calls for rid in call]
     assert set(order[:2]) == {"streamed.1", "streamed.3"} and set(order[-2:]) == {"streamed.0", "streamed.5"}
     assert [r.token_ids for r in streamed] == [r.token_ids for r in whole]
