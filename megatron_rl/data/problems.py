@@ -496,11 +496,17 @@ def check_scorable(p: Problem, where: str | None = None, *, needs_reference: boo
 
 
 def reward_input(
-    p: Problem, completion: str, *, num_tokens: int | None = None, group_id: str | None = None
+    p: Problem,
+    completion: str,
+    *,
+    num_tokens: int | None = None,
+    group_id: str | None = None,
+    record: dict[str, JsonValue] | None = None,
 ) -> RewardInput:
     """The one conversion of a problem and a completion into what the reward scores (the RL loop,
     sampling and evaluation, and ``megatron-rl reward`` all use it). ``group_id`` (default: the
-    problem id) makes the completions of one group draw the same code tests."""
+    problem id) makes the completions of one group draw the same code tests; ``record``:
+    ``p.to_json()`` when the caller has it already (a group's samples share one)."""
     return RewardInput(
         problem=p.problem,
         completion=completion,
@@ -510,7 +516,7 @@ def reward_input(
         language=p.language if p.task == "code" else None,
         group_id=p.id if group_id is None else group_id,
         num_tokens=num_tokens,
-        record=p.to_json(),  # the whole record, every extra column: what a custom reward gets
+        record=p.to_json() if record is None else record,  # every extra column: what a custom reward gets
     )
 
 

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -150,11 +150,27 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 def decode_completion(tokenizer, token_ids) -> str:
     """The completion's text as the verifiers read it: every token kept (a model's ``<think>``
     may be a special token), except a final EOS, which ends the turn and is not text."""
-    ids = list(token_ids)
+    return completion_decoder(tokenizer)(token_ids)
+
+
+def completion_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
+    """:func:`decode_completion` for ``tokenizer``, with what it needs looked up once: the RL
+    loop decodes every completion of a run with it."""
     eos = getattr(tokenizer, "eos_token_id", None)
-    if ids and eos is not None and ids[-1] == eos:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    # A fast (Rust) tokenizer without the clean-up pass decodes exactly what its own decode()
+    # returns; called directly it skips transformers' per-token conversion of the id list
+    # (to_py_obj) and attribute look-ups, half of a decode.
+    backend = getattr(tokenizer, "_tokenizer", None)
+    fast = backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    decode = backend.decode if fast and backend is not None else tokenizer.decode
+
+    def run(token_ids: Sequence[int]) -> str:
+        ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+        if ids and eos is not None and ids[-1] == eos:
+            ids = ids[:-1]
+        return decode(ids, skip_special_tokens=False)
+
+    return run
 
 
 def load_tokenizer(folder: str, *, chat_template: str = "auto"):

@@ -11,17 +11,20 @@
 its KV capacity (``max_total_num_tokens`` from ``/server_info``): the client's own
 least-loaded routing. A batch (:meth:`FleetClient.submit_batch`) goes to one server as one
 ``/generate``: the control plane's cost then grows with the groups, not the samples (one HTTP
-request, one JSON body, one callback per group), and the server prefills the group's prompt once. With sglang-router in front of the servers, give the router's single URL
-instead; the router balances and the client sees one server (weight updates then go to the
-servers themselves: pass ``update_urls``).
+request, one JSON body, one callback per group), and the server prefills the group's prompt once.
+With sglang-router in front of the servers, give the router's single URL instead; the router
+balances and the client sees one server (weight updates then go to the servers themselves: pass
+``update_urls``).
 
 **Two paths that never wait on each other.** Generation requests run on one event loop
 (:mod:`asyncio` + ``aiohttp``, a thread of the client's own): thousands in flight cost a socket
 each, not a thread, as in slime's and AReaL's rollout clients. Control calls (pause, resume,
 begin/end update, update weights, abort, server info) run on a small thread pool of their own
 with their own connections, so a weight update never queues behind generations, whatever the
-number in flight. Completions are handed to the caller's callbacks on a third set of threads, so
-a slow callback (the RL loop scores there) never stalls the event loop.
+number in flight. A batch's ``on_results`` callback runs on the event loop's thread as each
+reply is read (a hand-over to another thread per completion was a quarter of the orchestrator's
+CPU at thousands in flight), so it must be quick; a future's own callbacks run on a third set
+of threads when there is no ``on_results``, so a slow one never stalls the event loop.
 
 **Timeouts.** Every call has a connect timeout (``connect_timeout_s``) and a finite read
 timeout: ``request_timeout_s`` for a generation (generous: long reasoning traces are normal) and
@@ -171,7 +174,7 @@ class FleetClient:
         # holds one per target while the broadcast runs) with room to spare.
         n_urls = len({s.url for s in self.servers} | set(self.update_urls))
         self._control = ThreadPoolExecutor(max_workers=2 * n_urls + 8, thread_name_prefix="fleet-control")
-        # Completions reach the callers' callbacks here, off the event loop.
+        # Futures without on_results are settled here, off the event loop (their callbacks may block).
         self._deliver = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fleet-callback")
         self._loop = asyncio.new_event_loop()
         self._io = threading.Thread(target=self._loop.run_forever, name="fleet-io", daemon=True)
@@ -358,7 +361,10 @@ class FleetClient:
         ``abort`` with ``meta["timed_out"]``.
 
         ``on_results``: each result is also handed to it as soon as it is known, every one
-        exactly once, in calls that never overlap and that all come before the future settles.
+        exactly once, in calls that never overlap and that all come before the future settles
+        (then the future's callbacks run on the same thread). It is called on the client's I/O
+        thread, where replies are read (no hand-over to another thread per completion): it must
+        be quick and must not wait on the fleet (submitting more is fine).
         Where the server streams a batch (the built-in engine's ``/server_info`` says
         :data:`~megatron_rl.generation.protocol.STREAMED_BATCH`), that is as each request
         finishes, so a group's short samples free their slots (and are scored) while its long
@@ -393,7 +399,7 @@ class FleetClient:
             with self._lock:
                 server.in_flight += len(reqs)
         out.set_running_or_notify_cancel()  # running from now on: it cannot be cancelled
-        sink = None if on_results is None else Sink(self._deliver, on_results)
+        sink = None if on_results is None else Sink(on_results)
         self._loop.call_soon_threadsafe(self._start, server, reqs, out, batch, sink)
 
     def _start(

@@ -294,7 +294,7 @@ def parse_generate(
     reason = _finish_reason(finish.get("type", "stop") if isinstance(finish, dict) else str(finish))
     return GenResult(
         request_id=req.request_id,
-        prompt_ids=list(req.input_ids),
+        prompt_ids=req.input_ids,  # shared with the request (a group's samples: one list), never changed
         token_ids=token_ids,
         logprobs=logprobs,
         versions=versions_per_token(

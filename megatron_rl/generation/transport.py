@@ -1,20 +1,17 @@
 """The fleet client's transport, below :class:`~megatron_rl.generation.client.FleetClient`: its
 errors (a lost server, a refusal, a closed client), the blocking JSON call that control routes
-use, and the hand-over of a request's results to the caller's callbacks (:class:`Sink`: in
-order, one call at a time, then the future)."""
+use, and the hand-over of a request's results to the caller's callback (:class:`Sink`: in
+order, on the I/O thread, then the future)."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import http.client
 import json
 import logging
-import threading
 import urllib.parse
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from megatron_rl.generation.engine.weights import STREAM_ROUTE
@@ -75,32 +72,19 @@ def settle(out: Future, task: asyncio.Task[list[GenResult]], batch: bool) -> Non
 
 class Sink:
     """One batch's results on their way to its ``on_results`` (see
-    :meth:`FleetClient.submit_batch`): handed over on the client's callback threads one call at
-    a time and in order, then the future settled last."""
+    :meth:`FleetClient.submit_batch`): handed over on the client's I/O thread, where they are
+    read, in order (one thread: calls never overlap), then the future settled last.
 
-    def __init__(self, pool: ThreadPoolExecutor, on_results: Callable[[list[GenResult]], None]) -> None:
-        self._pool, self._on_results = pool, on_results
-        self._lock = threading.Lock()
-        self._queue: deque[Callable[[], None]] = deque()
-        self._draining = False
+    On the I/O thread rather than a callback thread: a hand-over to another thread costs a
+    wake-up and a context switch per completion, which at thousands of sequences in flight was
+    a quarter of the orchestrator's CPU; so ``on_results`` must be quick and must never wait on
+    the fleet (the I/O thread is what would answer it)."""
+
+    def __init__(self, on_results: Callable[[list[GenResult]], None]) -> None:
+        self._on_results = on_results
         self._given: set[int] = set()  # ids of the results handed over
 
     def put(self, results: list[GenResult]) -> None:
-        self._run(functools.partial(self._hand, results))
-
-    def finish(self, out: Future, task: asyncio.Task[list[GenResult]]) -> None:
-        """Settle ``out`` with ``task``'s outcome after every result put so far; what the task
-        returns that was not put (a whole reply, timed-out requests) is handed over first."""
-
-        def last() -> None:
-            if not task.cancelled() and task.exception() is None:
-                self._hand([r for r in task.result() if id(r) not in self._given])
-            self._given.clear()
-            settle(out, task, True)
-
-        self._run(last)
-
-    def _hand(self, results: list[GenResult]) -> None:
         if not results:
             return
         self._given.update(id(r) for r in results)  # the task's result list keeps them alive
@@ -109,25 +93,13 @@ class Sink:
         except Exception:  # a callback's bug must not stop the batch's later results or its future
             log.exception("a FleetClient on_results callback failed")
 
-    def _run(self, fn: Callable[[], None]) -> None:
-        with self._lock:
-            self._queue.append(fn)
-            if self._draining:
-                return
-            self._draining = True
-        try:
-            self._pool.submit(self._drain)
-        except RuntimeError:  # closing: the callback threads are gone, run it here
-            self._drain()
-
-    def _drain(self) -> None:
-        while True:
-            with self._lock:
-                if not self._queue:
-                    self._draining = False
-                    return
-                fn = self._queue.popleft()
-            fn()
+    def finish(self, out: Future, task: asyncio.Task[list[GenResult]]) -> None:
+        """Settle ``out`` with ``task``'s outcome; what the task returns that was not put (a
+        whole reply, timed-out requests) is handed over first."""
+        if not task.cancelled() and task.exception() is None:
+            self.put([r for r in task.result() if id(r) not in self._given])
+        self._given.clear()
+        settle(out, task, True)
 
 
 def parse_json(raw: bytes) -> JsonValue:

@@ -38,6 +38,7 @@ optimizer steps, the weight broadcast and the checkpoints.
 from __future__ import annotations
 
 import gc
+import itertools
 import queue
 import threading
 import time
@@ -94,11 +95,15 @@ class Broadcaster(Protocol):
         ...
 
 
-def staleness_stats(versions: list[torch.Tensor], current: int) -> dict[str, float]:
-    """Per-token staleness (versions behind ``current``): mean, max and a histogram."""
+def staleness_stats(versions: list[list[int]], current: int) -> dict[str, float]:
+    """Per-token staleness (versions behind ``current``; ``versions``: each completion's policy
+    version per token): mean, max and a histogram."""
     if not versions:
         return {}
-    lag = (current - torch.cat(versions)).clamp(min=0)
+    # One tensor from all the lists at once: a tensor per completion cost more than the tokens.
+    lag = (current - torch.tensor(list(itertools.chain.from_iterable(versions)), dtype=torch.long)).clamp(
+        min=0
+    )
     out = {"staleness/mean": float(lag.float().mean()), "staleness/max": float(lag.max())}
     for k, n in zip(*torch.unique(lag, return_counts=True)):
         out[f"staleness/hist/{int(k)}"] = float(n) / lag.numel()
@@ -373,7 +378,7 @@ class Orchestrator:
             raise TimeLimitReached
         release_stats = self._release_fleet()
         stats_list: list[dict[str, float]] = []
-        versions = [torch.tensor(s.completion.versions) for rec in groups for s in rec.all_scored()]
+        versions = [s.completion.versions for rec in groups for s in rec.all_scored()]
         for i in range(n_chunks):
             batch = self.broadcast_object(  # built on rank 0, sent to the others
                 build_train_batch([g.to_group() for g in chunks[i]], self.cfg.algorithm)
@@ -426,7 +431,7 @@ class Orchestrator:
         groups: list[GroupRecord],
         stale: list[GroupRecord],
         stats_list: list[dict[str, float]],
-        versions: list[torch.Tensor],
+        versions: list[list[int]],
         version: int,
         new_version: int,
         t_wait: float,

@@ -39,11 +39,12 @@ the sampler, to be issued again first). :meth:`Rollouts.state_dict` is what a ch
 (the sampler's cursor with the pending prompts ahead of its re-issue queue, and the counters), so
 a resumed run re-issues exactly those.
 
-**Threads.** Groups are issued from the loop's threads and finish on the fleet's and the pool's
-callback threads. Every piece of shared state (the pending groups, the sequences in flight, the
-counters, the error list, each record's results) changes under one lock, ``Rollouts._lock``,
-which a condition variable shares: :meth:`Rollouts.wait_until` waits on it for a predicate, and
-every change wakes the waiters. The lock is re-entrant so that a predicate may read the public
+**Threads.** Groups are issued from the loop's threads; completions come back on the fleet's
+I/O thread (decoded and handed to the pool there: nothing on that path blocks) and their scores
+on the pool's dispatcher thread. Every piece of shared state (the pending groups, the sequences
+in flight, the counters, the error list, each record's results) changes under one lock,
+``Rollouts._lock``, which a condition variable shares: :meth:`Rollouts.wait_until` waits on it
+for a predicate, and the changes it may be waiting for wake it. The lock is re-entrant so that a predicate may read the public
 properties. Drawing a prompt from the sampler and recording it as pending happen under it
 together, and so do the reads of a checkpoint, so a checkpoint never misses a prompt that was
 drawn but not yet recorded. The sampler has a lock of its own, always taken after this one.
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 import itertools
 import queue
 import threading
@@ -65,7 +67,7 @@ import torch
 
 from megatron_rl.algorithms.filtering import filter_groups
 from megatron_rl.data.problems import Problem, reward_input
-from megatron_rl.data.sampling import decode_completion, render_prompt
+from megatron_rl.data.sampling import completion_decoder, render_prompt
 from megatron_rl.errors import UserError
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import ClientClosed, ServerLost
@@ -86,6 +88,7 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
+    from megatron_rl.fileio import JsonValue
     from megatron_rl.generation.api import GenResult
     from megatron_rl.orchestration.recipe import RunConfig
     from megatron_rl.orchestration.sampler import PromptSampler
@@ -114,7 +117,8 @@ class Fleet(Protocol):
     ) -> Future[list[GenResult]]:
         """Send requests (one group's samples) together to a live server not in ``exclude``;
         hand each result to ``on_results`` once, as it finishes or with the others, in calls
-        that never overlap and all come before the future settles; the future fails with
+        that never overlap and all come before the future settles (on the fleet's I/O thread:
+        :meth:`_on_results` never blocks); the future fails with
         :class:`~megatron_rl.generation.client.ServerLost` if that server dies (the requests
         not handed over are lost)."""
         ...
@@ -173,6 +177,7 @@ class GroupRecord:
     drop_reason: str = ""
     done_at: float = 0.0
     _remaining: int = field(default=0, repr=False)  # samples not yet scored (under Rollouts' lock)
+    record: dict[str, JsonValue] | None = field(default=None, repr=False)  # problem.to_json(), once
 
     @property
     def key(self) -> tuple[str, int]:
@@ -258,6 +263,7 @@ class Rollouts:
         self._dropped_in_a_row: list[GroupRecord] = []  # since the last kept group
         self.version = version
         self.eos = tokenizer.eos_token_id
+        self._decode = completion_decoder(tokenizer)
         self._lock = threading.RLock()  # re-entrant: wait_until's predicates read the properties
         self._cond = threading.Condition(self._lock)
         self._completed: queue.Queue[GroupRecord] = queue.Queue()  # kept, scored groups
@@ -268,6 +274,9 @@ class Rollouts:
         # Samples being scored: (group index, sample) -> (record, sample, result, text, deadline,
         # future). Whoever pops an entry scores the sample: the pool's answer or the deadline.
         self._scoring: dict[tuple[int, int], tuple[GroupRecord, int, GenResult, str, float, Future]] = {}
+        # Their deadlines, soonest first: (deadline, group index, sample); entries scored since
+        # are skipped when they come up (the loop's checks look at the soonest, not at them all).
+        self._deadlines: list[tuple[float, int, int]] = []
         self._stopped = False  # stop(): callbacks that come later are ignored
         self._busy_s = 0.0  # time with a sequence in flight, up to _busy_since
         self._busy_since: float | None = None  # when the current busy stretch began
@@ -278,8 +287,8 @@ class Rollouts:
         self._prompt_cache: dict[str, list[int]] = {}
         self._max_prompt = 0  # the longest prompt in the cache (read by every room check)
         self._room_at = -1  # a score wakes the waiters when _unscored is down to this (wait_until)
-        self._prepare_lock = threading.Lock()  # one-off verifier set-up, before any code sample
-        self._prepared_code = False
+        self._plain_waiters = 0  # wait_until calls without outstanding_at_most (any count may matter)
+        self._prepared: set[str | None] | None = None  # code languages set up (None: none looked at)
 
     @classmethod
     def from_config(
@@ -385,10 +394,15 @@ class Rollouts:
         The predicate runs under the lock, woken by every change of the counts (a group issued,
         a sequence returned, a group finished, an error) and by :meth:`notify_all`. A sample
         scored wakes it only when :attr:`outstanding` is down to ``outstanding_at_most`` (the
-        async loop's room for a group): one wake-up per group's worth of scores, not per sample."""
+        async loop's room for a group): one wake-up per group's worth of scores, not per sample;
+        and a sequence returned wakes such a waiter only when none is left in flight."""
         with self._cond:
             if outstanding_at_most is None:
-                return self._cond.wait_for(predicate, timeout)
+                self._plain_waiters += 1
+                try:
+                    return self._cond.wait_for(predicate, timeout)
+                finally:
+                    self._plain_waiters -= 1
             before, self._room_at = self._room_at, max(self._room_at, outstanding_at_most)
             try:
                 return self._cond.wait_for(predicate, timeout)
@@ -448,9 +462,16 @@ class Rollouts:
         """Score every sample whose scoring is past its deadline as ``scoring_timeout`` (its task
         cancelled if it has not started); how many."""
         now = time.monotonic() if now is None else now
+        entries = []
         with self._lock:
-            overdue = [k for k, v in self._scoring.items() if v[4] <= now]
-            entries = [self._scoring.pop(k) for k in overdue]
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, index, i = heapq.heappop(self._deadlines)
+                entry = self._scoring.get((index, i))
+                if entry is not None and entry[4] <= now:
+                    entries.append(self._scoring.pop((index, i)))
+            if len(self._deadlines) > 2 * len(self._scoring) + 1024:  # mostly scored: rebuild
+                self._deadlines = [(v[4], k[0], k[1]) for k, v in self._scoring.items()]
+                heapq.heapify(self._deadlines)
         for rec, i, result, text, _deadline, fut in entries:
             fut.cancel()
             err = PoolTaskError("scoring_timeout", "no score by its deadline; counted as failed")
@@ -461,7 +482,7 @@ class Rollouts:
         """The loop is over: cancel the scoring that has not started and ignore what comes back."""
         with self._cond:
             self._stopped = True
-            entries, self._scoring = list(self._scoring.values()), {}
+            entries, self._scoring, self._deadlines = list(self._scoring.values()), {}, []
             self._cond.notify_all()
         for entry in entries:
             entry[5].cancel()
@@ -502,6 +523,7 @@ class Rollouts:
 
     def issue_group(self, problem: Problem | None = None, epoch: int | None = None) -> GroupRecord:
         """Send the G requests of the sampler's next prompt (or of ``problem``)."""
+        self._prepare(problem)
         with self._cond:
             if problem is None:
                 problem, epoch = self.sampler.next()
@@ -525,6 +547,24 @@ class Rollouts:
             self._cond.notify_all()
         self._submit(rec, list(range(self.group_size)))
         return rec
+
+    def _prepare(self, problem: Problem | None) -> None:
+        """One-off verifier set-up (a precompiled C++ header: seconds) for every code language
+        of the prompts, before the first is sent: here, not on the fleet's I/O thread, where
+        completions are scored."""
+        if self._prepared is not None and (problem is None or problem.task != "code"):
+            return
+        known: dict[str | None, Problem] = {}
+        problems = getattr(self.sampler, "problems", {})  # PromptSampler: id -> problem
+        for p in [*(problems.values() if self._prepared is None else ()), *([problem] if problem else [])]:
+            if p.task == "code":
+                known.setdefault(p.language, p)
+        prepared = self._prepared or set()
+        for language, p in known.items():
+            if language not in prepared:
+                prepare_verifiers([reward_input(p, "")], self.reward)
+                prepared.add(language)
+        self._prepared = prepared
 
     def _request(self, rec: GroupRecord, i: int) -> GenRequest:
         return GenRequest(
@@ -630,18 +670,16 @@ class Rollouts:
             if self._in_flight == 0 and self._busy_since is not None:
                 self._busy_s += time.monotonic() - self._busy_since
                 self._busy_since = None
-            self._cond.notify_all()
+            if self._plain_waiters or self._in_flight == 0:  # the room waiter counts scores
+                self._cond.notify_all()
         group_id = f"{rec.problem.id}@{rec.epoch}"
-        texts = [decode_completion(self.tok, r.token_ids) for _, r in done]
+        texts = [self._decode(r.token_ids) for _, r in done]
+        if rec.record is None:
+            rec.record = rec.problem.to_json()
         inputs = [
-            reward_input(rec.problem, text, num_tokens=len(r.token_ids), group_id=group_id)
+            reward_input(rec.problem, text, num_tokens=len(r.token_ids), group_id=group_id, record=rec.record)
             for text, (_, r) in zip(texts, done)
         ]
-        if inputs[0].task == "code":
-            with self._prepare_lock:  # later code samples wait for the set-up, not race it
-                if not self._prepared_code:
-                    prepare_verifiers([inputs[0]], self.reward)
-                    self._prepared_code = True
         limits = [hard_timeout_s(inp, self.reward) for inp in inputs]
         try:
             futs = self.pool.submit_many(score, [(inp, self.reward) for inp in inputs], timeout_s=limits)
@@ -661,6 +699,7 @@ class Rollouts:
                 return
             for (i, result), text, sfut in zip(done, texts, futs):
                 self._scoring[(rec.index, i)] = (rec, i, result, text, deadline, sfut)
+                heapq.heappush(self._deadlines, (deadline, rec.index, i))
         for (i, _), sfut in zip(done, futs):
             sfut.add_done_callback(functools.partial(self._on_scored, rec, i))
 

@@ -55,6 +55,7 @@ import io
 import itertools
 import multiprocessing as mp
 import os
+import selectors
 import signal
 import threading
 import time
@@ -64,7 +65,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn
 from multiprocessing import util as mp_util
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
@@ -590,33 +591,31 @@ class VerifierPool:
             return idle and (self._broken is not None or (self._closing and not self._pending))
 
     def _receive(self, w: _Worker) -> None:
-        """Read every message ``w`` has sent; replace it when it has died."""
-        while True:
-            try:
-                kind, *msg = w.conn.recv()
-            except (EOFError, OSError):
-                self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
-                return
-            if kind == "ready":
-                with self._ready:
-                    w.ready, self._start_failures = True, 0
-                    self._ready.notify_all()
-            elif kind == "failed":  # its warm-up raised; it dies next
-                w.start_error = str(msg[0])
+        """Read a message ``w`` has sent (the next select reports any other); replace ``w`` when it
+        has died. (``Connection.poll`` would build a selector per call.)"""
+        try:
+            kind, *msg = w.conn.recv()
+        except (EOFError, OSError):
+            self._replace(w, "worker_crash", f"verifier process died ({self._exit_status(w)})")
+            return
+        if kind == "ready":
+            with self._ready:
+                w.ready, self._start_failures = True, 0
+                self._ready.notify_all()
+        elif kind == "failed":  # its warm-up raised; it dies next
+            w.start_error = str(msg[0])
+        else:
+            task_id, ok, payload = msg
+            if not w.chunk or w.chunk[0].task_id != task_id:  # it answers in the order sent
+                raise RuntimeError(f"verifier worker {w.process.pid} answered task {task_id} out of turn")
+            task = w.chunk.popleft()
+            w.head_since = time.monotonic()  # the next task of the chunk starts now
+            self.stats["tasks"] += 1
+            if ok:
+                task.future.set_result(payload)
             else:
-                task_id, ok, payload = msg
-                if not w.chunk or w.chunk[0].task_id != task_id:  # it answers in the order sent
-                    raise RuntimeError(f"verifier worker {w.process.pid} answered task {task_id} out of turn")
-                task = w.chunk.popleft()
-                w.head_since = time.monotonic()  # the next task of the chunk starts now
-                self.stats["tasks"] += 1
-                if ok:
-                    task.future.set_result(payload)
-                else:
-                    self.stats["verifier_error"] += 1
-                    task.future.set_exception(PoolTaskError("verifier_error", payload))
-            if not w.conn.poll():
-                return
+                self.stats["verifier_error"] += 1
+                task.future.set_exception(PoolTaskError("verifier_error", payload))
 
     def _run(self) -> None:
         """The dispatcher thread: :meth:`_loop`, and if that ever raises (a bug), every task
@@ -634,25 +633,47 @@ class VerifierPool:
                 w.chunk.clear()
 
     def _loop(self) -> None:
-        while not self._dispatch():
-            busy = [w for w in self._workers if w.chunk]
-            watched = list(self._workers)  # idle ones too: a worker may die while waiting
-            timeout = max(0.0, min(w.deadline for w in busy) - time.monotonic()) if busy else None
-            for obj in wait([w.conn for w in watched] + [self._wake_r], timeout=timeout):
-                if obj is self._wake_r:
-                    while self._wake_r.poll():
-                        self._wake_r.recv_bytes()
-                    # Read first, then cleared: a submit after this writes again, and the tasks
-                    # of those before it are pending already, for the _dispatch that follows.
-                    with self._lock:
-                        self._woken = False
-                    continue
-                self._receive(next(w for w in watched if w.conn is obj))
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.chunk and now >= w.deadline:
-                    self._replace(
-                        w,
-                        "worker_timeout",
-                        f"no result within the hard limit of {w.chunk[0].timeout_s:g} s; worker killed",
-                    )
+        # One selector for the whole run, not one per wait (multiprocessing's wait() builds and
+        # fills a new one each call: at a thousand results a second that was a tenth of this
+        # thread). Workers are watched by descriptor; a replaced one's is swapped below.
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._wake_r.fileno(), selectors.EVENT_READ, self._wake_r)
+            watched: dict[int, Connection] = {}  # id(conn) -> conn, registered by descriptor
+            fds: dict[int, int] = {}  # id(conn) -> its descriptor
+            while not self._dispatch():
+                conns = {id(w.conn): w.conn for w in self._workers}  # idle ones too: they may die
+                for key in watched.keys() - conns.keys():  # replaced (closed): drop its descriptor
+                    sel.unregister(fds.pop(key))
+                    del watched[key]
+                for key in conns.keys() - watched.keys():
+                    fds[key] = conns[key].fileno()
+                    sel.register(fds[key], selectors.EVENT_READ, conns[key])
+                    watched[key] = conns[key]
+                self._serve([k.data for k, _ in sel.select(self._wait_s())])
+
+    def _wait_s(self) -> float | None:
+        """How long the dispatcher may sleep: until the first running task's hard limit."""
+        busy = [w for w in self._workers if w.chunk]
+        return max(0.0, min(w.deadline for w in busy) - time.monotonic()) if busy else None
+
+    def _serve(self, ready: list[Connection]) -> None:
+        """Read what the ready connections carry (the wake-up pipe, workers' answers), then
+        replace every worker past its running task's hard limit."""
+        watched = list(self._workers)
+        for obj in ready:
+            if obj is self._wake_r:
+                self._wake_r.recv_bytes()  # one wake-up; another one is seen by the next select
+                # Read first, then cleared: a submit after this writes again, and the tasks
+                # of those before it are pending already, for the _dispatch that follows.
+                with self._lock:
+                    self._woken = False
+                continue
+            self._receive(next(w for w in watched if w.conn is obj))
+        now = time.monotonic()
+        for w in list(self._workers):
+            if w.chunk and now >= w.deadline:
+                self._replace(
+                    w,
+                    "worker_timeout",
+                    f"no result within the hard limit of {w.chunk[0].timeout_s:g} s; worker killed",
+                )

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
-import torch
 
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.data.problems import Problem
@@ -349,7 +348,7 @@ def test_groups_spanning_a_weight_update_count_their_staleness_per_token(tok, sc
         assert rec.min_version() == 0 and rec.staleness(version[0]) == 2
         tokens = Counter(t for v in versions for t in v)
         total = sum(tokens.values())
-        got = staleness_stats([torch.tensor(v) for v in versions], version[0])
+        got = staleness_stats([list(v) for v in versions], version[0])
         assert got == {
             "staleness/mean": pytest.approx((2 * tokens[0] + tokens[1]) / total),  # float32 mean
             "staleness/max": 2.0,
