@@ -4,6 +4,7 @@
     megatron-rl config RECIPE.yaml [k=v]   # resolve and check a recipe, print it as YAML
     megatron-rl train RECIPE.yaml          # the RL loop (see README for what is available)
     megatron-rl sglang-args server|router RECIPE.yaml   # SGLang launch flags the recipe implies
+    megatron-rl verifier-server --workers 64 --host 0.0.0.0   # score for orchestrators elsewhere
 
 Also runnable as ``python -m megatron_rl``. Every verb runs behind one error path
 (:mod:`megatron_rl.errors`): a mistake in what you give it is one line on stderr and an exit code
@@ -155,6 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reward_parser(
         sub.add_parser("reward", help="score a JSONL of completions (format, math, code, length, language)")
+    )
+    from megatron_rl.cli.verifier_server import (
+        build_parser as verifier_server_parser,  # lazy: each verb imports only what it runs
+    )
+
+    verifier_server_parser(
+        sub.add_parser(
+            "verifier-server",
+            help="serve a verifier pool over HTTP to orchestrators on other nodes (reward.remote)",
+        )
     )
     for verb, (module, text) in _PASSTHROUGH.items():
         p = sub.add_parser(verb, help=text, add_help=False)

@@ -21,11 +21,13 @@ the reason (``worker_timeout`` / ``worker_crash`` / ``verifier_error``).
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from megatron_rl.config import ConfigFieldError, check_choice, check_range
 from megatron_rl.rewards.code import CodeConfig, ensure_pch, extract_code_block, verify_code
@@ -47,8 +49,35 @@ __all__ = [
     "problem_record",
     "score",
     "score_many",
+    "split_verifier_url",
     "verifier_warmup",
 ]
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def split_verifier_url(url: object) -> tuple[str, int]:
+    """(host, port) of a verifier server's URL, which must be ``http://HOST:PORT`` (nothing
+    else: no path, user, query); ValueError saying what is wrong otherwise."""
+    if not isinstance(url, str):
+        raise ValueError(f"must be a string http://HOST:PORT, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # a port that is not a number or out of range
+        raise ValueError(f"must be http://HOST:PORT, got {url!r} ({e})") from None
+    if (
+        parts.scheme != "http"
+        or not parts.hostname
+        or port is None
+        or port == 0
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise ValueError(f"must be http://HOST:PORT, got {url!r}")
+    return parts.hostname, port
 
 
 @dataclass(kw_only=True)
@@ -69,6 +98,11 @@ class RewardConfig:
     custom_timeout_s: float = 10.0  # limit per call of the custom function; past it, that part is 0
     math: MathConfig = field(default_factory=MathConfig)
     code: CodeConfig = field(default_factory=CodeConfig)
+    # Verifier servers (`megatron-rl verifier-server`) that share the scoring with the local pool,
+    # each http://HOST:PORT; [] = the local pool only (rewards/remote.py).
+    remote: list[str] = field(default_factory=list)
+    # The environment variable holding those servers' API key ("" or unset: none is sent).
+    remote_api_key_env: str = "MEGATRON_RL_VERIFIER_KEY"
 
     def __post_init__(self):
         for name in (
@@ -87,6 +121,7 @@ class RewardConfig:
         # an absolute bound here catches a typo, and the pool checks this machine's cores.
         check_range("workers", self.workers, low=1, high=1024)
         check_choice("custom_mode", self.custom_mode, ("replace", "add"))
+        self._check_remote()
         check_range("custom_timeout_s", self.custom_timeout_s, low=0.0, low_open=True)
         if self.custom is not None:
             resolve(self.custom)  # at load: a bad name, module or function fails here, naming the field
@@ -96,6 +131,26 @@ class RewardConfig:
                     f"must be below task_timeout_s ({self.task_timeout_s:g}), the hard limit of the "
                     f"whole sample, got {self.custom_timeout_s:g}",
                 )
+
+    def _check_remote(self) -> None:
+        if not isinstance(self.remote, list):
+            raise ConfigFieldError("remote", f"must be a list of http://HOST:PORT URLs, got {self.remote!r}")
+        seen: dict[tuple[str, int], int] = {}
+        for i, url in enumerate(self.remote):
+            try:
+                where = split_verifier_url(url)
+            except ValueError as e:
+                raise ConfigFieldError(f"remote[{i}]", str(e)) from None
+            if where in seen:
+                raise ConfigFieldError(f"remote[{i}]", f"the same server as remote[{seen[where]}] ({url!r})")
+            seen[where] = i
+        if self.remote_api_key_env and not (
+            isinstance(self.remote_api_key_env, str) and _ENV_NAME.fullmatch(self.remote_api_key_env)
+        ):
+            raise ConfigFieldError(
+                "remote_api_key_env",
+                f"must be an environment variable name (letters, digits, _) or '', got {self.remote_api_key_env!r}",
+            )
 
     @property
     def replaces_correctness(self) -> bool:
