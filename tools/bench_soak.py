@@ -91,14 +91,12 @@ def warm_up(out: Path) -> tuple[str, str]:
 
 
 def _jsonl(path: Path) -> list[dict]:
-    rows = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                pass  # a line cut by a kill
-    return rows
+    """The records of a log the kills may have cut mid-line (skipped: the run wrote them again)."""
+    from megatron_rl.fileio import JsonlError, iter_jsonl
+
+    if not path.exists():
+        return []
+    return [v for _, v in iter_jsonl(path, skip_bad=True) if not isinstance(v, JsonlError)]
 
 
 def last_step(run_dir: Path) -> int:

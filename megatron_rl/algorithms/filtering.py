@@ -12,7 +12,7 @@ import torch
 from megatron_rl.algorithms.advantages import group_index
 from megatron_rl.types import DROP_REASONS, FilterReport
 
-__all__ = ["DROP_REASONS", "FilterReport", "filter_groups"]
+__all__ = ["DROP_REASONS", "FilterReport", "filter_groups", "group_drop_reason"]
 
 
 def filter_groups(
@@ -70,14 +70,40 @@ def filter_groups(
         completions_kept=int(keep.sum()),
         completions_dropped=int((~keep).sum()),
     )
+    flag = lambda t, g: None if t is None else bool(t[g])
     for g in torch.nonzero(group_equal).flatten().tolist():
-        if all_fmt_fail is not None and all_fmt_fail[g]:
-            reason = "all_format_failed"
-        elif all_correct is not None and all_correct[g]:
-            reason = "all_correct"
-        elif all_wrong is not None and all_wrong[g]:
-            reason = "all_wrong"
-        else:
-            reason = "equal_reward"
+        reason = _reason(flag(all_fmt_fail, g), flag(all_correct, g), flag(all_wrong, g))
         report.dropped[reason] += 1
     return keep, report
+
+
+def group_drop_reason(
+    rewards: list[float],
+    *,
+    tolerance: float = 0.0,
+    correct: list[bool] | None = None,
+    format_ok: list[bool] | None = None,
+) -> str | None:
+    """:func:`filter_groups` for one group, in plain Python (the RL loop filters each group as
+    its last sample is scored: tensors for a dozen numbers cost more than the numbers): None
+    when the group is kept, else the reason it is dropped. Same rule, same reasons."""
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    if max(rewards) - min(rewards) > tolerance:  # float64, as filter_groups compares
+        return None
+    return _reason(
+        None if format_ok is None else not any(format_ok),
+        None if correct is None else all(correct),
+        None if correct is None else not any(correct),
+    )
+
+
+def _reason(all_format_failed: bool | None, all_correct: bool | None, all_wrong: bool | None) -> str:
+    """Why an equal-reward group is dropped (None: the flag was not given), first match wins."""
+    if all_format_failed:
+        return "all_format_failed"
+    if all_correct:
+        return "all_correct"
+    if all_wrong:
+        return "all_wrong"
+    return "equal_reward"

@@ -100,7 +100,7 @@ __all__ = [
     "generate_batch_payload",
     "generate_payload",
     "init_group_payload",
-    "loads_json",
+    "loads_reply",
     "memory_payload",
     "pack_bucket",
     "parse_generate",
@@ -330,7 +330,7 @@ def parse_generate_batch(
     return out
 
 
-def loads_json(data: bytes) -> JsonValue:
+def loads_reply(data: bytes) -> JsonValue:
     """JSON from bytes: orjson (a reply of per-token log-probs parses 2-3x faster), or the
     standard parser for what orjson refuses and Python writes (``NaN``, ``-Infinity``);
     ``ValueError`` if neither reads it."""
@@ -358,7 +358,7 @@ def parse_stream_events(
                 done = True
                 continue
             try:
-                item = loads_json(data)
+                item = loads_reply(data)
             except ValueError:
                 raise ProtocolError(
                     f"/generate stream from {server or 'server'}: an event is not JSON"

@@ -21,7 +21,7 @@ from megatron_rl.generation.protocol import (
     SGLANG_VERSION,
     ProtocolError,
     auth_headers,
-    loads_json,
+    loads_reply,
 )
 
 if TYPE_CHECKING:
@@ -105,7 +105,7 @@ class Sink:
 def parse_json(raw: bytes) -> JsonValue:
     """A reply's JSON (its text if it is not JSON; ``{}`` if empty)."""
     try:
-        return loads_json(raw) if raw else {}
+        return loads_reply(raw) if raw else {}
     except ValueError:
         return raw.decode(errors="replace")
 

@@ -63,9 +63,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
-import torch
-
-from megatron_rl.algorithms.filtering import filter_groups
+from megatron_rl.algorithms.filtering import group_drop_reason
 from megatron_rl.data.problems import Problem, reward_input
 from megatron_rl.data.sampling import completion_decoder, render_prompt
 from megatron_rl.errors import UserError
@@ -753,26 +751,23 @@ class Rollouts:
     def _group_done(self, rec: GroupRecord) -> None:
         # Every sample is scored: no other callback touches rec.scored any more.
         scored = rec.all_scored()
-        rewards = torch.tensor([s.reward for s in scored], dtype=torch.float64)
-        flags = lambda name: torch.tensor([bool(getattr(s, name)) for s in scored])
-        keep, report = filter_groups(
-            rewards,
-            torch.zeros(len(rewards), dtype=torch.long),
+        reason = group_drop_reason(
+            [s.reward for s in scored],
             tolerance=self.filter_tolerance,
-            correct=flags("correct"),
-            format_ok=flags("format_ok"),
+            correct=[bool(s.correct) for s in scored],
+            format_ok=[bool(s.format_ok) for s in scored],
         )
         solved = all(s.correct for s in scored)
         with self._cond:
             rec.done_at = time.monotonic()
-            rec.kept = bool(keep.all())
+            rec.kept = reason is None
             if solved:
                 self.sampler.mark_solved(rec.problem.id)
             if rec.kept:
                 self._completed.put(rec)
                 self._dropped_in_a_row.clear()
             else:
-                rec.drop_reason = next(r for r, n in report.dropped.items() if n)
+                rec.drop_reason = reason or ""
                 self._dropped.append(rec)
                 self._dropped_in_a_row.append(rec)
                 del self._dropped_in_a_row[: -max(self.stall_groups, 1)]

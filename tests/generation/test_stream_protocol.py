@@ -13,7 +13,7 @@ from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.protocol import (
     ProtocolError,
     generate_batch_payload,
-    loads_json,
+    loads_reply,
     parse_generate,
     parse_stream_events,
 )
@@ -98,7 +98,7 @@ def test_malformed_per_token_data_is_a_protocol_error(mutate):
 
 def test_json_that_only_python_writes_still_reads():
     """orjson refuses NaN and Infinity; Python's json writes them (a logprob of -inf)."""
-    assert loads_json(b'{"a": [1.5, 2]}') == {"a": [1.5, 2]}
-    assert loads_json(b"[-Infinity]")[0] == -math.inf
+    assert loads_reply(b'{"a": [1.5, 2]}') == {"a": [1.5, 2]}
+    assert loads_reply(b"[-Infinity]")[0] == -math.inf
     with pytest.raises(ValueError):
-        loads_json(b"{nope")
+        loads_reply(b"{nope")
