@@ -23,8 +23,9 @@ checkpoint (``run.resume: auto``).
 - ``flat``: in every segment between kills long enough to judge (past its warm-up of
   ``--warmup-steps``), the orchestrator's and the servers' RSS grew less than 5% (the median of
   the segment's last five samples against its first five), and the descriptors and threads of
-  no process class rose to a new ceiling (the highest count of the segment's last quarter
-  against its first quarter's: they come and go by one or two); the checkpoints' bytes stayed within
+  no process class grew: the fewest of the segment's last quarter is not above the most of its
+  first quarter (they come and go by one or two between samples; a leak lifts them all); the
+  checkpoints' bytes stayed within
   ``keep_last + 1`` checkpoints' worth (one is written before the oldest is removed);
 - ``nothing_lost``: the resumed run trained every step once (steps 1..N in ``metrics.jsonl``),
   ``n_batch`` sequences each, and no group twice (``ledger.jsonl``): what an uninterrupted run
@@ -234,14 +235,15 @@ def judge(rows: list[dict], killed_at: list[int], run_dir: Path, args: argparse.
         s = {"segment": seg, "from_step": warm[0]["step"], "to_step": warm[-1]["step"]}
         for c in ("orchestrator", "servers"):
             s[f"{c}_rss_growth"] = round(m(last, f"{c}_rss_mb") / max(1e-9, m(first, f"{c}_rss_mb")) - 1, 4)
-        # Descriptors and threads come and go by one or two (a request's connection, a pool's
-        # thread started on demand): a leak shows as a rising ceiling, so the segment's last
-        # quarter's highest count is compared with its first quarter's.
+        # Descriptors and threads come and go by one or two between samples (a request's
+        # connection, a pool's thread started on demand), so neither a median nor a ceiling
+        # is steady. A leak lifts the whole count: the fewest of the segment's last quarter
+        # rises above the most of its first quarter (growth > 0); jitter never does.
         q = max(1, len(warm) // 4)
         for c in CLASSES:
             for k in ("fds", "threads"):
-                top = lambda rs: max(r[f"{c}_{k}"] for r in rs)  # noqa: B023 - used at once
-                s[f"{c}_{k}_growth"] = top(warm[-q:]) - top(warm[:q])
+                counts = [r[f"{c}_{k}"] for r in warm]
+                s[f"{c}_{k}_growth"] = min(counts[-q:]) - max(counts[:q])
         s["flat"] = all(s[f"{c}_rss_growth"] < 0.05 for c in ("orchestrator", "servers")) and all(
             s[f"{c}_{k}_growth"] <= 0 for c in CLASSES for k in ("fds", "threads")
         )

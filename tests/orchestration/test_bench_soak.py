@@ -1,7 +1,8 @@
 """``megatron-rl bench soak`` at a size a test affords: a real run killed (SIGKILL to its process
 group) and resumed trains every step once, n_batch sequences each and no group twice; the sampled
 rows carry each process class; the checkpoints stay within their rotation; the plot is drawn.
-Whether memory stays flat over thousands of steps is the bench's to measure (README "Scale")."""
+Whether memory stays flat over thousands of steps is the bench's to measure (README "Scale");
+its verdict is checked here on synthetic samples: jitter is flat, a leak is not."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import pytest
 
 from tests.orchestration.conftest import ROOT, read_jsonl
 
-pytestmark = [pytest.mark.slow, pytest.mark.fault("crash")]
 
-
+@pytest.mark.slow
+@pytest.mark.fault("crash")
 def test_a_killed_and_resumed_soak_loses_nothing(tmp_path, policy):
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "megatron_rl", "bench", "soak", "--steps", "14", "--kills", "1"]
@@ -35,6 +36,8 @@ def test_a_killed_and_resumed_soak_loses_nothing(tmp_path, policy):
     assert (out / "soak.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
+@pytest.mark.fault("crash")
 def test_bad_arguments_are_one_line_errors():
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_rl", "bench", "soak", "--model", "x"],
@@ -45,3 +48,43 @@ def test_bad_arguments_are_one_line_errors():
     )
     assert proc.returncode == 2 and "--model and --train go together" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _rows(steps: int, *, fds=lambda s, j: 120 + j, rss=lambda s: 500.0) -> list[dict]:
+    """Synthetic samples of one segment: every class with threads and descriptors that jitter by
+    -2..+2 around a plateau (``j``), unless ``fds`` says otherwise."""
+    out = []
+    for s in range(0, steps, 5):
+        j = (s * 7919) % 5 - 2  # deterministic jitter in -2..2
+        row = {
+            "segment": 0,
+            "step": s,
+            "t": float(s),
+            "servers_procs": 2,
+            "disk_ckpt_mb": 0.0,
+            "disk_other_mb": 0.0,
+        }
+        for c in ("orchestrator", "servers", "verifiers"):
+            row |= {f"{c}_rss_mb": rss(s), f"{c}_fds": fds(s, j), f"{c}_threads": 80 + j, f"{c}_procs": 1}
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "flat"),
+    [("jitter", True), ("fd_leak", False), ("rss_creep", False)],
+)
+def test_the_flat_verdict_ignores_jitter_and_catches_a_leak(tmp_path, kind, flat):
+    """Counts that come and go by one or two around a plateau are flat; a descriptor leaked every
+    50 steps, or RSS that grows 10% over the segment, is not."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import bench_soak
+
+    rows = {
+        "jitter": lambda: _rows(2000),
+        "fd_leak": lambda: _rows(2000, fds=lambda s, j: 120 + j + s // 50),
+        "rss_creep": lambda: _rows(2000, rss=lambda s: 500.0 * (1 + 0.1 * s / 2000)),
+    }[kind]()
+    args = bench_soak.parse_args(["--steps", "3000", "--warmup-steps", "100"])
+    res = bench_soak.judge(rows, [], tmp_path, args)
+    assert res["flat"] is flat, res["segments"]
