@@ -31,9 +31,7 @@ the checkpoint's weights before generating anything.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import functools
 import json
 import os
 import secrets
@@ -76,8 +74,6 @@ from megatron_rl.weight_sync.colocated import TensorPusher
 # JsonValue and YamlValue are Any: a record read back from JSON (eval.jsonl, the checkpoint's
 # extra state) or YAML (config.yaml) has no static shape; the code reading a field checks it.
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rl.config import YamlValue
@@ -99,28 +95,6 @@ _PLOTS = [
     ("generator/busy_fraction", "generator busy fraction"),
     ("throughput/generated_tokens_per_s", "generated tokens/s"),
 ]
-
-
-# glibc keeps the free pages of its heap resident: the step's transient buffers (batches, weight
-# buckets, replies, checkpoint serialization) are freed but their pages stay in the process's RSS,
-# and the heap's high-water mark creeps as the sizes vary (a soak's orchestrator: +9 kB/step with
-# malloc's in-use bytes flat). malloc_trim(0) hands those pages back; once a minute is enough.
-_TRIM_EVERY_S = 60.0
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to hand back this way
-        return None
-
-
-def _release_free_heap() -> None:
-    """Hand malloc's free pages back to the OS (glibc's ``malloc_trim(0)``; a no-op elsewhere)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _system_prompt(value: str) -> str:
@@ -550,7 +524,6 @@ class _Run:
         )
         self.stack.callback(bar.close)
         steps_here = 0
-        trimmed_at = time.monotonic()
         while trainer.step < cfg.loop.max_steps:
             if stop_after is not None and steps_here >= stop_after:
                 self.stopped = "stop_after"
@@ -591,9 +564,6 @@ class _Run:
                 and trainer.step < cfg.loop.max_steps
             ):
                 self.evaluate(f"step {trainer.step}")
-            if time.monotonic() - trimmed_at >= _TRIM_EVERY_S:
-                _release_free_heap()
-                trimmed_at = time.monotonic()
         bar.close()
         self.orch.stop()
 
