@@ -229,21 +229,28 @@ def _post(url: str, route: str, body: dict, api_key: str) -> dict:
 
 
 class VersionBroadcaster:
-    """A weight update with no weights: pause in place, set the version, wait ``hold_s`` (the
-    transfer), resume. Running requests keep going; later tokens carry the new version."""
+    """A weight update with no weights: pause in place, set the version on every server while
+    ``hold_s`` (the transfer) passes, resume. Running requests keep going; later tokens carry
+    the new version. The version goes out during the hold, not after it: a real update sets it
+    with the weights (SGLang's ``weight_version`` in the update call, the built-in engine's end
+    of update), so the paused fleet waits for the slower of the two, not for both."""
 
     def __init__(self, fleet, api_key: str, hold_s: float = 0.0):
         self.fleet, self.api_key, self.hold_s = fleet, api_key, hold_s
+        self._calls = ThreadPoolExecutor(len(fleet.update_urls), thread_name_prefix="bench-version")
 
     def sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         self.fleet.pause("in_place")
         try:
             body = {"new_version": str(version), "abort_all_requests": False}
-            urls = self.fleet.update_urls
-            with ThreadPoolExecutor(len(urls)) as ex:  # every server at once, as a broadcast
-                list(ex.map(lambda u: _post(u, "/update_weight_version", body, self.api_key), urls))
+            calls = [  # every server at once, as a broadcast
+                self._calls.submit(_post, u, "/update_weight_version", body, self.api_key)
+                for u in self.fleet.update_urls
+            ]
             time.sleep(self.hold_s)
+            for c in calls:
+                c.result()
         finally:
             self.fleet.resume()
         return {"weight_sync/seconds": time.perf_counter() - t0, "weight_sync/version": float(version)}
