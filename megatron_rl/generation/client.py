@@ -20,7 +20,8 @@ balances and the client sees one server (weight updates then go to the servers t
 (:mod:`asyncio` + ``aiohttp``, a thread of the client's own): thousands in flight cost a socket
 each, not a thread, as in slime's and AReaL's rollout clients. Control calls (pause, resume,
 begin/end update, update weights, abort, server info) run on a small thread pool of their own
-with their own connections, so a weight update never queues behind generations, whatever the
+with their own connections (kept alive between calls: an update's pause, update and resume reach
+each server within milliseconds), so a weight update never queues behind generations, whatever the
 number in flight. A batch's ``on_results`` callback runs on the event loop's thread as each
 reply is read (a hand-over to another thread per completion was a quarter of the orchestrator's
 CPU at thousands in flight), so it must be quick; a future's own callbacks run on a third set
@@ -90,6 +91,7 @@ from megatron_rl.generation.protocol import (
 )
 from megatron_rl.generation.transport import (
     ClientClosed,
+    Connections,
     ServerError,
     ServerLost,
     Sink,
@@ -174,6 +176,7 @@ class FleetClient:
         # holds one per target while the broadcast runs) with room to spare.
         n_urls = len({s.url for s in self.servers} | set(self.update_urls))
         self._control = ThreadPoolExecutor(max_workers=2 * n_urls + 8, thread_name_prefix="fleet-control")
+        self._connections = Connections()  # kept alive between control calls (transport.Connections)
         # Futures without on_results are settled here, off the event loop (their callbacks may block).
         self._deliver = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fleet-callback")
         self._loop = asyncio.new_event_loop()
@@ -226,7 +229,14 @@ class FleetClient:
     ) -> JsonValue:
         """:func:`~megatron_rl.generation.transport.post_json` with this client's API key."""
         return post_json(
-            url, route, body, method=method, timeout=timeout, request_id=request_id, api_key=self._api_key
+            url,
+            route,
+            body,
+            method=method,
+            timeout=timeout,
+            request_id=request_id,
+            api_key=self._api_key,
+            connections=self._connections,
         )
 
     # ------------------------------------------------------------------ fleet state
@@ -795,6 +805,7 @@ class FleetClient:
             self._io.join(timeout=30)
         self._deliver.shutdown(wait=True)  # every future handed out is settled by now
         self._control.shutdown(wait=False, cancel_futures=True)
+        self._connections.close()
 
     async def _shutdown(self) -> None:
         for t in list(self._tasks):

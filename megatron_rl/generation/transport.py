@@ -9,6 +9,8 @@ import asyncio
 import http.client
 import json
 import logging
+import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -28,7 +30,16 @@ if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
     from megatron_rl.generation.api import GenResult
 
-__all__ = ["ClientClosed", "ServerError", "ServerLost", "Sink", "parse_json", "post_json", "settle"]
+__all__ = [
+    "ClientClosed",
+    "Connections",
+    "ServerError",
+    "ServerLost",
+    "Sink",
+    "parse_json",
+    "post_json",
+    "settle",
+]
 
 log = logging.getLogger("megatron_rl.generation.client")
 
@@ -110,6 +121,53 @@ def parse_json(raw: bytes) -> JsonValue:
         return raw.decode(errors="replace")
 
 
+class Connections:
+    """Kept-alive connections for a client's control calls, per server: at most ``keep`` idle
+    ones each, none reused after ``idle_s`` (SGLang's server drops an idle connection after 5 s,
+    the built-in engine after 30). A weight update makes three calls to every server within
+    milliseconds (pause, update, resume); each on a new connection is a TCP handshake and, on a
+    threading server, a thread started, while the whole fleet waits paused."""
+
+    def __init__(self, keep: int = 4, idle_s: float = 4.0) -> None:
+        self.keep, self.idle_s = keep, idle_s
+        self._lock = threading.Lock()
+        self._idle: dict[tuple[str, int], list[tuple[float, http.client.HTTPConnection]]] = {}
+
+    def take(self, host: str, port: int, timeout: float | None) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection to ``host:port`` (True) or a new one (False), with ``timeout``."""
+        now = time.monotonic()
+        with self._lock:
+            stack = self._idle.get((host, port), [])
+            while stack:
+                since, conn = stack.pop()
+                if now - since < self.idle_s and conn.sock is not None:
+                    conn.timeout = timeout
+                    conn.sock.settimeout(timeout)
+                    return conn, True
+                conn.close()
+        return http.client.HTTPConnection(host, port, timeout=timeout), False
+
+    def give(self, host: str, port: int, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            stack = self._idle.setdefault((host, port), [])
+            if len(stack) < self.keep:
+                stack.append((time.monotonic(), conn))
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for stack in idle.values():
+            for _, conn in stack:
+                conn.close()
+
+
+# A kept-alive connection the server closed while it sat idle fails at once, before any answer:
+# the request never reached the server, so it is sent again on a new connection.
+_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+
+
 def post_json(
     url: str,
     route: str,
@@ -119,9 +177,11 @@ def post_json(
     timeout: float | None = None,
     request_id: str | None = None,
     api_key: str = "",
+    connections: Connections | None = None,
 ) -> JsonValue:
     """``body`` (None: no body) sent as JSON, with ``api_key`` ("" for none) as a bearer token;
-    the answer parsed as JSON (its text if it is not)."""
+    the answer parsed as JSON (its text if it is not). ``connections``: reuse kept-alive
+    connections (else one per call)."""
     # Only routes the SGLang contract test has checked (protocol.ROUTES), with their method; our
     # own extensions of the built-in engine live under /megatron_rl/ (GET, but the streamed
     # weight update, a POST).
@@ -134,18 +194,32 @@ def post_json(
     parts = urllib.parse.urlsplit(url)
     if parts.hostname is None:
         raise ValueError(f"{url}: not a server URL (expected http://host[:port])")
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if data is not None else {}
-        headers.update(auth_headers(api_key))
-        conn.request(method, parts.path.rstrip("/") + route, body=data, headers=headers)
-        resp = conn.getresponse()
-        raw = resp.read()
-    except (ConnectionError, http.client.HTTPException, OSError) as e:
-        raise ServerLost(url, request_id, e) from e
-    finally:
-        conn.close()
+    host, port = parts.hostname, parts.port or 80
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    headers.update(auth_headers(api_key))
+    while True:
+        if connections is not None:
+            conn, reused = connections.take(host, port, timeout)
+        else:
+            conn, reused = http.client.HTTPConnection(host, port, timeout=timeout), False
+        try:
+            conn.request(method, parts.path.rstrip("/") + route, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except _STALE as e:
+            conn.close()
+            if reused:
+                continue  # closed by the server while idle: again, on a new connection
+            raise ServerLost(url, request_id, e) from e
+        except (ConnectionError, http.client.HTTPException, OSError) as e:
+            conn.close()
+            raise ServerLost(url, request_id, e) from e
+        if connections is not None and not resp.will_close:
+            connections.give(host, port, conn)
+        else:
+            conn.close()
+        break
     payload = parse_json(raw)
     if resp.status != 200:
         raise ServerError(url, route, resp.status, payload)
