@@ -300,11 +300,6 @@ def make_handler(
 
         def setup(self) -> None:
             super().setup()
-            # An answer goes out as a header write and a body write: on a kept-alive
-            # connection Nagle holds the second until the client ACKs the first, which a
-            # delayed ACK puts off ~40 ms (every control call of a weight update, waited on).
-            with contextlib.suppress(OSError):  # not TCP (a test's socketpair)
-                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._reader = _DeadlineReader(self.connection)
             self.rfile = io.BufferedReader(self._reader)  # every read under the request's deadline
 
@@ -324,6 +319,7 @@ def make_handler(
             # A client that does not read its answer holds the thread no longer than one that
             # does not send its request (sendall's timeout bounds the whole write).
             self.connection.settimeout(self.server.read_timeout_s)
+            self._nodelay(True)
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -453,6 +449,7 @@ def make_handler(
             finished together arrives together. A client gone ends it (``out.close`` aborts
             the rest); an error after the status line can only close the connection."""
             self.connection.settimeout(self.server.read_timeout_s)  # bounds each write, as _send
+            self._nodelay(False)
             try:
                 self.send_response(HTTPStatus.OK)
                 self.send_header("Content-Type", "text/event-stream")
@@ -471,6 +468,16 @@ def make_handler(
                 self.close_connection = True
             finally:
                 out.close()
+
+        def _nodelay(self, on: bool) -> None:
+            """Nagle's algorithm off for an answer, on for a stream. An answer goes out as a
+            header write and a body write, and on a kept-alive connection Nagle holds the body
+            until the client ACKs the headers, which a delayed ACK puts off ~40 ms (each
+            control call of a weight update, the fleet paused). A stream's events are better
+            coalesced: what finishes while the last event is unacknowledged goes in one segment,
+            fewer reads for a client with thousands in flight (measured: ~25% of its CPU)."""
+            with contextlib.suppress(OSError):  # not TCP (a test's socketpair)
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, int(on))
 
         def _chunk(self, data: bytes) -> None:
             self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
