@@ -23,9 +23,10 @@ checkpoint (``run.resume: auto``).
 - ``flat``: in every segment between kills long enough to judge (past its warm-up of
   ``--warmup-steps``), the orchestrator's and the servers' RSS grew less than 5% (the median of
   the segment's last five samples against its first five), and the descriptors and threads of
-  no process class grew: the fewest of the segment's last quarter is not above the most of its
-  first quarter (they come and go by one or two between samples; a leak lifts them all); the
-  checkpoints' bytes stayed within
+  no process class kept rising: a leak lifts the fewest of the segment's third fifth above the
+  most of its first fifth, and the fewest of its last fifth above the most of its third (they
+  come and go by one or two between samples, and a pool may settle one higher once; neither
+  reads as rising); the checkpoints' bytes stayed within
   ``keep_last + 1`` checkpoints' worth (one is written before the oldest is removed);
 - ``nothing_lost``: the resumed run trained every step once (steps 1..N in ``metrics.jsonl``),
   ``n_batch`` sequences each, and no group twice (``ledger.jsonl``): what an uninterrupted run
@@ -236,16 +237,21 @@ def judge(rows: list[dict], killed_at: list[int], run_dir: Path, args: argparse.
         for c in ("orchestrator", "servers"):
             s[f"{c}_rss_growth"] = round(m(last, f"{c}_rss_mb") / max(1e-9, m(first, f"{c}_rss_mb")) - 1, 4)
         # Descriptors and threads come and go by one or two between samples (a request's
-        # connection, a pool's thread started on demand), so neither a median nor a ceiling
-        # is steady. A leak lifts the whole count: the fewest of the segment's last quarter
-        # rises above the most of its first quarter (growth > 0); jitter never does.
-        q = max(1, len(warm) // 4)
+        # connection, a pool's thread started on demand), and a pool may settle one higher
+        # once (a kept-alive connection more): neither a median nor a ceiling is steady. A
+        # leak keeps lifting the whole count. In fifths of the segment: the fewest of the third
+        # fifth is above the most of the first, and the fewest of the fifth above the most of
+        # the third (jitter never rises like that; a one-time step, wherever it falls, rises in
+        # one of the two at most). The figure: the last fifth's fewest against the first's most.
+        f = max(1, len(warm) // 5)
         for c in CLASSES:
             for k in ("fds", "threads"):
-                counts = [r[f"{c}_{k}"] for r in warm]
-                s[f"{c}_{k}_growth"] = min(counts[-q:]) - max(counts[:q])
-        s["flat"] = all(s[f"{c}_rss_growth"] < 0.05 for c in ("orchestrator", "servers")) and all(
-            s[f"{c}_{k}_growth"] <= 0 for c in CLASSES for k in ("fds", "threads")
+                n = [r[f"{c}_{k}"] for r in warm]
+                w1, w3, w5 = n[:f], n[2 * f : 3 * f], n[4 * f :]
+                s[f"{c}_{k}_growth"] = min(w5) - max(w1)
+                s[f"{c}_{k}_rising"] = min(w3) > max(w1) and min(w5) > max(w3)
+        s["flat"] = all(s[f"{c}_rss_growth"] < 0.05 for c in ("orchestrator", "servers")) and not any(
+            s[f"{c}_{k}_rising"] for c in CLASSES for k in ("fds", "threads")
         )
         segments.append(s)
     ckpts = sorted((run_dir / "checkpoints").glob("*/")) if (run_dir / "checkpoints").is_dir() else []
