@@ -302,7 +302,7 @@ class VerifierPool:
 
     def map(self, fn: Callable, items: Iterable[tuple], *, timeout_s: float | None = None) -> list:
         """``fn(*item)`` for every item; results (or :class:`PoolTaskError`) in input order."""
-        futures = self._enqueue(fn, list(items), timeout_s)  # queued at once: chunked from the start
+        futures = self.submit_many(fn, items, timeout_s=timeout_s)  # queued at once: chunked from the start
         deadline = self.deadline()
         out = []
         for f in futures:
@@ -311,6 +311,16 @@ class VerifierPool:
             except PoolTaskError as e:
                 out.append(e)
         return out
+
+    def limits(self, timeout_s: Sequence[float] | float | None, n: int) -> list[float]:
+        """The hard limit of each of ``n`` tasks: ``timeout_s`` one per task, one for all, or
+        (None, 0) ``default_timeout_s``."""
+        if timeout_s is None or isinstance(timeout_s, (int, float)):
+            return [float(timeout_s or self.default_timeout_s)] * n
+        limits = [float(t or self.default_timeout_s) for t in timeout_s]
+        if len(limits) != n:
+            raise ValueError(f"timeout_s: one per item ({n}), got {len(limits)}")
+        return limits
 
     @property
     def broken(self) -> str | None:
@@ -419,12 +429,7 @@ class VerifierPool:
                 f"{getattr(fn, '__qualname__', fn)!r} is defined in the script being run (__main__), "
                 "which the verifier processes do not run: move it into a module and import it from there"
             )
-        if timeout_s is None or isinstance(timeout_s, (int, float)):
-            limits = [float(timeout_s or self.default_timeout_s)] * len(arg_lists)
-        else:
-            limits = [float(t or self.default_timeout_s) for t in timeout_s]
-            if len(limits) != len(arg_lists):
-                raise ValueError(f"timeout_s: one per item ({len(arg_lists)}), got {len(limits)}")
+        limits = self.limits(timeout_s, len(arg_lists))
         tasks = [_Task(next(self._ids), fn, args, limit) for args, limit in zip(arg_lists, limits)]
         with self._lock:
             if self._closing:

@@ -236,27 +236,11 @@ class VerifierFleet(VerifierPool):
         """:meth:`VerifierPool.submit_many`; ``score(RewardInput, RewardConfig)`` tasks may run on
         a server (each where it waits least), anything else runs in the local pool."""
         items = list(items)
-        if timeout_s is None or isinstance(timeout_s, (int, float)):
-            limits = [float(timeout_s or self.default_timeout_s)] * len(items)
-        else:
-            limits = [float(t or self.default_timeout_s) for t in timeout_s]
-            if len(limits) != len(items):
-                raise ValueError(f"timeout_s: one per item ({len(items)}), got {len(limits)}")
+        limits = self.limits(timeout_s, len(items))
         remote_ok = fn is score and all(
             len(a) == 2 and isinstance(a[0], RewardInput) and isinstance(a[1], RewardConfig) for a in items
         )
         return self._remotes.submit(fn, items, limits, remote_ok)
-
-    def map(self, fn: Callable, items: Iterable[tuple], *, timeout_s: float | None = None) -> list:
-        futures = self.submit_many(fn, list(items), timeout_s=timeout_s)
-        deadline = self.deadline()
-        out = []
-        for f in futures:
-            try:
-                out.append(self.result(f, deadline))
-            except PoolTaskError as e:
-                out.append(e)
-        return out
 
     def deadline(self) -> float:
         """:meth:`VerifierPool.deadline` with the tasks away counted (see the module docstring)."""
