@@ -287,7 +287,7 @@ class VerifierPool:
     def submit(self, fn: Callable[..., T], *args: object, timeout_s: float | None = None) -> Future[T]:
         """Run ``fn(*args)`` in a worker; the future fails with :class:`PoolTaskError` when the
         task times out, its worker dies or ``fn`` raises."""
-        return self._enqueue(fn, [args], timeout_s)[0]
+        return self.submit_many(fn, [args], timeout_s=timeout_s)[0]
 
     def submit_many(
         self,

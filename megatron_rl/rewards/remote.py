@@ -223,9 +223,6 @@ class VerifierFleet(VerifierPool):
             probe_interval_s=probe_interval_s,
         )
 
-    def submit(self, fn: Callable[..., T], *args: object, timeout_s: float | None = None) -> Future[T]:
-        return self.submit_many(fn, [args], timeout_s=timeout_s)[0]
-
     def submit_many(
         self,
         fn: Callable[..., T],
