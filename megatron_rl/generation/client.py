@@ -473,15 +473,11 @@ class FleetClient:
                             f"the stream ended{' ([DONE])' if finished else ''} with {len(pending)} "
                             f"of {len(reqs)} requests unanswered"
                         )
-            except aiohttp.ConnectionTimeoutError as e:  # never connected: nothing to abort there
-                await self._lost(server, [reqs[i] for i in sorted(pending)], e)
-            except TimeoutError:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 late = sorted(pending)
-                for i, r in zip(late, await self._timed_out(server, [reqs[i] for i in late])):
+                for i, r in zip(late, await self._failed(server, [reqs[i] for i in late], e)):
                     results[i] = r
                 pending.clear()
-            except (aiohttp.ClientError, OSError) as e:
-                await self._lost(server, [reqs[i] for i in sorted(pending)], e)
         finally:
             with self._lock:
                 server.in_flight -= len(pending)
@@ -497,12 +493,8 @@ class FleetClient:
                     headers={"Content-Type": "application/json"},
                 ) as resp:
                     status, raw = resp.status, await resp.read()
-            except aiohttp.ConnectionTimeoutError as e:  # never connected: nothing to abort there
-                await self._lost(server, reqs, e)
-            except TimeoutError:  # aiohttp's total timeout is asyncio.TimeoutError, i.e. TimeoutError
-                return await self._timed_out(server, reqs)
-            except (aiohttp.ClientError, OSError) as e:
-                await self._lost(server, reqs, e)
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
+                return await self._failed(server, reqs, e)
         finally:
             with self._lock:
                 server.in_flight -= len(reqs)
@@ -516,6 +508,16 @@ class FleetClient:
         if not isinstance(payload, dict):
             raise ProtocolError(f"/generate reply from {server.url} is not a JSON object")
         return [parse_generate(reqs[0], payload, server=server.url, initial_version=self.initial_version)]
+
+    async def _failed(self, server: ServerState, reqs: list[GenRequest], e: BaseException) -> list[GenResult]:
+        """Requests ``reqs`` to ``server`` failed with ``e``: past their timeout, each is aborted
+        there and returned ``abort`` with ``meta["timed_out"]``; any other failure (a connect
+        timeout included: never connected, nothing to abort) raises :class:`ServerLost`."""
+        # aiohttp's total timeout is asyncio.TimeoutError, i.e. TimeoutError; its connect
+        # timeout is a TimeoutError too, but the request never reached the server.
+        if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ConnectionTimeoutError):
+            return await self._timed_out(server, reqs)
+        await self._lost(server, reqs, e)
 
     async def _lost(self, server: ServerState, reqs: list[GenRequest], cause: BaseException) -> NoReturn:
         """Record requests whose server went away and raise :class:`ServerLost`; a reset
