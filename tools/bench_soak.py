@@ -27,7 +27,8 @@ checkpoint (``run.resume: auto``).
   most of its first fifth, and the fewest of its last fifth above the most of its third (they
   come and go by one or two between samples, and a pool may settle one higher once; neither
   reads as rising); the checkpoints' bytes stayed within
-  ``keep_last + 1`` checkpoints' worth (one is written before the oldest is removed);
+  ``keep_last + 1`` checkpoints' worth (one is written before the oldest is removed; one more
+  after a kill: the killed run's partial save, swept by the next save);
 - ``nothing_lost``: the resumed run trained every step once (steps 1..N in ``metrics.jsonl``),
   ``n_batch`` sequences each, and no group twice (``ledger.jsonl``): what an uninterrupted run
   trains.
@@ -150,6 +151,8 @@ def sample(top: psutil.Process, run_dir: Path) -> dict:
     for p in procs:
         try:
             with p.oneshot():
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue  # exited (killed), not yet reaped: nothing of it is resident any more
                 c = sums[_classify(p, top.pid)]
                 c["rss_mb"] += p.memory_info().rss / 2**20
                 c["fds"] += p.num_fds()
@@ -257,7 +260,10 @@ def judge(rows: list[dict], killed_at: list[int], run_dir: Path, args: argparse.
     ckpts = sorted((run_dir / "checkpoints").glob("*/")) if (run_dir / "checkpoints").is_dir() else []
     one_ckpt_mb = (_bytes(ckpts[-1]) / 2**20) if ckpts else 0.0
     max_ckpt_mb = max(r["disk_ckpt_mb"] for r in rows)
-    disk_bounded = max_ckpt_mb <= (args.keep_last + 1) * one_ckpt_mb * 1.05 + 1.0
+    # keep_last, plus the one being written before the oldest goes; after a kill, plus the killed
+    # run's partial save (a leftover the next save sweeps).
+    allowed = args.keep_last + 1 + (1 if killed_at else 0)
+    disk_bounded = max_ckpt_mb <= allowed * one_ckpt_mb * 1.05 + 1.0
     metrics = _jsonl(run_dir / "metrics.jsonl")
     steps = [int(m["step"]) for m in metrics]
     ledger = _jsonl(run_dir / "ledger.jsonl")
