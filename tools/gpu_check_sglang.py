@@ -114,7 +114,7 @@ class SGLangServer:
         t0 = time.monotonic()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [*self.cmd, "--api-key", self.key],
+                [*self.cmd, f"--api-key={self.key}"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its group is ours to stop, scheduler processes included

@@ -255,8 +255,9 @@ def test_the_client_with_the_key_works_end_to_end(server, hf_weights):
 def test_the_api_key_flag_works_and_a_bad_key_is_refused_at_start(tiny_llama, tmp_path):
     timing = tmp_path / "timing.json"
     timing.write_text(json.dumps({"decode_s": 0.0, "script": [[1, 2, 3]]}))
-    flag_key = secrets.token_urlsafe(16)
-    args = ["--timing-model", str(timing), "--api-key", flag_key]
+    # A URL-safe key may begin with "-" (1 in 64 of token_urlsafe's): "--api-key=KEY" takes it.
+    flag_key = "-" + secrets.token_urlsafe(16)
+    args = ["--timing-model", str(timing), f"--api-key={flag_key}"]
     with EngineProcess(tiny_llama, max_slots=2, max_len=64, api_key="", extra_args=args) as s:
         assert _call(s.url, "GET", "/server_info")[0] == 401
         assert _call(s.url, "GET", "/server_info", None, f"Bearer {flag_key}")[0] == 200

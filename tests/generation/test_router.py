@@ -55,7 +55,7 @@ def fleet_urls(tiny_llama, tmp_path_factory):
                     "--worker-urls", a.url, b.url,
                     "--host", "127.0.0.1", "--port", str(port),
                     "--policy", "round_robin",
-                    "--api-key", KEY,
+                    f"--api-key={KEY}",
                     # Its metrics exporter binds a port of its own (0.0.0.0:29000 by default).
                     "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                     *router_launch_args(request_timeout_s=60.0),
