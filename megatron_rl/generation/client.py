@@ -70,6 +70,7 @@ import orjson
 from megatron_rl.generation.api import GenRequest, GenResult
 from megatron_rl.generation.engine.weights import ENGINE_CAPABILITY, STREAM_ROUTE
 from megatron_rl.generation.protocol import (
+    FLAT_LOGPROBS,
     STREAMED_BATCH,
     ProtocolError,
     abort_payload,
@@ -123,6 +124,12 @@ class ServerState:
 # request. They use a session of their own, so a full generation connection pool never delays them.
 _PROBE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
+
+
+def _flat(server: ServerState) -> bool:
+    """Whether ``server`` answers log-probs as one list of floats when asked (its
+    ``/server_info`` says :data:`~megatron_rl.generation.protocol.FLAT_LOGPROBS`)."""
+    return bool(server.info and server.info.get(FLAT_LOGPROBS))
 
 
 class FleetClient:
@@ -443,7 +450,7 @@ class FleetClient:
             try:
                 async with self._session.post(
                     server.url + "/generate",
-                    data=orjson.dumps(generate_batch_payload(reqs, stream=True)),
+                    data=orjson.dumps(generate_batch_payload(reqs, stream=True, flat_logprobs=_flat(server))),
                     headers={"Content-Type": "application/json"},
                 ) as resp:
                     if resp.status != 200:
@@ -484,7 +491,9 @@ class FleetClient:
         return [r for r in results if r is not None]
 
     async def _run(self, server: ServerState, reqs: list[GenRequest], batch: bool) -> list[GenResult]:
-        body = generate_batch_payload(reqs) if batch else generate_payload(reqs[0])
+        body = (
+            generate_batch_payload(reqs, flat_logprobs=_flat(server)) if batch else generate_payload(reqs[0])
+        )
         try:
             try:
                 async with self._session.post(

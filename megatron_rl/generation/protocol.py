@@ -85,6 +85,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "API_KEY_ENV",
+    "FLAT_LOGPROBS",
     "MEMORY_TAGS",
     "ROUTER_VERSION",
     "ROUTES",
@@ -157,6 +158,13 @@ API_KEY_ENV = "MEGATRON_RL_API_KEY"
 # there; SGLang would also send partial outputs every --stream-interval tokens.
 STREAMED_BATCH = "megatron_rl_streamed_batch"
 
+# A key of the built-in engine's /server_info and a /generate field (not SGLang's): asked for with
+# true, the reply's ``meta_info`` carries ``output_logprobs``, one float per output token, instead
+# of SGLang's ``output_token_logprobs`` triples ``[logprob, token_id, null]`` that repeat the
+# ``output_ids``. It reads in about half the time (one list of floats, no list per token): the
+# client's CPU per completion is what one orchestrator's fleet size is bounded by.
+FLAT_LOGPROBS = "megatron_rl_flat_logprobs"
+
 
 class ProtocolError(ValueError):
     """A reply that does not have the shape SGLang's API promises."""
@@ -210,7 +218,9 @@ def generate_payload(req: GenRequest) -> dict[str, object]:
     }
 
 
-def generate_batch_payload(reqs: Sequence[GenRequest], *, stream: bool = False) -> dict[str, object]:
+def generate_batch_payload(
+    reqs: Sequence[GenRequest], *, stream: bool = False, flat_logprobs: bool = False
+) -> dict[str, object]:
     """``/generate`` body for several requests at once (a group's G samples of one prompt):
     SGLang's batch form, a ``rid``, a prompt and a ``sampling_params`` (its own sampling seed)
     per request. The reply is a list, one object per request in this order
@@ -221,10 +231,13 @@ def generate_batch_payload(reqs: Sequence[GenRequest], *, stream: bool = False) 
     ``stream``: the reply is server-sent events instead, each item as it finishes with its
     ``index`` (:func:`parse_stream_events`). The built-in engine sends only finished items
     (:data:`STREAMED_BATCH`); SGLang also sends every item's partial output every
-    ``--stream-interval`` tokens, which the parser skips."""
+    ``--stream-interval`` tokens, which the parser skips.
+
+    ``flat_logprobs``: ask for the log-probs as one list of floats (:data:`FLAT_LOGPROBS`; only
+    for a server whose ``/server_info`` says it takes it)."""
     if not reqs:
         raise ValueError("generate_batch_payload: need at least one request")
-    return {
+    body: dict[str, object] = {
         "rid": [r.request_id for r in reqs],
         "input_ids": [list(r.input_ids) for r in reqs],
         "sampling_params": [_sampling_params(r) for r in reqs],
@@ -232,6 +245,9 @@ def generate_batch_payload(reqs: Sequence[GenRequest], *, stream: bool = False) 
         "logprob_start_len": -1,
         "stream": stream,
     }
+    if flat_logprobs:
+        body[FLAT_LOGPROBS] = True
+    return body
 
 
 def versions_per_token(
@@ -276,15 +292,21 @@ def parse_generate(
     try:
         meta = body["meta_info"]
         token_ids = list(map(int, body["output_ids"]))
-        lp = meta["output_token_logprobs"]
+        flat = meta.get("output_logprobs")  # FLAT_LOGPROBS, asked of a built-in engine
+        lp = meta["output_token_logprobs"] if flat is None else flat
         finish = meta.get("finish_reason") or {}
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ProtocolError(f"/generate reply from {server or 'server'} lacks {e}") from None
     # SGLang: [[logprob, token_id, text_or_None], ...] for the output tokens. Read with map and
-    # itemgetter (C loops): this runs for every token of every completion of a run.
+    # itemgetter (C loops): this runs for every token of every completion of a run. float() and
+    # int() of a float or an int that JSON gave return it as it is.
     try:
-        matches = len(lp) == len(token_ids) and list(map(int, map(_SECOND, lp))) == token_ids
-        logprobs = list(map(float, map(_FIRST, lp)))
+        if flat is None:
+            matches = len(lp) == len(token_ids) and list(map(int, map(_SECOND, lp))) == token_ids
+            logprobs = list(map(float, map(_FIRST, lp)))
+        else:
+            matches = isinstance(lp, list) and len(lp) == len(token_ids)
+            logprobs = list(map(float, lp))
     except (TypeError, ValueError, IndexError, KeyError):
         matches = False
     if not matches:

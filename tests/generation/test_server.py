@@ -18,6 +18,7 @@ from megatron_rl.generation.api import GenRequest, LocalGenerator
 from megatron_rl.generation.client import FleetClient, ServerLost
 from megatron_rl.generation.engine import Engine, EngineConfig
 from megatron_rl.generation.engine.launch import EngineProcess
+from megatron_rl.generation.protocol import FLAT_LOGPROBS, generate_batch_payload, parse_generate_batch
 from megatron_rl.types import TrainBatch, TrainSequence
 from megatron_rl.weight_sync.broadcast import WeightBroadcaster, WeightSyncConfig
 from tests.generation.conftest import prompt
@@ -98,6 +99,29 @@ def test_generate_over_http_matches_the_in_process_engine(server, tiny_llama):
         assert r.versions == [0] * len(r.token_ids) and r.finish_reason == "length"
         assert r.server == server.url
     fleet.close()
+
+
+def test_flat_logprobs_are_the_triples_log_probs_and_the_client_asks_for_them(server):
+    """The built-in engine's compact reply (FLAT_LOGPROBS): one float per output token, the same
+    floats as SGLang's triples for the same seeded requests; the fleet client reads either."""
+    assert _info(server.url)[FLAT_LOGPROBS] is True
+    reqs = [
+        GenRequest(request_id=f"f{i}", input_ids=prompt(6, i), max_new_tokens=9, seed=7 + i) for i in range(3)
+    ]
+    body = generate_batch_payload(reqs)
+    status, triples = _post(server.url, "/generate", {**body, "rid": [f"t{i}" for i in range(3)]})
+    assert status == 200
+    status, flat = _post(server.url, "/generate", generate_batch_payload(reqs, flat_logprobs=True))
+    assert status == 200
+    for t, f in zip(triples, flat):
+        assert f["output_ids"] == t["output_ids"] and "output_token_logprobs" not in f["meta_info"]
+        assert f["meta_info"]["output_logprobs"] == [
+            lp for lp, _, _ in t["meta_info"]["output_token_logprobs"]
+        ]
+    read = parse_generate_batch(reqs, flat, server=server.url)
+    assert [r.logprobs for r in read] == [f["meta_info"]["output_logprobs"] for f in flat]
+    status, err = _post(server.url, "/generate", {**body, FLAT_LOGPROBS: "yes"})
+    assert status == 400 and FLAT_LOGPROBS in err["message"]
 
 
 @pytest.mark.fault("input")

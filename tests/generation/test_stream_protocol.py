@@ -11,6 +11,7 @@ import pytest
 
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.protocol import (
+    FLAT_LOGPROBS,
     ProtocolError,
     generate_batch_payload,
     loads_reply,
@@ -91,6 +92,43 @@ def test_a_bad_event_is_a_protocol_error_naming_the_server(events, why):
 )
 def test_malformed_per_token_data_is_a_protocol_error(mutate):
     body = _item(None, [5, 6, 7])
+    mutate(body)
+    with pytest.raises(ProtocolError, match="http://bad:1"):
+        parse_generate(REQS[0], body, server="http://bad:1")
+
+
+def _flat(tokens: list[int]) -> dict:
+    body = _item(None, tokens)
+    triples = body["meta_info"].pop("output_token_logprobs")
+    body["meta_info"]["output_logprobs"] = [lp for lp, _, _ in triples]
+    return body
+
+
+def test_flat_logprobs_read_as_the_triples_do():
+    assert FLAT_LOGPROBS not in generate_batch_payload(REQS)
+    assert generate_batch_payload(REQS, flat_logprobs=True)[FLAT_LOGPROBS] is True
+    flat, triples = parse_generate(REQS[0], _flat([5, 6, 7])), parse_generate(REQS[0], _item(None, [5, 6, 7]))
+    assert (flat.token_ids, flat.logprobs, flat.versions) == (
+        triples.token_ids,
+        triples.logprobs,
+        triples.versions,
+    )
+
+
+@pytest.mark.fault("input")
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda b: b["meta_info"]["output_logprobs"].pop(),  # one short
+        lambda b: b["meta_info"].__setitem__("output_logprobs", {"0": -1.0}),  # not a list
+        lambda b: b["meta_info"]["output_logprobs"].__setitem__(1, "high"),  # not a number
+        lambda b: b["meta_info"]["output_logprobs"].__setitem__(1, [-1.0, 6]),  # a triple in a flat list
+        lambda b: b.__setitem__("meta_info", [1]),  # not an object
+    ],
+    ids=["short", "not-a-list", "text-logprob", "nested", "meta-not-object"],
+)
+def test_malformed_flat_logprobs_are_a_protocol_error(mutate):
+    body = _flat([5, 6, 7])
     mutate(body)
     with pytest.raises(ProtocolError, match="http://bad:1"):
         parse_generate(REQS[0], body, server="http://bad:1")

@@ -1,5 +1,5 @@
 """A ``/generate`` body for the built-in engine, read and checked before anything is queued: the
-prompts (one, or a batch), their ids (``rid``), ``stream``, and each prompt's sampling parameters as
+prompts (one, or a batch), their ids (``rid``), ``stream``, the reply's log-prob form, and each prompt's sampling parameters as
 SGLang 0.5.23 reads and verifies them. Every refusal is a :class:`BadRequest` naming the field
 (``sampling_params[3].top_p: ...``); a batch is checked whole, so one bad prompt queues nothing.
 """
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from megatron_rl.generation.engine.engine import TOP_K_OFF
 from megatron_rl.generation.engine.http import BadRequest
+from megatron_rl.generation.protocol import FLAT_LOGPROBS
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -51,6 +52,7 @@ class GenerateBody:
     batch: bool
     stream: bool
     jobs: list[Job]
+    flat_logprobs: bool = False  # FLAT_LOGPROBS: log-probs as one list of floats per reply
 
 
 def parse_generate_body(body: dict[str, JsonValue]) -> GenerateBody:
@@ -62,6 +64,9 @@ def parse_generate_body(body: dict[str, JsonValue]) -> GenerateBody:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise BadRequest(f"stream: must be true or false, got {stream!r}")
+    flat = body.get(FLAT_LOGPROBS)
+    if flat is not None and not isinstance(flat, bool):
+        raise BadRequest(f"{FLAT_LOGPROBS}: must be true or false, got {flat!r}")
     ids = body["input_ids"]
     if not isinstance(ids, list) or not ids:
         raise BadRequest("input_ids: must be a non-empty list of token ids, or a list of such lists")
@@ -88,7 +93,7 @@ def parse_generate_body(body: dict[str, JsonValue]) -> GenerateBody:
     named = [j.rid for j in jobs if j.rid]
     if len(set(named)) != len(named):
         raise BadRequest("rid: the same id twice in one batch")
-    return GenerateBody(batch=batch, stream=bool(stream), jobs=jobs)
+    return GenerateBody(batch=batch, stream=bool(stream), jobs=jobs, flat_logprobs=bool(flat))
 
 
 # SGLang 0.5.23's sampling parameters (``SamplingParams``, sglang/srt/sampling/sampling_params.py)

@@ -11,7 +11,9 @@ weight loads, abort) land *between* steps.
 - ``/generate``: token ids in (``input_ids``, one list or a batch of lists), ``output_ids`` with
   ``meta_info.output_token_logprobs`` and ``weight_versions`` spans out. Text prompts are refused
   (the server has no tokenizer). ``stream``: replies as server-sent events, each sent as its
-  request finishes (a batch's with their ``index``; no partial outputs). ``sampling_params`` are read as SGLang
+  request finishes (a batch's with their ``index``; no partial outputs). ``megatron_rl_flat_logprobs``
+  (ours, advertised in ``/server_info``): ``meta_info.output_logprobs``, one float per token, instead
+  of the triples, which take the client twice as long to read. ``sampling_params`` are read as SGLang
   0.5.23 reads them and checked as strictly: a key that is not SGLang's, a wrong type or range, a
   parameter we do not implement at other than its "off" value, or ``n`` other than 1 is a 400
   naming the field. ``top_k`` -1 is no cut; a temperature below 1e-6 is greedy. A batch is
@@ -104,6 +106,7 @@ from megatron_rl.generation.engine.weights import (
 )
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
+    FLAT_LOGPROBS,
     STREAMED_BATCH,
     check_api_key,
     tensor_digest,
@@ -193,9 +196,10 @@ class _Stream:
         ready: queue.SimpleQueue[int],
         client_gone: Callable[[], bool],
         batch: bool,
+        flat: bool,
     ) -> None:
         self._server, self._jobs, self._waiters, self._ready = server, jobs, waiters, ready
-        self._client_gone, self._batch = client_gone, batch
+        self._client_gone, self._batch, self._flat = client_gone, batch, flat
         self._left = len(waiters)
 
     def __iter__(self) -> _Stream:
@@ -218,7 +222,7 @@ class _Stream:
             except queue.Empty:
                 break
         self._left -= len(done)
-        replies = [self._server._reply(self._waiters[i].finished()) for i in done]
+        replies = [self._server._reply(self._waiters[i].finished(), self._flat) for i in done]
         if self._batch:
             for i, reply in zip(done, replies):
                 reply["index"] = i
@@ -413,14 +417,15 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             job.rid = job.rid or self._next_rid()
         if parsed.stream:
             ready: queue.SimpleQueue[int] = queue.SimpleQueue()
-            return _Stream(self, jobs, self._enqueue(jobs, ready), ready, client_gone, parsed.batch)
+            waiting = self._enqueue(jobs, ready)
+            return _Stream(self, jobs, waiting, ready, client_gone, parsed.batch, parsed.flat_logprobs)
         waiters = self._enqueue(jobs)
         for w in waiters:
             while not w.event.wait(_POLL_S):
                 if client_gone():
                     self._abandon([job.rid for job in jobs])
                     raise ClientGone
-        out = [self._reply(w.finished()) for w in waiters]
+        out = [self._reply(w.finished(), parsed.flat_logprobs) for w in waiters]
         return out if parsed.batch else out[0]
 
     def _enqueue(self, jobs: list[Job], ready: queue.SimpleQueue[int] | None = None) -> list[_Waiter]:
@@ -479,7 +484,9 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             self._rid_counter += 1
             return f"engine-{os.getpid()}-{self._rid_counter}"
 
-    def _reply(self, f: Finished) -> Body:
+    def _reply(self, f: Finished, flat: bool = False) -> Body:
+        """SGLang's ``/generate`` reply for ``f``; with ``flat`` its log-probs as one list of floats
+        (:data:`~megatron_rl.generation.protocol.FLAT_LOGPROBS`) instead of per-token triples."""
         n = len(f.token_ids)
         spans: list[dict[str, str | int]] = []
         for i, v in enumerate(f.versions):
@@ -495,19 +502,19 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             finish = {"type": "length", "length": n}
         else:
             finish = {"type": "abort", "message": getattr(f, "error", "aborted")}
-        return {
-            "text": "",
-            "output_ids": f.token_ids,
-            "meta_info": {
-                "id": f.request_id,
-                "prompt_tokens": len(f.prompt_ids),
-                "completion_tokens": n,
-                "finish_reason": finish,
-                "output_token_logprobs": [[lp, t, None] for lp, t in zip(f.logprobs, f.token_ids)],
-                "weight_version": spans[-1]["version"],
-                "weight_versions": spans,
-            },
+        meta: Body = {
+            "id": f.request_id,
+            "prompt_tokens": len(f.prompt_ids),
+            "completion_tokens": n,
+            "finish_reason": finish,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
         }
+        if flat:
+            meta["output_logprobs"] = f.logprobs
+        else:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(f.logprobs, f.token_ids)]
+        return {"text": "", "output_ids": f.token_ids, "meta_info": meta}
 
     def pause(self, body: Body) -> Body:
         mode = body.get("mode", "abort")
@@ -575,6 +582,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                 **self.memory_state(),  # colocated mode: released tags, weights_loaded
                 ENGINE_CAPABILITY: STREAM_ROUTE,  # takes streamed weight updates (engine/weights.py)
                 STREAMED_BATCH: True,  # streams a batch's finished items only (generate)
+                FLAT_LOGPROBS: True,  # log-probs as one list of floats when asked (generate)
                 # One process holds the whole model: one rank of the weight-update group.
                 "tp_size": 1,
                 "pp_size": 1,
