@@ -55,6 +55,7 @@ import io
 import itertools
 import multiprocessing as mp
 import os
+import pickle
 import selectors
 import signal
 import threading
@@ -68,7 +69,6 @@ from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from multiprocessing.process import BaseProcess
-from multiprocessing.reduction import ForkingPickler
 from typing import TypeVar
 
 from megatron_rl.errors import RunStopped, UsageError
@@ -205,6 +205,9 @@ class _Worker:
     @property
     def deadline(self) -> float:
         return self.head_since + self.chunk[0].timeout_s
+
+
+_dumps = functools.partial(pickle.dumps, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def max_workers() -> int:
@@ -554,22 +557,25 @@ class VerifierPool:
     def _send(self, w: _Worker, chunk: list[_Task]) -> None:
         """Send a chunk to idle ``w`` (under the lock); OSError when ``w`` has died. Tasks that
         cannot be pickled fail here and are dropped from ``chunk``."""
+        # Plain pickle, not multiprocessing's ForkingPickler (a task carries no descriptor or
+        # shared memory; ForkingPickler copies the copyreg table per call, and Connection.send
+        # pickles through it once more): the worker's recv() and loads read plain pickles.
         try:  # fn and shared args pickled once; the worker unpickles (see _worker_main)
-            blob = ForkingPickler.dumps([(t.task_id, t.fn, t.args) for t in chunk])
+            blob = _dumps([(t.task_id, t.fn, t.args) for t in chunk])
         except Exception:  # noqa: BLE001 -- arguments that cannot be pickled: find them, send the rest
             sendable = []
             for t in chunk:
                 try:
-                    ForkingPickler.dumps((t.task_id, t.fn, t.args))
+                    _dumps((t.task_id, t.fn, t.args))
                 except Exception as e:  # noqa: BLE001
                     self.stats["verifier_error"] += 1
                     t.future.set_exception(PoolTaskError("verifier_error", f"could not send task: {e}"))
                 else:
                     sendable.append(t)
             chunk[:] = sendable  # in place: on OSError below, the caller requeues only these
-            blob = ForkingPickler.dumps([(t.task_id, t.fn, t.args) for t in chunk])
+            blob = _dumps([(t.task_id, t.fn, t.args) for t in chunk])
         if chunk:
-            w.conn.send(([t.task_id for t in chunk], bytes(blob)))
+            w.conn.send_bytes(_dumps(([t.task_id for t in chunk], blob)))
             self.stats["chunks"] += 1
             w.chunk.extend(chunk)
             w.head_since = time.monotonic()
