@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Attempt",
     "SamplingConfig",
+    "byte_level_table",
     "close_generator",
     "decode_completion",
     "extract_answer",
@@ -150,12 +151,17 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 def decode_completion(tokenizer, token_ids) -> str:
     """The completion's text as the verifiers read it: every token kept (a model's ``<think>``
     may be a special token), except a final EOS, which ends the turn and is not text."""
-    return completion_decoder(tokenizer)(token_ids)
+    return completion_decoder(tokenizer, table=False)(token_ids)
 
 
-def completion_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
+def completion_decoder(tokenizer, *, table: bool = True) -> Callable[[Sequence[int]], str]:
     """:func:`decode_completion` for ``tokenizer``, with what it needs looked up once: the RL
-    loop decodes every completion of a run with it."""
+    loop decodes every completion of a run with it (a tenth of the orchestrator's CPU).
+
+    ``table``: where the tokenizer decodes byte-level (:func:`byte_level_table`: Llama 3, Qwen,
+    Mistral's Tekken, the quickstart's), a completion is its tokens' bytes joined and read as
+    UTF-8, three times faster than the Rust decoder called from Python (3.5 against 11 us for
+    105 tokens); the table is checked against the tokenizer's own decode when it is built."""
     eos = getattr(tokenizer, "eos_token_id", None)
     # A fast (Rust) tokenizer without the clean-up pass decodes exactly what its own decode()
     # returns; called directly it skips transformers' per-token conversion of the id list
@@ -163,6 +169,20 @@ def completion_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
     backend = getattr(tokenizer, "_tokenizer", None)
     fast = backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
     decode = backend.decode if fast and backend is not None else tokenizer.decode
+    pieces = byte_level_table(backend) if table and fast else None
+    if pieces is not None:
+        piece = pieces.__getitem__
+
+        def joined(ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+            # An id past the vocabulary or below 0 (a server's bug): the tokenizer's own answer.
+            if not ids or min(ids) >= 0:
+                try:
+                    return b"".join(map(piece, ids)).decode("utf-8", "replace")
+                except (IndexError, TypeError):
+                    pass
+            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+        decode = joined
 
     def run(token_ids: Sequence[int]) -> str:
         ids = token_ids if isinstance(token_ids, list) else list(token_ids)
@@ -171,6 +191,55 @@ def completion_decoder(tokenizer) -> Callable[[Sequence[int]], str]:
         return decode(ids, skip_special_tokens=False)
 
     return run
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character to byte (``bytes_to_unicode`` inverted): printable
+    bytes stand for themselves, the others for the characters from U+0100 on, in byte order."""
+    printable = [
+        *range(0x21, 0x7E + 1),
+        *range(0xA1, 0xAC + 1),
+        *range(0xAE, 0x100),
+    ]
+    rest = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(rest)}
+
+
+def byte_level_table(backend) -> list[bytes] | None:
+    """Each token id's bytes, where ``backend`` (a ``tokenizers.Tokenizer``) decodes byte-level,
+    as the Rust ``ByteLevel`` decoder reads a token: its characters through GPT-2's alphabet, or
+    its UTF-8 when one is outside it (an added token with a space). None for any other decoder,
+    and None unless the table decodes every single id and 256 random sequences exactly as
+    ``backend.decode`` does (invalid UTF-8 included: both replace it with U+FFFD)."""
+    import random
+
+    try:
+        from tokenizers import decoders
+    except ImportError:
+        return None
+    if backend is None or not isinstance(getattr(backend, "decoder", None), decoders.ByteLevel):
+        return None
+    alphabet = _byte_alphabet()
+    size = backend.get_vocab_size(with_added_tokens=True)
+    pieces = []
+    for i in range(size):
+        token = backend.id_to_token(i)
+        if token is None:  # a hole in the ids: the Rust decoder skips it, so does the table
+            pieces.append(b"")
+        elif all(c in alphabet for c in token):
+            pieces.append(bytes(alphabet[c] for c in token))
+        else:
+            pieces.append(token.encode())
+    rng = random.Random(0)
+    checks = [[i] for i in range(size)] + [
+        [rng.randrange(size) for _ in range(rng.randrange(2, 40))] for _ in range(256)
+    ]
+    for ids in checks:
+        if b"".join(pieces[i] for i in ids).decode("utf-8", "replace") != backend.decode(
+            ids, skip_special_tokens=False
+        ):
+            return None
+    return pieces
 
 
 def load_tokenizer(folder: str, *, chat_template: str = "auto"):
