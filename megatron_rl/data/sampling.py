@@ -171,7 +171,7 @@ def completion_decoder(tokenizer, *, table: bool = True) -> Callable[[Sequence[i
     decode = backend.decode if fast and backend is not None else tokenizer.decode
     pieces = byte_level_table(backend) if table and fast else None
     if pieces is not None:
-        piece = pieces.__getitem__
+        piece, rust = pieces.__getitem__, decode
 
         def joined(ids: Sequence[int], skip_special_tokens: bool = False) -> str:
             # An id past the vocabulary or below 0 (a server's bug): the tokenizer's own answer.
@@ -180,7 +180,7 @@ def completion_decoder(tokenizer, *, table: bool = True) -> Callable[[Sequence[i
                     return b"".join(map(piece, ids)).decode("utf-8", "replace")
                 except (IndexError, TypeError):
                     pass
-            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return rust(list(ids), skip_special_tokens=skip_special_tokens)
 
         decode = joined
 
