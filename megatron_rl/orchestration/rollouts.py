@@ -263,6 +263,7 @@ class Rollouts:
         self.version = version
         self.eos = tokenizer.eos_token_id
         self._decode = completion_decoder(tokenizer)
+        self._shared_reward: RewardConfig | None = None  # the config last given to pool.share
         self._lock = threading.RLock()  # re-entrant: wait_until's predicates read the properties
         self._cond = threading.Condition(self._lock)
         self._completed: queue.Queue[GroupRecord] = queue.Queue()  # kept, scored groups
@@ -683,6 +684,11 @@ class Rollouts:
             for text, (_, r) in zip(texts, done)
         ]
         limits = [hard_timeout_s(inp, self.reward) for inp in inputs]
+        if self.reward is not self._shared_reward:  # first, or a curriculum stage replaced it
+            self._shared_reward = self.reward
+            share = getattr(self.pool, "share", None)  # a stand-in pool may have none
+            if callable(share):
+                share(self.reward)  # sent to each worker once, not with every sample
         try:
             futs = self.pool.submit_many(score, [(inp, self.reward) for inp in inputs], timeout_s=limits)
         except PoolBroken as e:  # no verifier can start: the run stops, saying why

@@ -141,6 +141,28 @@ class _WorkerProcess(ForkServerProcess):
         return _NoMainPopen(process_obj)
 
 
+# A verifier process's copies of the objects its pool shares (VerifierPool.share), by key: sent
+# once, before the first chunk that names them; a task's pickle then carries a _Shared reference.
+_SHARED: dict[int, object] = {}
+
+
+def _shared_object(key: int) -> object:
+    """What a :class:`_Shared` reference unpickles to in a verifier process."""
+    return _SHARED[key]
+
+
+class _Shared:
+    """A reference to a shared object, pickled as its key: ``(_shared_object, (key,))``."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int):
+        self.key = key
+
+    def __reduce__(self) -> tuple[Callable[[int], object], tuple[int]]:
+        return _shared_object, (self.key,)
+
+
 def _worker_main(conn: Connection, warmup: Callable[[], object] | None) -> None:
     try:  # die with the parent, whatever kills it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -163,9 +185,11 @@ def _worker_main(conn: Connection, warmup: Callable[[], object] | None) -> None:
             return
         if msg is None:
             return
-        ids, blob = msg
+        ids, blob, defs = msg
         try:  # unpickled here, so that a task that cannot be loaded fails alone, not the worker
-            chunk = reduction.ForkingPickler.loads(blob)
+            if defs:
+                _SHARED.update(pickle.loads(defs))
+            chunk = pickle.loads(blob)
         except BaseException as e:  # noqa: BLE001
             why = f"task could not be loaded in the verifier process: {type(e).__name__}: {e}"
             for task_id in ids:
@@ -193,7 +217,7 @@ class _Task:
     future: Future = field(default_factory=Future)
 
 
-@dataclass
+@dataclass(eq=False)  # a worker is itself: compared and found by identity
 class _Worker:
     process: BaseProcess
     conn: Connection
@@ -201,6 +225,7 @@ class _Worker:
     head_since: float = 0.0  # when chunk[0] started, as seen here: chunk sent or previous answer read
     ready: bool = False  # said hello: it imported and warmed everything and waits for tasks
     start_error: str = ""  # what its warm-up raised, when it said so before dying
+    known: set[int] = field(default_factory=set)  # keys of the shared objects it has been sent
 
     @property
     def deadline(self) -> float:
@@ -267,7 +292,10 @@ class VerifierPool:
             "worker_timeout": 0,
             "worker_crash": 0,
             "verifier_error": 0,
+            "shared_sent": 0,  # shared objects sent to a worker (each once per worker: share())
         }
+        # Objects many tasks take as an argument (share()): id -> (key, object), held here.
+        self._shared: dict[int, tuple[int, object]] = {}
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         # A wake-up is written and not yet read (under _lock): a burst of submits writes one.
         self._woken = False
@@ -302,6 +330,15 @@ class VerifierPool:
         """:meth:`submit` for every item at once (one lock, one wake-up of the dispatcher: a
         group's G samples cost what one does); ``timeout_s`` one per item, or one for all."""
         return self._enqueue(fn, list(items), timeout_s)
+
+    def share(self, obj: object) -> None:
+        """Send ``obj`` to each worker once, not with every task that takes it as an argument
+        (the reward config: two thirds of a math task's pickle). It is pickled as it is now:
+        a shared object must not change afterwards (a changed copy would not reach the
+        workers). Held by the pool until it closes."""
+        with self._lock:
+            if id(obj) not in self._shared:
+                self._shared[id(obj)] = (len(self._shared), obj)
 
     def map(self, fn: Callable, items: Iterable[tuple], *, timeout_s: float | None = None) -> list:
         """``fn(*item)`` for every item; results (or :class:`PoolTaskError`) in input order."""
@@ -560,25 +597,45 @@ class VerifierPool:
         # Plain pickle, not multiprocessing's ForkingPickler (a task carries no descriptor or
         # shared memory; ForkingPickler copies the copyreg table per call, and Connection.send
         # pickles through it once more): the worker's recv() and loads read plain pickles.
+        used: set[int] = set()
         try:  # fn and shared args pickled once; the worker unpickles (see _worker_main)
-            blob = _dumps([(t.task_id, t.fn, t.args) for t in chunk])
+            blob = _dumps([self._wire(t, used) for t in chunk])
         except Exception:  # noqa: BLE001 -- arguments that cannot be pickled: find them, send the rest
             sendable = []
             for t in chunk:
                 try:
-                    _dumps((t.task_id, t.fn, t.args))
+                    _dumps(self._wire(t, set()))
                 except Exception as e:  # noqa: BLE001
                     self.stats["verifier_error"] += 1
                     t.future.set_exception(PoolTaskError("verifier_error", f"could not send task: {e}"))
                 else:
                     sendable.append(t)
             chunk[:] = sendable  # in place: on OSError below, the caller requeues only these
-            blob = _dumps([(t.task_id, t.fn, t.args) for t in chunk])
+            used.clear()
+            blob = _dumps([self._wire(t, used) for t in chunk])
         if chunk:
-            w.conn.send_bytes(_dumps(([t.task_id for t in chunk], blob)))
+            new = used - w.known
+            defs = _dumps({key: obj for key, obj in self._shared.values() if key in new}) if new else b""
+            w.conn.send_bytes(_dumps(([t.task_id for t in chunk], blob, defs)))
+            w.known |= new
+            self.stats["shared_sent"] += len(new)
             self.stats["chunks"] += 1
             w.chunk.extend(chunk)
             w.head_since = time.monotonic()
+
+    def _wire(self, t: _Task, used: set[int]) -> tuple[int, Callable, tuple]:
+        """``t`` as it is pickled: a shared argument as its reference (its key added to ``used``)."""
+        if not self._shared:
+            return t.task_id, t.fn, t.args
+        args = []
+        for a in t.args:
+            entry = self._shared.get(id(a))
+            if entry is not None and entry[1] is a:
+                used.add(entry[0])
+                args.append(_Shared(entry[0]))
+            else:
+                args.append(a)
+        return t.task_id, t.fn, tuple(args)
 
     def _dispatch(self) -> bool:
         """Give pending tasks to idle workers; True when the pool may stop."""
@@ -646,20 +703,20 @@ class VerifierPool:
     def _loop(self) -> None:
         # One selector for the whole run, not one per wait (multiprocessing's wait() builds and
         # fills a new one each call: at a thousand results a second that was a tenth of this
-        # thread). Workers are watched by descriptor; a replaced one's is swapped below.
+        # thread). Workers are watched by descriptor, each with itself as the key's data; the
+        # set is synced only when a worker was replaced.
         with selectors.DefaultSelector() as sel:
-            sel.register(self._wake_r.fileno(), selectors.EVENT_READ, self._wake_r)
-            watched: dict[int, Connection] = {}  # id(conn) -> conn, registered by descriptor
-            fds: dict[int, int] = {}  # id(conn) -> its descriptor
+            sel.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
+            watched: dict[int, tuple[_Worker, int]] = {}  # id(worker) -> (worker, its descriptor)
             while not self._dispatch():
-                conns = {id(w.conn): w.conn for w in self._workers}  # idle ones too: they may die
-                for key in watched.keys() - conns.keys():  # replaced (closed): drop its descriptor
-                    sel.unregister(fds.pop(key))
-                    del watched[key]
-                for key in conns.keys() - watched.keys():
-                    fds[key] = conns[key].fileno()
-                    sel.register(fds[key], selectors.EVENT_READ, conns[key])
-                    watched[key] = conns[key]
+                if len(watched) != len(self._workers) or any(id(w) not in watched for w in self._workers):
+                    current = {id(w): w for w in self._workers}  # idle ones too: they may die
+                    for key in watched.keys() - current.keys():  # replaced (closed): drop it
+                        sel.unregister(watched.pop(key)[1])
+                    for key in current.keys() - watched.keys():
+                        fd = current[key].conn.fileno()
+                        sel.register(fd, selectors.EVENT_READ, current[key])
+                        watched[key] = (current[key], fd)
                 self._serve([k.data for k, _ in sel.select(self._wait_s())])
 
     def _wait_s(self) -> float | None:
@@ -667,19 +724,19 @@ class VerifierPool:
         busy = [w for w in self._workers if w.chunk]
         return max(0.0, min(w.deadline for w in busy) - time.monotonic()) if busy else None
 
-    def _serve(self, ready: list[Connection]) -> None:
-        """Read what the ready connections carry (the wake-up pipe, workers' answers), then
-        replace every worker past its running task's hard limit."""
-        watched = list(self._workers)
-        for obj in ready:
-            if obj is self._wake_r:
+    def _serve(self, ready: list[_Worker | None]) -> None:
+        """Read what the ready descriptors carry (None: the wake-up pipe; a worker: its answer),
+        then replace every worker past its running task's hard limit."""
+        for w in ready:
+            if w is None:
                 self._wake_r.recv_bytes()  # one wake-up; another one is seen by the next select
                 # Read first, then cleared: a submit after this writes again, and the tasks
                 # of those before it are pending already, for the _dispatch that follows.
                 with self._lock:
                     self._woken = False
                 continue
-            self._receive(next(w for w in watched if w.conn is obj))
+            if w in self._workers:  # still a worker (not replaced): an answer to read
+                self._receive(w)
         now = time.monotonic()
         for w in list(self._workers):
             if w.chunk and now >= w.deadline:

@@ -183,6 +183,32 @@ def test_an_unpicklable_argument_fails_only_its_task(pool):
     assert results[1].reason == "verifier_error" and "could not send task" in results[1].detail
 
 
+def described(shared, x, kind="pid"):
+    """What a task sees of a shared argument (and it may crash its worker, as ``act`` does)."""
+    if kind == "exit":
+        os._exit(3)
+    return shared["name"], len(shared["blob"]), x, os.getpid()
+
+
+@pytest.mark.fault("crash")
+def test_a_shared_argument_reaches_each_worker_once_and_a_replacement_too():
+    shared = {"name": "reward config", "blob": b"x" * 100_000}
+    with VerifierPool(num_workers=2, preload=()) as pool:
+        pool.share(shared)
+        got = pool.map(described, [(shared, i) for i in range(200)])
+        assert [g[:3] for g in got] == [("reward config", 100_000, i) for i in range(200)]
+        assert pool.stats["shared_sent"] == len({g[3] for g in got}) <= 2  # once per worker
+        assert pool.stats["chunks"] > 2  # not once per chunk: far fewer sends than chunks
+        # A worker that dies takes its copy along; its replacement is sent one before its first task.
+        crashed = pool.map(described, [(shared, 0, "exit")])[0]
+        assert isinstance(crashed, PoolTaskError) and crashed.reason == "worker_crash"
+        after = pool.map(described, [(shared, i) for i in range(50)])
+        assert [g[:3] for g in after] == [("reward config", 100_000, i) for i in range(50)]
+        assert pool.stats["shared_sent"] == len({g[3] for g in got + after})
+        # An argument equal to the shared one but another object is sent whole, as before.
+        assert pool.map(described, [(dict(shared, name="a copy"), 1)])[0][:2] == ("a copy", 100_000)
+
+
 def test_warmup_runs_in_every_worker_before_it_takes_tasks():
     with VerifierPool(num_workers=2, preload=(), warmup=mark_warm) as p:
         assert p.wait_ready(timeout_s=60)
