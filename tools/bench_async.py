@@ -3,6 +3,7 @@ cost model calibrated on this machine.
 
     megatron-rl bench async [--steps 12] [--servers 4] [--slots 32] [--train-share 0.75]
     megatron-rl bench async --real [--steps 4]      # the tiny model, trainer and weight sync
+    megatron-rl bench async --async-only [...]      # the async loop alone: its own figures
 
 Magistral (section 3) runs the loop asynchronously because completion lengths are long-tailed:
 most completions are short, a few run to the length limit, and a synchronous step waits for the
@@ -538,10 +539,9 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         fleet = FleetClient([p.url for p in procs], api_key=api_key)
         real = RealParts(folder, fleet, run_config("sync", args), args) if args.real else None
         parts = real if real is not None else (costs, sizing)
+        modes = ("async",) if args.async_only else ("sync", "async")
         with VerifierPool(args.workers) as pool:
-            results = {
-                mode: run_mode(mode, w, fleet, pool, args, parts, api_key) for mode in ("sync", "async")
-            }
+            results = {mode: run_mode(mode, w, fleet, pool, args, parts, api_key) for mode in modes}
     finally:
         if real is not None:
             real.close()
@@ -549,6 +549,15 @@ def run(args: argparse.Namespace, root: Path) -> dict:
             fleet.close()
         for p in procs:
             p.stop()
+    if args.async_only:  # no speed-up without the sync loop: the async loop's own figures
+        out: dict = {"mode": "real" if args.real else "timing-model", "loop_modes": "async"}
+        _mode_figures(results["async"], out)
+        print(
+            f"async loop alone: {out['wall_s_async']:.2f} s, orchestrator CPU "
+            f"{out['client_busy_async']:.2f} of a core, {out['client_cpu_ms_per_completion_async']:.3f} ms "
+            f"per completion, slots {out['slot_occupancy_async']:.2f} full"
+        )
+        return out
     if costs is None or sizing is None:
         return report_real(results, w, args)
     ideals = {mode: ideal(mode, w, costs, sizing, args) for mode in ("sync", "async")}
@@ -775,6 +784,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--real",
         action="store_true",
         help="real tiny model, PolicyTrainer and WeightBroadcaster (slow on 2 cores)",
+    )
+    ap.add_argument(
+        "--async-only",
+        action="store_true",
+        help="run the async loop alone (no sync run, no speed-up): its orchestrator CPU and slot "
+        "figures in half the time, for comparing two versions of the code run after run",
     )
     ap.add_argument(
         "--steps",

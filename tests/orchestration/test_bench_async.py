@@ -70,6 +70,21 @@ def test_bench_async_runs_both_loops_and_async_keeps_the_generators_fuller():
     assert out["async_speedup"] > 0.0
 
 
+def test_async_only_runs_the_async_loop_alone():
+    """``--async-only``: what a comparison of two versions of the orchestrator reruns (~10 s)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl", "bench", "async", "--async-only", *SMALL],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["loop_modes"] == "async" and not any(k.endswith("_sync") for k in out)
+    assert out["trained_sequences_async"] == 3 * 32 and out["client_cpu_ms_per_completion_async"] > 0
+
+
 def test_bench_scale_sweeps_fleet_sizes_and_loses_nothing():
     """``megatron-rl bench scale`` at two tiny fleet sizes, groups in one request each: a row per
     size with the orchestrator's cost figures, nothing lost or timed out (~40 s)."""
