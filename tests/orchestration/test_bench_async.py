@@ -44,16 +44,21 @@ SMALL = [
 ]
 
 
-def test_bench_async_runs_both_loops_and_async_keeps_the_generators_fuller():
+def _bench(*argv: str) -> list[str]:
+    """``megatron-rl bench ARGV`` as a user runs it: exit 0, its printed lines."""
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl", "bench", "async", *SMALL],
+        [sys.executable, "-m", "megatron_rl", "bench", *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    return proc.stdout.strip().splitlines()
+
+
+def test_bench_async_runs_both_loops_and_async_keeps_the_generators_fuller():
+    lines = _bench("async", *SMALL)
     out = json.loads(lines[-1])
     assert out["mode"] == "timing-model"
     assert any(line.startswith("mode: timing-model") for line in lines)  # the table says so too
@@ -72,15 +77,7 @@ def test_bench_async_runs_both_loops_and_async_keeps_the_generators_fuller():
 
 def test_async_only_runs_the_async_loop_alone():
     """``--async-only``: what a comparison of two versions of the orchestrator reruns (~10 s)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_rl", "bench", "async", "--async-only", *SMALL],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(_bench("async", "--async-only", *SMALL)[-1])
     assert out["loop_modes"] == "async" and not any(k.endswith("_sync") for k in out)
     assert out["trained_sequences_async"] == 3 * 32 and out["client_cpu_ms_per_completion_async"] > 0
 
@@ -88,36 +85,25 @@ def test_async_only_runs_the_async_loop_alone():
 def test_bench_scale_sweeps_fleet_sizes_and_loses_nothing():
     """``megatron-rl bench scale`` at two tiny fleet sizes, groups in one request each: a row per
     size with the orchestrator's cost figures, nothing lost or timed out (~40 s)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_rl",
-            "bench",
-            "scale",
-            "--servers",
-            "1,2",
-            "--slots",
-            "16",
-            "--steps",
-            "2",
-            "--group-size",
-            "8",
-            "--decode-ms",
-            "5",
-            "--l-max",
-            "128",
-            "--median-len",
-            "24",
-            "--group-requests",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    lines = _bench(
+        "scale",
+        "--servers",
+        "1,2",
+        "--slots",
+        "16",
+        "--steps",
+        "2",
+        "--group-size",
+        "8",
+        "--decode-ms",
+        "5",
+        "--l-max",
+        "128",
+        "--median-len",
+        "24",
+        "--group-requests",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = json.loads(lines[-1])
     assert [r["servers"] for r in out["rows"]] == [1, 2]
     assert [r["in_flight"] for r in out["rows"]] == [16, 32]
     for r in out["rows"]:
