@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import sys
 import threading
 import time
@@ -211,10 +212,8 @@ def byte_level_table(backend) -> list[bytes] | None:
     its UTF-8 when one is outside it (an added token with a space). None for any other decoder,
     and None unless the table decodes every single id and 256 random sequences exactly as
     ``backend.decode`` does (invalid UTF-8 included: both replace it with U+FFFD)."""
-    import random
-
     try:
-        from tokenizers import decoders
+        from tokenizers import decoders  # lazy: transformers' dependency, only a table needs it
     except ImportError:
         return None
     if backend is None or not isinstance(getattr(backend, "decoder", None), decoders.ByteLevel):
