@@ -707,16 +707,15 @@ class VerifierPool:
         # set is synced only when a worker was replaced.
         with selectors.DefaultSelector() as sel:
             sel.register(self._wake_r.fileno(), selectors.EVENT_READ, None)
-            watched: dict[int, tuple[_Worker, int]] = {}  # id(worker) -> (worker, its descriptor)
+            watched: dict[int, int] = {}  # id(worker) -> its descriptor
             while not self._dispatch():
-                if len(watched) != len(self._workers) or any(id(w) not in watched for w in self._workers):
-                    current = {id(w): w for w in self._workers}  # idle ones too: they may die
+                current = {id(w): w for w in self._workers}  # idle ones too: they may die
+                if current.keys() != watched.keys():
                     for key in watched.keys() - current.keys():  # replaced (closed): drop it
-                        sel.unregister(watched.pop(key)[1])
+                        sel.unregister(watched.pop(key))
                     for key in current.keys() - watched.keys():
-                        fd = current[key].conn.fileno()
-                        sel.register(fd, selectors.EVENT_READ, current[key])
-                        watched[key] = (current[key], fd)
+                        watched[key] = current[key].conn.fileno()
+                        sel.register(watched[key], selectors.EVENT_READ, current[key])
                 self._serve([k.data for k, _ in sel.select(self._wait_s())])
 
     def _wait_s(self) -> float | None:
