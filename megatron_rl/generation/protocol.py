@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 __all__ = [
     "API_KEY_ENV",
     "FLAT_LOGPROBS",
+    "FLAT_LOGPROBS_FIELD",
     "MEMORY_TAGS",
     "ROUTER_VERSION",
     "ROUTES",
@@ -164,6 +165,7 @@ STREAMED_BATCH = "megatron_rl_streamed_batch"
 # ``output_ids``. It reads in about half the time (one list of floats, no list per token): the
 # client's CPU per completion is what one orchestrator's fleet size is bounded by.
 FLAT_LOGPROBS = "megatron_rl_flat_logprobs"
+FLAT_LOGPROBS_FIELD = "output_logprobs"  # the meta_info key that carries them
 
 
 class ProtocolError(ValueError):
@@ -292,7 +294,7 @@ def parse_generate(
     try:
         meta = body["meta_info"]
         token_ids = list(map(int, body["output_ids"]))
-        flat = meta.get("output_logprobs")  # FLAT_LOGPROBS, asked of a built-in engine
+        flat = meta.get(FLAT_LOGPROBS_FIELD)  # FLAT_LOGPROBS, asked of a built-in engine
         lp = meta["output_token_logprobs"] if flat is None else flat
         finish = meta.get("finish_reason") or {}
     except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -1,6 +1,6 @@
 """A ``/generate`` body for the built-in engine, read and checked before anything is queued: the
-prompts (one, or a batch), their ids (``rid``), ``stream``, the reply's log-prob form, and each prompt's sampling parameters as
-SGLang 0.5.23 reads and verifies them. Every refusal is a :class:`BadRequest` naming the field
+prompts (one, or a batch), their ids (``rid``), ``stream``, the reply's log-prob form, and each
+prompt's sampling parameters as SGLang 0.5.23 reads and verifies them. Every refusal is a :class:`BadRequest` naming the field
 (``sampling_params[3].top_p: ...``); a batch is checked whole, so one bad prompt queues nothing.
 """
 

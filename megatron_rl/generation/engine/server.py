@@ -107,6 +107,7 @@ from megatron_rl.generation.engine.weights import (
 from megatron_rl.generation.protocol import (
     API_KEY_ENV,
     FLAT_LOGPROBS,
+    FLAT_LOGPROBS_FIELD,
     STREAMED_BATCH,
     check_api_key,
     tensor_digest,
@@ -511,7 +512,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             "weight_versions": spans,
         }
         if flat:
-            meta["output_logprobs"] = f.logprobs
+            meta[FLAT_LOGPROBS_FIELD] = f.logprobs
         else:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(f.logprobs, f.token_ids)]
         return {"text": "", "output_ids": f.token_ids, "meta_info": meta}
