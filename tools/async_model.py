@@ -239,12 +239,16 @@ class SimFleet:
 
 @dataclass(kw_only=True)
 class SimTrainer:
-    """An optimizer step costs ``train_s + train_s_per_token * tokens``; a weight update pauses
-    the fleet for ``sync_s`` once the steps in progress end."""
+    """An optimizer step costs ``train_s + train_s_per_token * tokens``; a weight update takes
+    ``sync_s``. ``pause``: the fleet pauses for it once the steps in progress end (SGLang's
+    update, ``weight_sync.pause_mode: in_place``); else it decodes through it and each server
+    swaps the new weights in when its step in progress ends (the built-in engine's streamed
+    update), which is when the trainer goes on."""
 
     train_s: float
     train_s_per_token: float
     sync_s: float
+    pause: bool = True
 
 
 class _Req:
@@ -493,10 +497,21 @@ class IdealSchedule:
     def _trained(self) -> None:
         self.version += 1
         self.phase = "sync"
+        if not self.trainer.pause:
+            self._at(self.t + self.trainer.sync_s, self._received)
+            return
         for s in self.servers:
             s.paused = True  # a step in progress completes first
         start = max([self.t, *(s.busy_until for s in self.servers if s.busy_until is not None)])
         self._at(start + self.trainer.sync_s, self._synced)
+
+    def _received(self) -> None:
+        """Every server holds the new weights; each swaps them in when its step ends (tokens of
+        that step counted as the new version's: at most one step early), without pausing."""
+        for s in self.servers:
+            s.version = self.version
+        end = max([self.t, *(s.busy_until for s in self.servers if s.busy_until is not None)])
+        self._at(end, self._synced)
 
     def _synced(self) -> None:
         for s in self.servers:
@@ -565,6 +580,7 @@ def ideal_schedule(
             train_s=costs.train_s / speed,
             train_s_per_token=costs.train_s_per_token / speed,
             sync_s=args.sync_ms / 1e3,
+            pause=getattr(args, "pause_mode", "in_place") != "none",
         ),
         PromptSampler(problems, seed=cfg.loop.seed),
         prompt=lambda p: prompts[p.id],

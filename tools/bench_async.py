@@ -24,8 +24,11 @@ trainer fight for the same cores and the figure would measure that contention, n
   ``decode_s + decode_s_per_seq * batch + prefill_s_per_token * distinct prompt tokens admitted``
   and writes the tokens of a script (the completion a request's sampling seed picks);
 - the trainer sleeps ``(train_s + train_s_per_token * tokens) / train_speedup`` per optimizer
-  step; its weight update pauses the fleet in place, sets the servers' weight version
-  (``/update_weight_version``, requests kept), holds ``--sync-ms`` and resumes.
+  step; its weight update holds ``--sync-ms`` (the transfer) and sets the servers' weight version
+  (``/update_weight_version``, requests kept), as ``weight_sync.pause_mode`` makes it
+  (``--pause-mode``): ``none``, the built-in engine's streamed update, decodes through the
+  transfer and swaps between two engine steps (a GPU receives on a CUDA stream of its own; the
+  model charges the decode nothing for it); ``in_place``, SGLang's, pauses the fleet for it.
 
 **Calibration.** The costs are measured at the start of the run, warm, medians of repeats (the
 cores are shared, so the figures move from run to run; they are printed with the result): the
@@ -230,30 +233,44 @@ def _post(url: str, route: str, body: dict, api_key: str) -> dict:
 
 
 class VersionBroadcaster:
-    """A weight update with no weights: pause in place, set the version on every server while
-    ``hold_s`` (the transfer) passes, resume. Running requests keep going; later tokens carry
-    the new version. The version goes out during the hold, not after it: a real update sets it
-    with the weights (SGLang's ``weight_version`` in the update call, the built-in engine's end
-    of update), so the paused fleet waits for the slower of the two, not for both."""
+    """A weight update with no weights, as ``weight_sync.pause_mode`` makes it:
 
-    def __init__(self, fleet, api_key: str, hold_s: float = 0.0):
-        self.fleet, self.api_key, self.hold_s = fleet, api_key, hold_s
+    - ``none`` (the built-in engine's streamed update, the default there): the servers decode
+      while ``hold_s`` (the transfer) passes, then each swaps in the new version between two
+      engine steps (``/update_weight_version``, requests kept);
+    - ``in_place`` (SGLang's per-bucket update): pause in place, set the version on every server
+      while ``hold_s`` passes, resume. The version goes out during the hold, not after it: a real
+      update sets it with the weights (SGLang's ``weight_version`` in the update call), so the
+      paused fleet waits for the slower of the two, not for both.
+
+    Running requests keep going either way; later tokens carry the new version."""
+
+    def __init__(self, fleet, api_key: str, hold_s: float = 0.0, pause_mode: str = "none"):
+        self.fleet, self.api_key, self.hold_s, self.pause_mode = fleet, api_key, hold_s, pause_mode
         self._calls = ThreadPoolExecutor(len(fleet.update_urls), thread_name_prefix="bench-version")
+
+    def _set_version(self, version: int) -> list:
+        body = {"new_version": str(version), "abort_all_requests": False}
+        return [  # every server at once, as a broadcast
+            self._calls.submit(_post, u, "/update_weight_version", body, self.api_key)
+            for u in self.fleet.update_urls
+        ]
 
     def sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.fleet.pause("in_place")
-        try:
-            body = {"new_version": str(version), "abort_all_requests": False}
-            calls = [  # every server at once, as a broadcast
-                self._calls.submit(_post, u, "/update_weight_version", body, self.api_key)
-                for u in self.fleet.update_urls
-            ]
-            time.sleep(self.hold_s)
-            for c in calls:
+        if self.pause_mode == "none":
+            time.sleep(self.hold_s)  # received on the servers' own threads while they decode
+            for c in self._set_version(version):
                 c.result()
-        finally:
-            self.fleet.resume()
+        else:
+            self.fleet.pause(self.pause_mode)
+            try:
+                calls = self._set_version(version)
+                time.sleep(self.hold_s)
+                for c in calls:
+                    c.result()
+            finally:
+                self.fleet.resume()
         return {"weight_sync/seconds": time.perf_counter() - t0, "weight_sync/version": float(version)}
 
 
@@ -348,6 +365,18 @@ def run_config(mode: str, args: argparse.Namespace):
     )
 
 
+def add_pause_mode_arg(ap: argparse.ArgumentParser, default: str) -> None:
+    """``--pause-mode none|in_place`` (``weight_sync.pause_mode``), shared with bench scale."""
+    ap.add_argument(
+        "--pause-mode",
+        choices=("none", "in_place"),
+        default=default,
+        help="the fleet during a weight update (weight_sync.pause_mode): none, the built-in engine's "
+        "streamed update (decodes while it receives, swaps between two steps); in_place, SGLang's "
+        f"(paused for the transfer). Default: {default}",
+    )
+
+
 def add_group_requests_arg(ap: argparse.ArgumentParser) -> None:
     """``--group-requests auto|on|off`` (``fleet.group_requests``), shared with bench scale."""
     ap.add_argument(
@@ -380,7 +409,7 @@ def run_mode(mode: str, w: Workload, fleet, pool, args: argparse.Namespace, part
     else:
         costs, sizing = parts
         trainer = ModeledTrainer(costs.train_s, costs.train_s_per_token, sizing["train_speedup"])
-        broadcaster = VersionBroadcaster(fleet, api_key, args.sync_ms / 1e3)
+        broadcaster = VersionBroadcaster(fleet, api_key, args.sync_ms / 1e3, args.pause_mode)
         broadcaster.sync(0)
     rollouts = Rollouts.from_config(
         cfg,
@@ -443,8 +472,9 @@ def _summary(
     servers = len(before)
     delta = {
         k: sum(a[k] - b[k] for a, b in zip(after, before))
-        for k in ("busy_s", "steps", "generated_tokens", "prefill_tokens", "completions")
+        for k in ("busy_s", "paused_s", "steps", "generated_tokens", "prefill_tokens", "completions")
     }
+    updates = sum(1 for m in metrics if "weight_sync/seconds" in m)
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in metrics)
     return {
         "mode": mode,
@@ -468,6 +498,8 @@ def _summary(
         "engine_steps": delta["steps"],
         "prefill_tokens": delta["prefill_tokens"],
         "weight_update_ms": 1e3 * mean("weight_sync/seconds"),
+        # The servers' own count: paused from /pause_generation landing to /continue_generation's.
+        "paused_ms_per_update": 1e3 * delta["paused_s"] / max(1, servers * updates),
         "weight_update_ms_max": 1e3 * max((m.get("weight_sync/seconds", 0.0) for m in metrics), default=0.0),
         "step_s": [m.get("time/step_s", 0.0) for m in metrics],
     }
@@ -595,12 +627,18 @@ def _mode_figures(r: dict, out: dict) -> None:
             f"trained_sequences_{m}": int(r["trained_sequences"]),
             f"dropped_groups_{m}": int(r["dropped_groups"]),
             f"stale_groups_{m}": int(r["stale_groups"]),
+            f"weight_update_ms_{m}": round(r["weight_update_ms"], 2),
+            f"paused_ms_per_update_{m}": round(r["paused_ms_per_update"], 2),
         }
     )
 
 
 def _limits(
-    ideals: dict[str, dict], sizing: dict[str, float], results: dict[str, dict], sync_ms: float
+    ideals: dict[str, dict],
+    sizing: dict[str, float],
+    results: dict[str, dict],
+    sync_ms: float,
+    pause_mode: str,
 ) -> list[str]:
     """What bounds the speed-up and the efficiency, in the ideal's and the run's own figures."""
     si, ai = ideals["sync"], ideals["async"]
@@ -615,7 +653,12 @@ def _limits(
         bound = "generator-bound: the trainer waits for batches, as in the paper"
     out.append(
         f"async (ideal): generators busy {ai['generator_busy']:.2f}, trainer {ai['trainer_busy']:.2f}: "
-        f"{bound}; slots {ai['slot_occupancy']:.2f} full; the weight updates pause the fleet"
+        f"{bound}; slots {ai['slot_occupancy']:.2f} full; "
+        + (
+            "the weight updates pause the fleet"
+            if pause_mode != "none"
+            else "the fleet decodes through the weight updates (swapped between two steps)"
+        )
     )
     bound = ideals.get("async_bound")
     if bound is not None and bound["stale"] > 0:
@@ -636,7 +679,8 @@ def _limits(
         f"{ra['engine_steps']:.0f} (ideal {ai['engine_steps']:.0f}), prompt tokens prefilled "
         f"{ra['prefill_tokens']:.0f} (ideal {ai['prefill_tokens']:.0f}: a group's samples that reach a "
         f"server in different steps are prefilled apart); queue full {ra['queue_blocked_s']:.2f} s; "
-        f"a weight update (fleet paused) {ra['weight_update_ms']:.0f} ms (ideal {sync_ms:g}). "
+        f"a weight update {ra['weight_update_ms']:.0f} ms (ideal {sync_ms:g}), the fleet paused "
+        f"{ra['paused_ms_per_update']:.1f} ms of it per server ({pause_mode}). "
         "The rest is what HTTP, the verifier pool, the loop's threads and the sleeping servers cost "
         "on the shared cores"
     )
@@ -691,7 +735,7 @@ def report(
         f"async speed-up {sync['wall_s'] / asy['wall_s']:.2f} (ideal {ideal_speedup:.2f}); "
         f"async efficiency {ideals['async']['wall_s'] / asy['wall_s']:.2f}"
     )
-    for line in _limits(ideals, sizing, results, args.sync_ms):
+    for line in _limits(ideals, sizing, results, args.sync_ms, args.pause_mode):
         print("  " + line)
     out = {
         "mode": "timing-model",
@@ -735,6 +779,7 @@ def report(
             "train_speedup": round(sizing["train_speedup"], 3),
             "servers_per_trainer": round(sizing["servers_per_trainer"], 4),
             "sync_ms": args.sync_ms,
+            "pause_mode": args.pause_mode,
             **_run_shape(args),
         }
     )
@@ -838,7 +883,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="loop.max_staleness: drop groups this many versions old (default -1, the loop's: "
         "never, so that both loops train the same completions)",
     )
-    ap.add_argument("--sync-ms", type=float, default=10.0, help="modeled weight transfer (fleet paused)")
+    ap.add_argument("--sync-ms", type=float, default=10.0, help="modeled weight transfer")
+    add_pause_mode_arg(ap, "none")
     ap.add_argument("--calib-rounds", type=int, default=3, help="repeats of each calibration measurement")
     ap.add_argument("--workers", type=int, default=1, help="verifier processes")
     ap.add_argument("--sft-steps", type=int, default=60, help="--real: SFT steps on the script")

@@ -18,7 +18,9 @@ as the paper, and reports per size:
 - ``async_efficiency``: the ideal schedule's wall (``tools/async_model.py``, zero overhead) over
   the measured one; ``generator_busy``: the servers' own step time over the wall;
 - ``update_ms_mean`` / ``update_ms_max``: a weight update's control latency (pause every server
-  in place, set the version on every server, hold ``--sync-ms``, resume every server);
+  in place, set the version on every server, hold ``--sync-ms``, resume every server: SGLang's
+  update, ``--pause-mode in_place``, the default here; ``none`` times the built-in engine's, which
+  does not pause);
 - ``rss_kb_per_in_flight``: the orchestrator's resident memory growth over the run per sequence
   in flight;
 - ``lost``, ``timed_out``: requests lost with a server or past their timeout (must be 0).
@@ -81,7 +83,7 @@ def measure(servers: int, args: argparse.Namespace, root: Path) -> dict:
         "--l-max", str(args.l_max), "--sync-ms", str(args.sync_ms), "--workers", str(args.workers),
         "--seed", str(args.seed),
     ]  # fmt: skip
-    argv += ["--group-requests", args.group_requests]
+    argv += ["--group-requests", args.group_requests, "--pause-mode", args.pause_mode]
     a = bench_async.parse_args(argv)
     here = root / f"fleet-{servers}"
     here.mkdir(parents=True, exist_ok=True)
@@ -141,6 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per fleet size")
     ap.add_argument("--group-size", type=int, default=16, help="G")
     bench_async.add_group_requests_arg(ap)
+    bench_async.add_pause_mode_arg(ap, "in_place")  # the control calls to every server, timed
     ap.add_argument("--decode-ms", type=float, default=60.0, help="engine step, fixed part")
     ap.add_argument("--decode-ms-per-seq", type=float, default=0.02, help="engine step, per sequence")
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.001)

@@ -9,8 +9,9 @@ scored as they finish; kept groups go to that queue (an assembler thread's block
 full queue stops generation from issuing more, so a slow trainer throttles the fleet). The
 trainer takes whole groups until it has ``n_batch`` sequences (dropping and re-issuing those
 older than ``max_staleness`` versions, when a bound is set), trains ``n_batch / n_minibatch`` optimizer steps, and broadcasts the
-new weights to the fleet *in flight*: generation pauses in place, receives the buckets and goes
-on with its KV cache; later tokens carry the new version.
+new weights to the fleet *in flight*: running sequences keep their KV cache and later tokens
+carry the new version (the built-in engine decodes while it receives and swaps the weights in
+between two steps; SGLang pauses in place for the transfer, ``weight_sync.pause_mode``).
 
 **Sync** (``loop.mode: sync``). Generate until ``n_batch`` sequences of kept groups exist, train,
 update, repeat; the fleet idles while the trainer works. Surplus kept groups are re-issued next

@@ -17,10 +17,14 @@ rank 0 broadcasts the bucket's bytes, ``/end_weight_update``, ``/continue_genera
 sampled after it carry the new version; tokens before it keep the old one.
 
 **Streamed** (``stream``: ``auto`` picks it when every update target is a built-in engine, which
-says so in ``/server_info``; SGLang servers keep the per-bucket protocol): the pause and one
-``/megatron_rl/update_weights_stream`` carrying the whole update's manifest go together, and
-every server checks the manifest before a byte is sent (a refusal costs a round trip, never a
-broadcast left waiting). The buckets then follow as broadcasts alone, no HTTP per bucket, with
+says so in ``/server_info``; SGLang servers keep the per-bucket protocol): one
+``/megatron_rl/update_weights_stream`` carries the whole update's manifest, and every server
+checks it before a byte is sent (a refusal costs a round trip, never a broadcast left waiting).
+The fleet is not paused (``pause_mode: auto`` = ``none`` here): a server receives on a thread of
+its own (on a GPU, its own CUDA stream) while its engine decodes with the old weights, and swaps
+the new ones in between two engine steps once every bucket arrived and passed its checks -- the
+generators never wait for the transfer, only for the swap (the received tensors become the
+parameters: no copy). ``in_place`` or ``abort`` pause it anyway, as the per-bucket path must. The buckets then follow as broadcasts alone, no HTTP per bucket, with
 bucket k+1 packed on a thread of its own while bucket k is on the wire (``weight_sync/stream.py``,
 two reused buffers); ``/end_weight_update`` answers once the servers applied the update, whole
 or not at all (``generation/engine/weights.py``). The manifest needs the buckets' names and
@@ -83,7 +87,11 @@ class WeightSyncConfig:
     group_name: str = "megatron_rl_weights"
     bucket_mb: float = 512.0  # bytes per broadcast
     cast_dtype: str | None = None  # e.g. "bfloat16"; None: the parameters' dtype
-    pause_mode: str = "in_place"  # in_place keeps the KV cache; abort ends running requests
+    # What the fleet does during an update. in_place: paused, running requests keep their KV
+    # cache; abort: running requests end (and are re-sent); none: the servers decode while they
+    # receive and swap the weights in between two engine steps (streamed updates only: the
+    # built-in engine receives on a thread of its own); auto: none when streamed, else in_place.
+    pause_mode: str = "auto"
     timeout_s: float = 300.0
     # After each sync, check what the servers hold: the built-in engine's per-tensor digests must
     # equal what was sent; SGLang's own /weights_checker checksums must agree across its servers
@@ -104,7 +112,13 @@ class WeightSyncConfig:
         check_choice("prefix_cache", self.prefix_cache, ("keep", "flush"))
         if self.backend == "auto":
             self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        check_choice("pause_mode", self.pause_mode, ("in_place", "abort"))
+        check_choice("pause_mode", self.pause_mode, ("auto", "none", "in_place", "abort"))
+        if self.pause_mode == "none" and self.stream == "off":
+            raise ConfigFieldError(
+                "pause_mode",
+                "none needs streamed updates (stream: auto or on): a per-bucket update is received "
+                "by the server's scheduler itself, which cannot decode meanwhile",
+            )
         check_range("bucket_mb", self.bucket_mb, low=0.0, low_open=True)
         check_range("master_port", self.master_port, low=0, high=65535)
         if self.cast_dtype is not None and not isinstance(getattr(torch, self.cast_dtype, None), torch.dtype):
@@ -196,6 +210,17 @@ class WeightBroadcaster:
                     "weight_sync.stream: on, but not every update target takes streamed updates "
                     "(only the built-in engine does; use auto or off for SGLang servers)"
                 )
+        if self.cfg.pause_mode == "none" and not self.streaming:
+            raise RuntimeError(
+                "weight_sync.pause_mode: none, but not every update target takes streamed updates "
+                "(only the built-in engine does; use auto or in_place for SGLang servers)"
+            )
+
+    def pause_mode(self, streaming: bool) -> str:
+        """The pause an update makes: the recipe's, ``auto`` resolved (none when streamed)."""
+        if self.cfg.pause_mode == "auto":
+            return "none" if streaming else "in_place"
+        return self.cfg.pause_mode
 
     def close(self) -> None:
         """Leave the update group (servers still alive are asked to leave it too)."""
@@ -307,8 +332,9 @@ class WeightBroadcaster:
         """SGLang's protocol: pause, begin, one ``/update_weights_from_distributed`` per bucket
         with its broadcast, end, continue. Returns bytes, buckets, tensors sent and the failure."""
         tc = time.perf_counter()
+        pause = self.pause_mode(streaming=False)
         if self.rank == 0:
-            self.fleet.pause(self.cfg.pause_mode)
+            self.fleet.pause(pause)
             self.fleet.begin_update()
         times["pause_s"] = time.perf_counter() - tc
         times["control_s"] += times["pause_s"]
@@ -351,12 +377,15 @@ class WeightBroadcaster:
                 n_tensors += len(names)
         finally:
             if self.rank == 0:
-                failure = self._finish(failure, times)
+                failure = self._finish(failure, times, paused=True)
         return nbytes, n_buckets, n_tensors, failure
 
-    def _finish(self, failure: BaseException | None, times: dict[str, float]) -> BaseException | None:
-        """End the update on every server and let them continue; the first failure, if any. A
-        streamed update's outcome and the servers' apply time come back from ``end``."""
+    def _finish(
+        self, failure: BaseException | None, times: dict[str, float], *, paused: bool
+    ) -> BaseException | None:
+        """End the update on every server and let them continue if they were paused; the first
+        failure, if any. A streamed update's outcome and the servers' apply time come back from
+        ``end``."""
         tc = time.perf_counter()
         apply_s = 0.0
         try:
@@ -375,7 +404,8 @@ class WeightBroadcaster:
                     "prefix cache not flushed on %s: requests were running or waiting", ", ".join(refused)
                 )
         try:
-            self.fleet.resume()
+            if paused:
+                self.fleet.resume()
         except Exception as e:  # noqa: BLE001
             failure = failure or e
         times["apply_s"] += apply_s
@@ -402,11 +432,12 @@ class WeightBroadcaster:
         nbytes, n_buckets, n_tensors = 0, 0, 0
         failure: BaseException | None = None
         tc = time.perf_counter()
+        pause = self.pause_mode(streaming=True)
         try:
-            # The pause and the manifest travel together (the built-in engine applies the update
-            # between two steps whenever it lands); both round trips overlap the first pack.
+            # The pause (if any) and the manifest travel together (the built-in engine applies the
+            # update between two steps whenever it lands); both round trips overlap the first pack.
             payload = stream_payload(group_name=self.cfg.group_name, weight_version=version, buckets=specs)
-            futs = self.fleet.pause_async(self.cfg.pause_mode)
+            futs = self.fleet.pause_async(pause) if pause != "none" else []
             futs += self.fleet.update_weights_stream_async(payload)
             for f in futs:
                 f.result()  # ready: the manifest passed every server's checks
@@ -448,7 +479,7 @@ class WeightBroadcaster:
             packer.join()
             times["pack_s"] += packer.pack_s
             del group
-            failure = self._finish(failure, times)
+            failure = self._finish(failure, times, paused=pause != "none")
         return nbytes, n_buckets, n_tensors, failure
 
     def _abort_stream(self, spec: BucketSpec, group: dist.ProcessGroup) -> None:

@@ -13,6 +13,7 @@ import json
 import multiprocessing
 import os
 import secrets
+import threading
 import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
@@ -107,9 +108,83 @@ def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def test_the_recipe_field_is_checked():
-    assert WeightSyncConfig().stream == "auto"
+    assert WeightSyncConfig().stream == "auto" and WeightSyncConfig().pause_mode == "auto"
     with pytest.raises(ConfigFieldError, match="stream"):
         WeightSyncConfig(stream="sometimes")
+    with pytest.raises(ConfigFieldError, match="pause_mode"):
+        WeightSyncConfig(pause_mode="retract")
+    with pytest.raises(ConfigFieldError, match="pause_mode: none needs streamed updates"):
+        WeightSyncConfig(pause_mode="none", stream="off")
+
+
+@pytest.mark.parametrize("pause_mode", ["auto", "in_place"])
+def test_the_engine_decodes_while_a_streamed_update_arrives(fleet, server, hf, pause_mode):
+    """Unpaused (auto, for a built-in engine), the server steps on through a slow transfer and
+    swaps the weights in between two steps; in_place pauses it for the transfer, as SGLang's
+    update must. Either way requests in flight keep going: their old tokens, then the new."""
+    old, new = _shifted(hf, 10), _shifted(hf, 11)
+    slow = threading.Event()
+
+    def tensors():  # a trainer whose gather is slow: ~0.5 s for the whole update
+        for n, t in new.items():
+            if slow.is_set():
+                time.sleep(0.5 / len(new))
+            yield n, t
+
+    bc_old = _connect(fleet, old, stream="on")
+    cfg = WeightSyncConfig(
+        backend="gloo", group_name=f"stream_{next(_names)}", bucket_mb=0.05, pause_mode=pause_mode
+    )
+    bc = WeightBroadcaster(tensors, fleet, cfg)
+    bc.connect()
+    samples: list[tuple[bool, int, float]] = []
+    results = []
+    done = threading.Event()
+
+    def load():  # requests back to back: the engine always has one to decode
+        for i in itertools.count():
+            if done.is_set():
+                return
+            req = GenRequest(request_id=f"{pause_mode}-{i}", input_ids=prompt(9, i), max_new_tokens=100)
+            results.append(fleet.submit(req).result(timeout=120))
+
+    try:
+        bc_old.sync(version=60)
+        bc.sync(version=60)  # reads the layout; the timed update follows
+        loader = threading.Thread(target=load)
+        loader.start()
+        while not results:
+            time.sleep(0.01)
+        slow.set()
+        try:
+            t0 = time.monotonic()
+            with ThreadPoolExecutor(1) as pool:
+                syncing = pool.submit(bc.sync, version=61)
+                while not syncing.done():
+                    st = fleet.server_info(server.url)["internal_states"][0]
+                    samples.append((st["paused"], st["steps"], st["paused_s"]))
+                    time.sleep(0.02)
+                syncing.result()
+            seconds = time.monotonic() - t0
+        finally:
+            done.set()
+            loader.join()
+    finally:
+        bc_old.close()
+        bc.close()
+    assert seconds > 0.4 and len(samples) > 8
+    for r in results:
+        n_old = r.versions.count(60)
+        assert r.versions == [60] * n_old + [61] * (len(r.versions) - n_old)
+    paused = sum(p for p, _, _ in samples)
+    mid = samples[len(samples) // 4 : -(len(samples) // 4)]  # the transfer, not its ends
+    stepped = mid[-1][1] - mid[0][1]
+    if pause_mode == "auto":
+        assert paused == 0 and samples[-1][2] == samples[0][2]  # never paused
+        assert stepped > 0  # it decoded through the transfer
+    else:
+        assert paused > len(samples) // 2 and samples[-1][2] > samples[0][2] + 0.2
+        assert stepped == 0
 
 
 @pytest.mark.parametrize("cast", [None, "bfloat16"])

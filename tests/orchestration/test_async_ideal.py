@@ -33,6 +33,7 @@ def simulate(
     steps=2,
     group_requests=False,
     streamed=True,
+    pause=True,
 ):
     loop = LoopConfig(mode=mode, group_size=g, n_batch=n_batch, n_async=n_async)
     sim = IdealSchedule(
@@ -46,7 +47,7 @@ def simulate(
             decode_s_per_seq=per_seq,
             prefill_s_per_token=prefill,
         ),
-        SimTrainer(train_s=0.5, train_s_per_token=0.0, sync_s=0.25),
+        SimTrainer(train_s=0.5, train_s_per_token=0.0, sync_s=0.25, pause=pause),
         PromptSampler(PROBLEMS, seed=0),
         prompt=lambda p: [int(p.id[1:]) + 10] * prompt_len,  # distinct per problem
         length=length,
@@ -98,6 +99,16 @@ def test_async_generates_while_the_trainer_trains():
     assert out["issued"] == 4 and out["stale"] == 0
     assert out["generator_busy"] == pytest.approx(3 / 4.0)
     assert out["trainer_busy"] == pytest.approx(1.0 / 4.0)
+
+
+def test_an_update_without_a_pause_ends_when_the_step_in_progress_does():
+    # The run above with the built-in engine's streamed update: the transfer (3.25 .. 3.5) overlaps
+    # the server's step (2.75 .. 3.75), which goes on; the new weights are swapped in when it ends,
+    # and the trainer goes on then: 3.75, not the paused fleet's 4.0.
+    out = simulate("async", pause=False)
+    assert out["wall_s"] == pytest.approx(3.75)
+    assert out["step_s"] == [pytest.approx(2.75), pytest.approx(1.0)]
+    assert out["issued"] == 4 and out["stale"] == 0
 
 
 def test_a_groups_prompt_is_prefilled_once_per_server_and_requests_go_to_the_least_loaded():

@@ -276,9 +276,11 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         self._stream_lock = threading.Lock()  # one stream starts at a time, whatever races here
         self._stop = False
         self._rid_counter = 0
+        self._paused_at = 0.0
         self.stats = {
             "steps": 0,
             "busy_s": 0.0,
+            "paused_s": 0.0,  # paused by /pause_generation, until /continue_generation
             "generated_tokens": 0,
             "completions": 0,  # requests that ended, by any cause
             "weight_updates": 0,
@@ -527,6 +529,8 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         if mode not in ("in_place", "abort"):
             raise BadRequest(f"mode: must be in_place, abort or retract, got {mode!r}")
         with self._between_steps():  # taken between steps: the step in progress completes first
+            if not self.engine.paused:
+                self._paused_at = time.perf_counter()
             self.engine.pause()
             if mode == "abort":
                 self._abort_all()
@@ -537,6 +541,8 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         if flag is not None and not isinstance(flag, bool):
             raise BadRequest(f"torch_empty_cache: must be true or false, got {flag!r}")
         with self._between_steps():
+            if self.engine.paused:
+                self.stats["paused_s"] += time.perf_counter() - self._paused_at
             self.engine.resume()
             self.cond.notify_all()
         return {"success": True, "message": "continued"}
@@ -595,6 +601,8 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                         "paused": e.paused,
                         "steps": self.stats["steps"],
                         "busy_s": self.stats["busy_s"],
+                        "paused_s": self.stats["paused_s"]
+                        + (time.perf_counter() - self._paused_at if e.paused else 0.0),
                         "generated_tokens": self.stats["generated_tokens"],
                         "completions": self.stats["completions"],
                         "prefill_tokens": e.prefill_tokens,

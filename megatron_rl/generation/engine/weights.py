@@ -20,6 +20,9 @@ a second thread while bucket k+1 arrives, keeps every bucket, and applies the wh
 end in one section between engine steps, the received buffers becoming the parameters' storage
 (no final copy). Anything wrong -- a NaN, an abort trailer, a broadcast that fails because the
 trainer died -- applies nothing: the server keeps serving the old weights and version.
+The engine goes on decoding while the update arrives (the trainer need not pause it): on a GPU
+the receiver and its checker enqueue on a CUDA stream of their own, so the broadcast's wait never
+holds the engine's kernels back, and that stream is synchronised before the swap.
 ``/end_weight_update`` waits for the receiver and answers its outcome (400 naming the first bad
 tensor, 500 when the broadcast failed), with its timings under ``stream``.
 
@@ -33,6 +36,7 @@ that accepted waits for the broadcast until that timeout, then reports the failu
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -273,6 +277,7 @@ class StreamReceiver:
         self.version, self.device, self._apply = version, device, apply
         self.result: StreamResult | None = None
         self._done = threading.Event()
+        self._side: torch.cuda.Stream | None = None  # the receive's CUDA stream (GPU only)
         self._thread = threading.Thread(target=self._run, name="weight-stream", daemon=True)
 
     @property
@@ -293,17 +298,25 @@ class StreamReceiver:
 
     def _run(self) -> None:
         try:
-            self.result = self._receive()
+            # On a GPU the engine decodes on the default stream meanwhile: the broadcast's wait
+            # and the checks go on a stream of their own (current streams are per thread).
+            self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            with self._on_side():
+                self.result = self._receive()
         except Exception as e:  # noqa: BLE001 - whatever it is, nothing was applied; say so
             self.result = StreamResult(500, f"the streamed update failed: {type(e).__name__}: {e}")
         finally:
             self._done.set()
 
+    def _on_side(self) -> contextlib.AbstractContextManager[object]:
+        return torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext()
+
     def _check(
         self, spec: BucketSpec, flat: torch.Tensor
     ) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-        received = unpack_bucket(spec.names, spec.dtypes, spec.shapes, flat[: spec.nbytes])
-        return checked_update(received, self.params)
+        with self._on_side():
+            received = unpack_bucket(spec.names, spec.dtypes, spec.shapes, flat[: spec.nbytes])
+            return checked_update(received, self.params)
 
     def _receive(self) -> StreamResult:
         t0 = time.perf_counter()
@@ -339,6 +352,11 @@ class StreamReceiver:
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             return StreamResult(400, f"{errors[0]}{more}; nothing was applied", timings)
+        if self._side is not None:
+            self._side.synchronize()  # every byte written before the engine's stream reads it
+            engine_stream = torch.cuda.default_stream(self.device)
+            for _, t in tensors:  # allocated on the side stream, freed after the engine's use
+                t.record_stream(engine_stream)
         timings["apply_s"] = self._apply(tensors, self.version)
         timings["total_s"] = time.perf_counter() - t0
         sent = ((n, getattr(torch, d)) for b in self.buckets for n, d in zip(b.names, b.dtypes))
