@@ -9,7 +9,7 @@ the arguments listed in ``BENCHES``, and prints its last-line JSON; this program
 whole in ``results.json`` and puts the figures of ``FIGURES`` in the table, each with what it
 means, the baseline it is measured against and the goal it is held to. A benchmark that fails
 is recorded with its exit status and the tail of its output; the others still run. Progress: one
-line per benchmark as it starts and ends. On 2 shared cores the whole set takes about 10 minutes
+line per benchmark as it starts and ends. On 2 shared cores the whole set takes about 7 minutes
 (the sum of the ``wall_s`` that ``results.json`` keeps per benchmark).
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> the bench and its extra arguments (each bench's defaults unless listed; the set takes
-# about 10 min on 2 shared cores). The name is the bench's unless one bench runs twice ("async-real").
+# about 7 min on 2 shared cores). The name is the bench's unless one bench runs twice ("async-real").
 BENCHES: dict[str, list[str]] = {
     "generation": ["generation"],
     "train-step": ["train-step"],
