@@ -472,7 +472,15 @@ def _summary(
     servers = len(before)
     delta = {
         k: sum(a[k] - b[k] for a, b in zip(after, before))
-        for k in ("busy_s", "paused_s", "steps", "generated_tokens", "prefill_tokens", "completions")
+        for k in (
+            "busy_s",
+            "paused_s",
+            "steps",
+            "generated_tokens",
+            "prefill_tokens",
+            "completions",
+            "connections",
+        )
     }
     updates = sum(1 for m in metrics if "weight_sync/seconds" in m)
     mean = lambda key: statistics.fmean(m.get(key, 0.0) for m in metrics)
@@ -500,6 +508,7 @@ def _summary(
         "weight_update_ms": 1e3 * mean("weight_sync/seconds"),
         # The servers' own count: paused from /pause_generation landing to /continue_generation's.
         "paused_ms_per_update": 1e3 * delta["paused_s"] / max(1, servers * updates),
+        "connections": delta["connections"],  # TCP connections the servers accepted
         "weight_update_ms_max": 1e3 * max((m.get("weight_sync/seconds", 0.0) for m in metrics), default=0.0),
         "step_s": [m.get("time/step_s", 0.0) for m in metrics],
     }
@@ -629,6 +638,7 @@ def _mode_figures(r: dict, out: dict) -> None:
             f"stale_groups_{m}": int(r["stale_groups"]),
             f"weight_update_ms_{m}": round(r["weight_update_ms"], 2),
             f"paused_ms_per_update_{m}": round(r["paused_ms_per_update"], 2),
+            f"connections_{m}": int(r["connections"]),
         }
     )
 

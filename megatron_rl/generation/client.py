@@ -443,7 +443,11 @@ class FleetClient:
 
     async def _run_stream(self, server: ServerState, reqs: list[GenRequest], sink: Sink) -> list[GenResult]:
         """A batch as a stream (the server says it streams finished items only): each result
-        goes to ``sink`` as its event arrives; returns them all in request order."""
+        goes to ``sink`` as its event arrives, but the last ones, which :meth:`Sink.finish`
+        hands over once the stream's end is read and its connection back in the pool (the
+        built-in engine sends them in one write with the end): what they free is the next
+        request's, which then takes that connection instead of opening one. Returns them all in
+        request order."""
         results: list[GenResult | None] = [None] * len(reqs)
         pending = set(range(len(reqs)))
         try:
@@ -474,7 +478,8 @@ class FleetClient:
                         if fresh:
                             with self._lock:
                                 server.in_flight -= len(fresh)
-                            sink.put(fresh)
+                            if pending:
+                                sink.put(fresh)
                     if pending:  # the stream ended without them: the server went away mid-reply
                         raise aiohttp.ClientPayloadError(
                             f"the stream ended{' ([DONE])' if finished else ''} with {len(pending)} "

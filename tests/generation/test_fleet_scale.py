@@ -276,3 +276,35 @@ def test_a_server_lost_mid_stream_loses_only_the_samples_not_yet_handed_over(tin
     assert list(got.results) == ["lost.1"]
     assert sorted(fleet.lost) == [("lost.0", s.url), ("lost.2", s.url)]
     assert not fleet.alive
+
+
+def test_groups_issued_as_their_predecessors_end_reuse_their_connection(server):
+    """A loop issues a group when one ends (the async loop does, from its own thread): the next
+    request takes the connection the last stream freed, not a new one per group (each one a
+    connect, a server thread and a socket in TIME-WAIT). The server counts what it accepted."""
+    fleet = FleetClient([server.url], api_key="scale-test-key")
+    ended = threading.Semaphore(0)
+    groups = 30
+    try:
+        fleet.submit(GenRequest(request_id="warm", input_ids=prompt(6, 1), max_new_tokens=2)).result(60)
+        before = fleet.server_info(server.url)["internal_states"][0]["connections"]
+
+        def issue(k: int) -> None:
+            left = {f"chain{k}.{i}" for i in range(3)}
+
+            def got(results):
+                left.difference_update(r.request_id for r in results)
+                if not left:
+                    ended.release()  # the loop's thread issues the next
+
+            fleet.submit_batch(_mixed_group(f"chain{k}", [3, 2, 4]), on_results=got)
+
+        for k in range(groups):
+            issue(k)
+            assert ended.acquire(timeout=HANG_GUARD_S), f"group {k} never ended"
+        after = fleet.server_info(server.url)["internal_states"][0]["connections"]
+    finally:
+        fleet.close()
+    # The stream's last result is handed over once its connection is free: the next group takes
+    # it (the warm-up request's), whenever the server's end of stream arrives.
+    assert after - before == 0, f"{after - before} new connections for {groups} groups in a row"

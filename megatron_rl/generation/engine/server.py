@@ -206,6 +206,10 @@ class _Stream:
     def __iter__(self) -> _Stream:
         return self
 
+    @property
+    def ended(self) -> bool:
+        return not self._left
+
     def __next__(self) -> list[Body]:
         if not self._left:
             raise StopIteration
@@ -609,6 +613,9 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                         "weight_updates": self.stats["weight_updates"],
                         "aborted_requests": self.stats["aborted_requests"],
                         "client_disconnects": self.stats["client_disconnects"],
+                        # TCP connections served and refused (over --max-conns-per-client)
+                        "connections": self.httpd.accepted_connections,
+                        "refused_connections": self.httpd.refused_connections,
                     }
                 ],
             }
