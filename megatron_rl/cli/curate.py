@@ -79,7 +79,12 @@ def _difficulty(args) -> int:
     problems = read_problems(args.input, limit=args.limit)
     with VerifierPool(cfg.workers) as pool:
         if args.scored:
-            attempts = attempts_from_scored(args.scored)
+            from megatron_rl.cli.reward import (
+                reward_config,  # lazy: each verb imports only what it runs, so --help stays quick
+            )
+
+            tags = reward_config(args.recipe, args.overrides, args.workers).think_tags
+            attempts = attempts_from_scored(args.scored, tags)
         else:
             attempts = _sample(args, problems, pool)
         kept, details, report = difficulty_filter(problems, attempts, cfg, pool=pool, progress=not args.quiet)
@@ -120,17 +125,22 @@ def _sample(args, problems, pool):
     )
     from megatron_rl.data.sampling import (  # lazy: each verb imports only what it runs, so --help stays quick
         SamplingConfig,
+        check_think_tags_in,
         close_generator,
         load_tokenizer,
         open_generator,
         render_prompt,
         sample_and_score,
     )
+    from megatron_rl.rewards.template import (
+        system_prompt,  # lazy: each verb imports only what it runs, so --help stays quick
+    )
 
     reward_cfg = reward_config(args.recipe, args.overrides, args.workers)
     if args.tokenizer is None and args.model is None:
         raise ValueError("--servers needs --tokenizer (the served model's tokenizer folder)")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
+    check_think_tags_in(tokenizer, reward_cfg.think_tags, name=args.tokenizer or args.model)
     longest = max((len(render_prompt(tokenizer, p.problem, p.task)) for p in problems), default=1)
     cfg = SamplingConfig(
         k=args.k,
@@ -138,6 +148,7 @@ def _sample(args, problems, pool):
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        system_prompt=system_prompt(reward_cfg.think_tags),
     )
     generator = open_generator(
         model=args.model,

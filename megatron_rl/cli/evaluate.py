@@ -26,6 +26,7 @@ from megatron_rl.data.benchmarks import FORMATS, load_benchmark
 from megatron_rl.data.problems import DataError
 from megatron_rl.data.sampling import (
     SamplingConfig,
+    check_think_tags_in,
     close_generator,
     load_tokenizer,
     open_generator,
@@ -37,6 +38,7 @@ from megatron_rl.evaluation.metrics import default_ks
 from megatron_rl.evaluation.report import REPORT_FILES, evaluate, write_report
 from megatron_rl.fileio import check_output_apart
 from megatron_rl.rewards.pool import VerifierPool
+from megatron_rl.rewards.template import system_prompt
 
 __all__ = ["add_generator_args", "build_parser", "main"]
 
@@ -87,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
+        system_prompt=system_prompt(reward_cfg.think_tags),
     )
     problems, load_report = load_benchmark(args.data, args.format, seed=args.seed)
     if args.limit is not None:
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer is None and args.model is None:
         raise ValueError("--servers needs --tokenizer (the served model's tokenizer folder)")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
+    check_think_tags_in(tokenizer, reward_cfg.think_tags, name=args.tokenizer or args.model)
     longest = max(len(render_prompt(tokenizer, p.problem, p.task)) for p in problems)
     generator = open_generator(
         model=args.model,

@@ -53,6 +53,7 @@ from megatron_rl.data.report import CurationReport
 from megatron_rl.data.sampling import Attempt, extract_answer
 from megatron_rl.rewards.math import MathConfig, verify_math
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool, max_workers
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -232,10 +233,13 @@ def difficulty_filter(
             pool.close()
 
 
-def attempts_from_scored(path: str) -> dict[str, list[Attempt]]:
+def attempts_from_scored(
+    path: str, think_tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS
+) -> dict[str, list[Attempt]]:
     """Pre-scored completions grouped by problem: JSONL lines with ``problem_id`` (or
     ``group_id``, as ``megatron-rl reward`` keeps it), ``completion`` and ``correct`` (or
-    ``reason``: ``ok`` is correct); the final answer is extracted from the completion."""
+    ``reason``: ``ok`` is correct); the final answer is extracted from the completion (its
+    thinking between ``think_tags``)."""
     out: dict[str, list[Attempt]] = {}
     for where, obj in read_records(path):
         if not isinstance(obj, dict):
@@ -249,7 +253,7 @@ def attempts_from_scored(path: str) -> dict[str, list[Attempt]]:
         if not isinstance(correct, bool):
             raise DataError(f"{where}: correct: expected true/false (or a 'reason'), got {correct!r}")
         # ("answer" in a scored line is the reference, as in `megatron-rl reward` input.)
-        answer = extract_answer(obj["completion"], obj.get("task", "math"))
+        answer = extract_answer(obj["completion"], obj.get("task", "math"), think_tags)
         tries = out.setdefault(str(pid), [])
         tries.append(
             Attempt(

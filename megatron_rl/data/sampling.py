@@ -38,7 +38,13 @@ from megatron_rl.rewards.code import ensure_pch
 from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, score, verifier_warmup
 from megatron_rl.rewards.format import check_format, last_boxed
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
-from megatron_rl.rewards.template import SYSTEM_PROMPT, build_messages, merge_system, render_plain
+from megatron_rl.rewards.template import (
+    DEFAULT_THINK_TAGS,
+    SYSTEM_PROMPT,
+    build_messages,
+    merge_system,
+    render_plain,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -49,6 +55,7 @@ __all__ = [
     "Attempt",
     "SamplingConfig",
     "byte_level_table",
+    "check_think_tags_in",
     "close_generator",
     "decode_completion",
     "extract_answer",
@@ -99,13 +106,40 @@ class Attempt:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def extract_answer(completion: str, task: str) -> str | None:
+def extract_answer(
+    completion: str, task: str, think_tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS
+) -> str | None:
     """The final answer a math completion gives (last ``\\boxed{}`` of the answer part), or None
     when the format check fails; always None for code (programs are not voted on)."""
     if task != "math":
         return None
-    parsed, _ = check_format(completion, "math")
+    parsed, _ = check_format(completion, "math", think_tags)
     return None if parsed is None else last_boxed(parsed.answer)
+
+
+def check_think_tags_in(tokenizer, think_tags: Sequence[str], *, name: str = "") -> None:
+    """``reward.think_tags`` against the run's tokenizer: a pair other than the default must be one
+    token each (Magistral 1.2's tekken holds ``[THINK]`` and ``[/THINK]`` as special tokens: a
+    model of another tokenizer never wrote them as one and would learn them from nothing); the
+    default ``<think>``/``</think>`` may be written in pieces (Llama 3's are). Raises
+    :class:`~megatron_rl.errors.UsageError` naming the field, the tag and the tokenizer."""
+    if tuple(think_tags) == DEFAULT_THINK_TAGS:
+        return
+    for tag in think_tags:
+        tid = tokenizer.convert_tokens_to_ids(tag)
+        if (
+            isinstance(tid, int)
+            and tid != tokenizer.unk_token_id
+            and tokenizer.convert_ids_to_tokens(tid) == tag
+        ):
+            continue
+        pieces = tokenizer.tokenize(tag)
+        raise UsageError(
+            f"reward.think_tags: {tag!r} is not one token of the tokenizer"
+            f"{' at ' + name if name else ''} (it is {len(pieces)} pieces: {pieces[:8]}); Magistral "
+            f"1.2's tokenizer holds [THINK] and [/THINK] as special tokens; for a tokenizer "
+            f"without the tags keep the default {list(DEFAULT_THINK_TAGS)}, or add them to it"
+        )
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -406,7 +440,7 @@ def sample_and_score(
                     reward=reward,
                     reason=reason,
                     correct=correct,
-                    answer=extract_answer(text, p.task),
+                    answer=extract_answer(text, p.task, reward_cfg.think_tags),
                     parts=parts,
                     prompt_ids=list(res.prompt_ids) if keep_tokens else None,
                     completion_ids=list(res.token_ids) if keep_tokens else None,

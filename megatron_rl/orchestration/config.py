@@ -115,7 +115,9 @@ class DataConfig:
     # hash of (holdout_seed, problem id), so it does not move when the file is reordered.
     eval_fraction: float = 0.0
     holdout_seed: int = 0
-    system_prompt: str = "paper"  # "paper" (Magistral's), "none", or the text itself
+    # "paper" (Magistral's, with reward.think_tags), "none", or the text itself ({think_open} and
+    # {think_close} in it stand for reward.think_tags)
+    system_prompt: str = "paper"
     # auto: prompts through the tokenizer's chat template when it has one (system prompt as the
     # system message, generation prompt appended), else plain text; none: plain text always.
     chat_template: Literal["auto", "none"] = "auto"

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from megatron_rl.config import ConfigError, config_to_dict
 from megatron_rl.data.problems import DataError, OptionError, hold_out, read_problems
-from megatron_rl.data.sampling import SamplingConfig, has_chat_template, load_tokenizer
+from megatron_rl.data.sampling import SamplingConfig, check_think_tags_in, has_chat_template, load_tokenizer
 from megatron_rl.errors import ArgumentParser, run_cli
 from megatron_rl.evaluation.heldout import describe, held_out_pass_at_1
 from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
@@ -60,7 +60,7 @@ from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.orchestration.trackers import Tracker, open_trackers
 from megatron_rl.rewards.pool import VerifierPool
 from megatron_rl.rewards.remote import verifier_pool
-from megatron_rl.rewards.template import SYSTEM_PROMPT
+from megatron_rl.rewards.template import fill_think_tags, system_prompt
 from megatron_rl.training.checkpoint import (
     CheckpointCorruptError,
     NonFiniteError,
@@ -97,9 +97,10 @@ _PLOTS = [
 ]
 
 
-def _system_prompt(value: str) -> str:
-
-    return {"paper": SYSTEM_PROMPT, "none": ""}.get(value, value)
+def _system_prompt(value: str, think_tags: list[str]) -> str:
+    """``data.system_prompt``: "paper" is Magistral's, with the run's ``reward.think_tags``; a
+    text of the recipe's own has its ``{think_open}``/``{think_close}`` filled with them."""
+    return {"paper": system_prompt(think_tags), "none": ""}.get(value, fill_think_tags(value, think_tags))
 
 
 class _Curriculum:
@@ -173,7 +174,7 @@ def _evaluate(
         temperature=cfg.algorithm.temperature,
         top_p=cfg.loop.top_p,
         seed=cfg.loop.seed + 7919,
-        system_prompt=_system_prompt(cfg.data.system_prompt),
+        system_prompt=_system_prompt(cfg.data.system_prompt, cfg.reward.think_tags),
     )
     return held_out_pass_at_1(
         fleet, pool, tok, problems, sc, cfg.reward, label=label, progress=progress, deadline=deadline
@@ -344,6 +345,7 @@ class _Run:
         self.tok: PreTrainedTokenizerBase = load_tokenizer(
             cfg.model.tokenizer or cfg.model.hf, chat_template=cfg.data.chat_template
         )
+        check_think_tags_in(self.tok, cfg.reward.think_tags, name=cfg.model.tokenizer or cfg.model.hf)
         self.trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
         stack.callback(self.trainer.close)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -499,7 +501,7 @@ class _Run:
             pool=pool,
             sampler=sampler,
             tokenizer=self.tok,
-            system_prompt=_system_prompt(self.cfg.data.system_prompt),
+            system_prompt=_system_prompt(self.cfg.data.system_prompt, self.cfg.reward.think_tags),
             version=lambda: int(trainer.step),
         )
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from megatron_rl.errors import ArgumentParser, OutputError, run_cli
 from megatron_rl.fileio import atomic_write_json, check_output_apart
 from megatron_rl.orchestration.recipe import RunConfig, load_config
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS
 
 __all__ = ["main"]
 
@@ -62,15 +63,30 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).absolute()
     cfg = _check_inputs(out, args.recipe, args.overrides)
     warm = out / "warmup"
+    tags = list(cfg.reward.think_tags)
     t0 = time.monotonic()
     if not (warm / "warmup.json").exists():
         _stage(
             "1/2 warm-up: data, tokenizer, tiny model, SFT",
-            [sys.executable, "-m", "megatron_rl.quickstart.warmup", "--out", str(warm)],
+            [
+                sys.executable,
+                "-m",
+                "megatron_rl.quickstart.warmup",
+                "--out",
+                str(warm),
+                "--think-tags",
+                *tags,
+            ],
         )
     else:
         print(f"== 1/2 warm-up: reusing {warm}", file=sys.stderr)
     warmup = json.loads((warm / "warmup.json").read_text())
+    built = warmup.get("think_tags", list(DEFAULT_THINK_TAGS))  # before the field: the default
+    if built != tags:
+        raise OutputError(
+            f"--out {out}: its warm-up taught the tags {built}, this run's reward.think_tags are "
+            f"{tags}; use another --out (or remove {warm}) to warm up with them"
+        )
     paths = warmup["paths"]
     rl = out / "rl"
     _stage(

@@ -49,8 +49,9 @@ from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.sft import build_sft_batch
 from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.quickstart.problems import Problem
-from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, load_tokenizer, prompt_ids, text_ids
-from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
+from megatron_rl.quickstart.tokenizer import QUICKSTART_PROMPT, load_tokenizer, prompt_ids, text_ids
+from megatron_rl.rewards.format import check_think_tags
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS, fill_think_tags
 from megatron_rl.training.config import OptimConfig, TrainerConfig
 from megatron_rl.training.trainer import PolicyTrainer
 
@@ -79,6 +80,7 @@ class SFTConfig:
     seed: int = 0  # order of the training problems and the slips
     threads: int = 0  # torch intra-op threads; 0 = chosen by measured step time (ThreadGovernor)
     token_budget: int = 8192  # tokens per microbatch (all of a step fits in one here)
+    think_tags: tuple[str, str] = DEFAULT_THINK_TAGS  # the traces' (the run's reward.think_tags)
 
     def __post_init__(self):
         check_range("steps", self.steps, low=1)
@@ -91,6 +93,7 @@ class SFTConfig:
         check_range("slip_rate", self.slip_rate, low=0.0, high=1.0)
         check_range("threads", self.threads, low=0)
         check_range("token_budget", self.token_budget, low=16)
+        check_think_tags(self.think_tags)
 
 
 @dataclass
@@ -100,8 +103,11 @@ class SFTResult:
     seconds: float = 0.0  # wall time of the training loop and the export
 
 
-def format_trace(problem: Problem, *, slip: str | None = None) -> str:
-    """The target completion for ``problem`` (without EOS, which is a token, not text).
+def format_trace(
+    problem: Problem, *, slip: str | None = None, think_tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS
+) -> str:
+    """The target completion for ``problem`` (without EOS, which is a token, not text), its
+    thinking between ``think_tags``.
 
     ``slip``: a wrong value (see :func:`slipped_answer`) written as the result of the last step
     and boxed, instead of the answer.
@@ -113,7 +119,7 @@ def format_trace(problem: Problem, *, slip: str | None = None) -> str:
             raise ValueError(f"{problem.id}: the last step does not end with the answer: {steps[-1]!r}")
         steps[-1] = f"{steps[-1][: -len(answer) - 1]}{slip}."
         answer = slip
-    return f"{THINK_OPEN}{' '.join(steps)}{THINK_CLOSE}The answer is \\boxed{{{answer}}}."
+    return f"{think_tags[0]}{' '.join(steps)}{think_tags[1]}The answer is \\boxed{{{answer}}}."
 
 
 def slipped_answer(answer: str, rng: random.Random) -> str:
@@ -134,10 +140,12 @@ def sft_pairs(
     *,
     slip_rate: float = 0.0,
     rng: random.Random | None = None,
-    system_prompt: str = QUICKSTART_SYSTEM_PROMPT,
+    think_tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS,
 ) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``; each trace
-    slips with probability ``slip_rate`` (drawn from ``rng``)."""
+    """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``: the quick
+    start's prompt and traces with ``think_tags``; each trace slips with probability
+    ``slip_rate`` (drawn from ``rng``)."""
+    system_prompt = fill_think_tags(QUICKSTART_PROMPT, think_tags)
     rng = rng or random.Random(0)
     eos = tokenizer.eos_token_id
     pairs = []
@@ -146,7 +154,7 @@ def sft_pairs(
         pairs.append(
             (
                 prompt_ids(tokenizer, p.problem, system_prompt=system_prompt),
-                text_ids(tokenizer, format_trace(p, slip=slip)) + [eos],
+                text_ids(tokenizer, format_trace(p, slip=slip, think_tags=think_tags)) + [eos],
             )
         )
     return pairs
@@ -280,7 +288,7 @@ def run_sft(
         losses = []
         bar = tqdm(total=cfg.steps, desc="sft", unit="step", disable=not progress)
         for _step, batch in zip(range(cfg.steps), _batches(problems, cfg.batch_size, cfg.seed)):
-            pairs = sft_pairs(tokenizer, batch, slip_rate=cfg.slip_rate, rng=slips)
+            pairs = sft_pairs(tokenizer, batch, slip_rate=cfg.slip_rate, rng=slips, think_tags=cfg.think_tags)
             governor.before_step()
             metrics = trainer.sft_step(build_sft_batch(pairs))
             governor.after_step(metrics["step_time_s"])

@@ -15,7 +15,9 @@ Design, for a model that must learn arithmetic in a few CPU minutes:
   of encoding for every text of the quick start, and the vocabulary stays at a few hundred ids
   (a full 256-byte alphabet would add ids the model can only learn to avoid).
 - ``<think>`` and ``</think>`` are single *added* tokens, not special ones: ``decode(...,
-  skip_special_tokens=True)`` keeps them, because the reward's format check reads them. The
+  skip_special_tokens=True)`` keeps them, because the reward's format check reads them. Other
+  ``reward.think_tags`` (Magistral 1.2's ``[THINK]``/``[/THINK]``) are single *special* tokens,
+  as in the tokenizer they come from (the run decodes completions with every token kept). The
   special tokens are ``<|pad|>``, ``<|end|>`` (EOS: ends every turn and every completion),
   ``<|unk|>`` and the role markers.
 - **Chat template**: ``<|system|>...<|end|><|user|>...<|end|><|assistant|>``.
@@ -36,12 +38,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron_rl.data.sampling import render_prompt
-from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS, fill_think_tags
 
 __all__ = [
     "CHAT_TEMPLATE",
     "EOS",
     "PAD",
+    "QUICKSTART_PROMPT",
     "QUICKSTART_SYSTEM_PROMPT",
     "ROLE_TOKENS",
     "UNK",
@@ -51,7 +54,10 @@ __all__ = [
     "text_ids",
 ]
 
-QUICKSTART_SYSTEM_PROMPT = "Think inside <think> </think>, then answer."
+QUICKSTART_PROMPT = (
+    "Think inside {think_open} {think_close}, then answer."  # recipe.yaml's data.system_prompt
+)
+QUICKSTART_SYSTEM_PROMPT = fill_think_tags(QUICKSTART_PROMPT)  # with the default tags
 
 PAD, EOS, UNK = "<|pad|>", "<|end|>", "<|unk|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -79,10 +85,17 @@ def _byte_level_chars(chars: list[str]) -> list[str]:
     return [bl.pre_tokenize_str(c)[0][0] for c in chars]
 
 
-def build_tokenizer(texts: Iterable[str], folder: str | os.PathLike, *, vocab_size: int = 320) -> Path:
+def build_tokenizer(
+    texts: Iterable[str],
+    folder: str | os.PathLike,
+    *,
+    vocab_size: int = 320,
+    think_tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS,
+) -> Path:
     """Train the BPE on ``texts`` (prompts and traces), save it to ``folder`` with its
     ``tokenizer_config.json`` and chat template; return the folder. ``vocab_size`` is an upper
-    bound: merges stop when every pre-token of the corpus is one token."""
+    bound: merges stop when every pre-token of the corpus is one token. ``think_tags``: one
+    token each (added; special unless they are the default)."""
     from tokenizers import (  # lazy: only the quick start trains a tokenizer
         AddedToken,
         Regex,
@@ -113,18 +126,18 @@ def build_tokenizer(texts: Iterable[str], folder: str | os.PathLike, *, vocab_si
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    tok.add_tokens(
-        [
-            AddedToken(THINK_OPEN, special=False, normalized=False),
-            AddedToken(THINK_CLOSE, special=False, normalized=False),
-        ]
-    )
+    special = tuple(think_tags) != DEFAULT_THINK_TAGS
+    tags = [AddedToken(t, special=special, normalized=False) for t in think_tags]
+    if special:
+        tok.add_special_tokens(tags)
+    else:
+        tok.add_tokens(tags)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD,
         eos_token=EOS,
         unk_token=UNK,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=[*ROLE_TOKENS, *(think_tags if special else ())],
         model_max_length=4096,
     )
     fast.chat_template = CHAT_TEMPLATE

@@ -41,8 +41,10 @@ from megatron_rl.quickstart.evaluate import EvalConfig, EvalReport, evaluate
 from megatron_rl.quickstart.model import TinyModelConfig, build_model_folder
 from megatron_rl.quickstart.problems import ProblemConfig, generate_problems, split_problems
 from megatron_rl.quickstart.sft import SFTConfig, format_trace, run_sft
-from megatron_rl.quickstart.tokenizer import QUICKSTART_SYSTEM_PROMPT, build_tokenizer, load_tokenizer
-from megatron_rl.rewards.template import MATH_INSTRUCTION
+from megatron_rl.quickstart.tokenizer import QUICKSTART_PROMPT, build_tokenizer, load_tokenizer
+from megatron_rl.rewards.compose import RewardConfig
+from megatron_rl.rewards.format import check_think_tags
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS, MATH_INSTRUCTION, fill_think_tags
 
 __all__ = ["WarmupResult", "main", "run_warmup"]
 
@@ -69,15 +71,23 @@ def run_warmup(
     eval_cfg: EvalConfig | None = None,
     held_out_fraction: float = 0.1,
     eval_problems: int = 200,
+    think_tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS,
     progress: bool = True,
 ) -> WarmupResult:
     """Build everything under ``out_dir`` and evaluate the SFT model on ``eval_problems``
-    held-out problems (the first ones of the held-out split); see the module docstring."""
+    held-out problems (the first ones of the held-out split); see the module docstring.
+    ``think_tags``: what the traces think between (the RL recipe's ``reward.think_tags``), one
+    token each of the tokenizer."""
+    check_think_tags(think_tags)
+    tags = (think_tags[0], think_tags[1])
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     problems, model = problems or ProblemConfig(), model or TinyModelConfig()
-    sft, eval_cfg = sft or SFTConfig(), eval_cfg or EvalConfig(samples=2)
+    sft, eval_cfg = (
+        dataclasses.replace(sft or SFTConfig(), think_tags=tags),
+        eval_cfg or EvalConfig(samples=2),
+    )
     seconds: dict[str, float] = {}
     t0 = clock = time.perf_counter()
 
@@ -92,9 +102,11 @@ def run_warmup(
     for name, split in (("train", train), ("held_out", held_out)):
         write_problems(paths[name], (p.to_record() for p in split))
     _log(progress, f"[1/5] problems: {len(train)} train, {len(held_out)} held out")
-    corpus = [QUICKSTART_SYSTEM_PROMPT, MATH_INSTRUCTION]
-    corpus += [text for p in train for text in (p.problem, format_trace(p), format_trace(p, slip="0"))]
-    paths["tokenizer"] = build_tokenizer(corpus, out / "tokenizer")
+    prompt = fill_think_tags(QUICKSTART_PROMPT, tags)
+    corpus = [prompt, MATH_INSTRUCTION]
+    for p in train:
+        corpus += [p.problem, format_trace(p, think_tags=tags), format_trace(p, slip="0", think_tags=tags)]
+    paths["tokenizer"] = build_tokenizer(corpus, out / "tokenizer", think_tags=tags)
     tokenizer = load_tokenizer(paths["tokenizer"])
     lap("data_and_tokenizer")
     _log(progress, f"[2/5] tokenizer: {len(tokenizer)} tokens")
@@ -106,7 +118,15 @@ def run_warmup(
     lap("sft")
     _log(progress, f"[4/5] sft: {sft.steps} steps, loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}")
     generator = LocalGenerator.from_pretrained(paths["sft"], max_slots=64, max_len=model.max_positions)
-    report = evaluate(generator, tokenizer, held_out[:eval_problems], eval_cfg, progress=progress)
+    report = evaluate(
+        generator,
+        tokenizer,
+        held_out[:eval_problems],
+        eval_cfg,
+        reward_cfg=RewardConfig(think_tags=list(tags)),
+        system_prompt=prompt,
+        progress=progress,
+    )
     lap("eval")
     seconds["total"] = time.perf_counter() - t0
     _log(progress, f"[5/5] held-out: {report.summary()}  ({seconds['total']:.0f} s in all)")
@@ -118,6 +138,7 @@ def run_warmup(
             "seconds": seconds,
             "eval": {k: v for k, v in dataclasses.asdict(report).items() if k != "examples"},
             "sft_loss_first_last": [result.losses[0], result.losses[-1]],
+            "think_tags": list(tags),
         },
     )
     return WarmupResult(paths=paths, eval=report, sft_losses=result.losses, seconds=seconds)
@@ -131,11 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-steps", type=int, default=SFTConfig().steps)
     parser.add_argument("--slip-rate", type=float, default=SFTConfig().slip_rate)
     parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument(
+        "--think-tags",
+        nargs=2,
+        metavar=("OPEN", "CLOSE"),
+        default=list(DEFAULT_THINK_TAGS),
+        help="what the traces think between (reward.think_tags), e.g. [THINK] [/THINK]",
+    )
     args = parser.parse_args(argv)
     run_warmup(
         args.out,
         sft=SFTConfig(steps=args.sft_steps, slip_rate=args.slip_rate),
         eval_problems=args.eval_problems,
+        think_tags=args.think_tags,
     )
     return 0
 

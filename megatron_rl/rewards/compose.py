@@ -32,12 +32,13 @@ from urllib.parse import urlsplit
 from megatron_rl.config import ConfigFieldError, check_choice, check_range
 from megatron_rl.rewards.code import CodeConfig, ensure_pch, extract_code_block, verify_code
 from megatron_rl.rewards.custom import CustomScore, call_custom, resolve, warm_up
-from megatron_rl.rewards.format import check_format
+from megatron_rl.rewards.format import check_format, check_think_tags
 from megatron_rl.rewards.language import language_consistent
 from megatron_rl.rewards.length import length_penalty
 from megatron_rl.rewards.math import MathConfig, verify_math
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool
 from megatron_rl.rewards.result import RewardResult, Verdict
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS
 
 __all__ = [
     "RewardConfig",
@@ -103,6 +104,10 @@ class RewardConfig:
     remote: list[str] = field(default_factory=list)
     # The environment variable holding those servers' API key ("" or unset: none is sent).
     remote_api_key_env: str = "MEGATRON_RL_VERIFIER_KEY"
+    # What the model thinks between: the format check, the paper's system prompt and the run's
+    # tokenizer check follow it. ["[THINK]", "[/THINK]"] for Magistral 1.2 (its tokenizer holds
+    # each as one special token); any pair but the default must be one token each.
+    think_tags: list[str] = field(default_factory=lambda: list(DEFAULT_THINK_TAGS))
 
     def __post_init__(self):
         for name in (
@@ -122,6 +127,7 @@ class RewardConfig:
         check_range("workers", self.workers, low=1, high=1024)
         check_choice("custom_mode", self.custom_mode, ("replace", "add"))
         self._check_remote()
+        check_think_tags(self.think_tags)
         check_range("custom_timeout_s", self.custom_timeout_s, low=0.0, low_open=True)
         if self.custom is not None:
             resolve(self.custom)  # at load: a bad name, module or function fails here, naming the field
@@ -227,7 +233,7 @@ def _custom(inp: RewardInput, cfg: RewardConfig) -> CustomScore:
 
 def score(inp: RewardInput, cfg: RewardConfig) -> RewardResult:
     """Score one completion (runs in a verifier worker; see the module docstring)."""
-    parsed, why = check_format(inp.completion, inp.task)
+    parsed, why = check_format(inp.completion, inp.task, cfg.think_tags)
     if parsed is None:
         return _zero(cfg, "format_error", why)
     parts: dict[str, float] = {"format": cfg.format_reward}

@@ -2,6 +2,7 @@
 
 1. The completion starts with ``<think>`` (leading whitespace allowed: tokenizers often emit it).
 2. Exactly one ``<think>`` and exactly one ``</think>``, in that order; what follows is the answer.
+   (The tags are the recipe's ``reward.think_tags``; ``<think>``/``</think>`` by default.)
 3. Math: the answer part holds a ``\\boxed{...}`` with balanced braces.
    Code: the answer part holds a fenced code block with a language (```` ```python ````).
 """
@@ -11,9 +12,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from megatron_rl.rewards.template import THINK_CLOSE, THINK_OPEN
+from megatron_rl.config import ConfigFieldError
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS
 
-__all__ = ["FENCE_RE", "ParsedCompletion", "check_format", "last_boxed"]
+__all__ = ["FENCE_RE", "ParsedCompletion", "check_format", "check_think_tags", "last_boxed"]
 
 # A fenced block: ``` + language + newline + body + closing ```. The language is required.
 FENCE_RE = re.compile(r"```[ \t]*([A-Za-z][\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -55,15 +57,39 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-def check_format(text: str, task: str) -> tuple[ParsedCompletion | None, str]:
-    """``(parsed, "")`` when the format holds, else ``(None, why)``."""
+def check_think_tags(tags: object) -> None:
+    """``reward.think_tags``: two different non-empty strings without surrounding white space,
+    neither inside the other (the check counts each once). Raises :class:`ConfigFieldError`."""
+    if not (isinstance(tags, (list, tuple)) and len(tags) == 2 and all(isinstance(t, str) for t in tags)):
+        raise ConfigFieldError(
+            "think_tags",
+            f'must be two strings, the opening and the closing tag (e.g. ["[THINK]", "[/THINK]"]), got {tags!r}',
+        )
+    think_open, think_close = tags
+    for t in tags:
+        if not t or t != t.strip():
+            raise ConfigFieldError(
+                "think_tags", f"a tag must be non-empty, without white space around it, got {t!r}"
+            )
+    if think_open in think_close or think_close in think_open:
+        raise ConfigFieldError(
+            "think_tags",
+            f"neither tag may hold the other (each is counted once), got {think_open!r} and {think_close!r}",
+        )
+
+
+def check_format(
+    text: str, task: str, tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS
+) -> tuple[ParsedCompletion | None, str]:
+    """``(parsed, "")`` when the format holds (thinking between ``tags``), else ``(None, why)``."""
+    think_open, think_close = tags
     body = text.lstrip()
-    if not body.startswith(THINK_OPEN):
-        return None, f"does not start with {THINK_OPEN}"
-    n_open, n_close = body.count(THINK_OPEN), body.count(THINK_CLOSE)
+    if not body.startswith(think_open):
+        return None, f"does not start with {think_open}"
+    n_open, n_close = body.count(think_open), body.count(think_close)
     if n_open != 1 or n_close != 1:
-        return None, f"needs exactly one {THINK_OPEN} and one {THINK_CLOSE}, found {n_open} and {n_close}"
-    thinking, _, answer = body[len(THINK_OPEN) :].partition(THINK_CLOSE)
+        return None, f"needs exactly one {think_open} and one {think_close}, found {n_open} and {n_close}"
+    thinking, _, answer = body[len(think_open) :].partition(think_close)
     if task == "math":
         if last_boxed(answer) is None:
             return None, "no \\boxed{...} in the answer part"

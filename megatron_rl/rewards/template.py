@@ -3,7 +3,10 @@ the chat messages of a prompt (rendered by a tokenizer's chat template, or as pl
 tokenizer without one: :func:`render_plain`).
 
 The model answers ``<think>`` + inner monologue + ``</think>`` + a self-contained summary in
-Markdown/LaTeX, both in the language of the problem. "Be as casual and as long as you want until
+Markdown/LaTeX, both in the language of the problem. The tags are the recipe's
+(``reward.think_tags``): Magistral Small/Medium 1.2 think between the single special tokens
+``[THINK]`` and ``[/THINK]`` (:data:`MAGISTRAL_THINK_TAGS`); :func:`system_prompt` writes the
+paper's prompt with the run's tags. "Be as casual and as long as you want until
 you are confident" is kept verbatim: the paper reports it raises entropy and helps exploration,
 and that RL is sensitive to the exact prompt.
 """
@@ -12,29 +15,45 @@ from __future__ import annotations
 
 __all__ = [
     "CODE_INSTRUCTION",
+    "DEFAULT_THINK_TAGS",
+    "MAGISTRAL_THINK_TAGS",
     "MATH_INSTRUCTION",
     "SYSTEM_PROMPT",
     "THINK_CLOSE",
     "THINK_OPEN",
     "build_messages",
+    "fill_think_tags",
     "merge_system",
     "render_plain",
+    "system_prompt",
 ]
 
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+DEFAULT_THINK_TAGS = (THINK_OPEN, THINK_CLOSE)
+MAGISTRAL_THINK_TAGS = ("[THINK]", "[/THINK]")  # Magistral 1.2's: single special tokens of its tekken
 
-SYSTEM_PROMPT = f"""A user will ask you to solve a task. You should first draft your thinking process \
+
+def fill_think_tags(text: str, tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS) -> str:
+    """``text`` with ``{think_open}`` and ``{think_close}`` replaced by ``tags`` (a recipe's own
+    system prompt may name the run's tags so; nothing else in it is read as a placeholder)."""
+    return text.replace("{think_open}", tags[0]).replace("{think_close}", tags[1])
+
+
+def system_prompt(tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS) -> str:
+    """Magistral's system prompt (Figure 2 of the paper) with ``tags`` as its template's."""
+    think_open, think_close = tags
+    return f"""A user will ask you to solve a task. You should first draft your thinking process \
 (inner monologue) until you have derived the final answer. Afterwards, write a self-contained \
 summary of your thoughts (i.e. your summary should be succinct but contain all the critical steps \
 you needed to reach the conclusion). You should use Markdown and LaTeX to format your response. \
 Write both your thoughts and summary in the same language as the task posed by the user.
 
 Your thinking process must follow the template below:
-{THINK_OPEN}
+{think_open}
 Your thoughts or/and draft, like working through an exercise on scratch paper. Be as casual and as \
 long as you want until you are confident to generate a correct answer.
-{THINK_CLOSE}
+{think_close}
 
 Here, provide a concise summary that reflects your reasoning and presents a clear final answer to \
 the user.
@@ -42,6 +61,9 @@ the user.
 Problem:
 
 """
+
+
+SYSTEM_PROMPT = system_prompt()
 
 MATH_INSTRUCTION = "Put your final answer within \\boxed{}."
 CODE_INSTRUCTION = (

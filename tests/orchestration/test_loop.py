@@ -232,6 +232,18 @@ def test_a_run_whose_every_group_is_dropped_stops_with_a_diagnosis(tmp_path, pol
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == []  # no step was trained
 
 
+def test_think_tags_the_tokenizer_lacks_stop_the_run_before_it_starts_naming_the_field(tmp_path, policy):
+    """The policy's tokenizer holds <think> tags, not Magistral 1.2's [THINK]: a recipe asking
+    for those is refused at start (exit 2, one line naming reward.think_tags), nothing launched."""
+    path = recipe(tmp_path, policy)
+    override = 'reward.think_tags=["[THINK]", "[/THINK]"]'
+    proc = subprocess.run(train_cmd(path, override), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "reward.think_tags: '[THINK]' is not one token of the tokenizer at " in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 # Injected into the run's own process: from policy step 2 on, every sequence's advantage is NaN,
 # so the loss is NaN (a fault the trainer must catch, whatever produced it).
 _NAN_FROM_STEP_2 = """
