@@ -24,9 +24,10 @@ The fleet is not paused (``pause_mode: auto`` = ``none`` here): a server receive
 its own (on a GPU, its own CUDA stream) while its engine decodes with the old weights, and swaps
 the new ones in between two engine steps once every bucket arrived and passed its checks -- the
 generators never wait for the transfer, only for the swap (the received tensors become the
-parameters: no copy). ``in_place`` or ``abort`` pause it anyway, as the per-bucket path must. The buckets then follow as broadcasts alone, no HTTP per bucket, with
-bucket k+1 packed on a thread of its own while bucket k is on the wire (``weight_sync/stream.py``,
-two reused buffers); ``/end_weight_update`` answers once the servers applied the update, whole
+parameters: no copy). ``in_place`` or ``abort`` pause it anyway, as the per-bucket path must.
+The buckets follow the manifest as broadcasts alone, no HTTP per bucket, with bucket k+1 packed
+on a thread of its own while bucket k is on the wire (``weight_sync/stream.py``, two reused
+buffers); ``/end_weight_update`` answers once the servers applied the update, whole
 or not at all (``generation/engine/weights.py``). The manifest needs the buckets' names and
 shapes up front: the first streamed sync reads them in one extra pass over the tensors. A
 broadcast that fails drops our end of the group at once, so the other servers' receives fail
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ConfigFieldError, check_choice, check_range
+from megatron_rl.errors import UsageError
 from megatron_rl.generation.engine.weights import (
     ENGINE_CAPABILITY,
     STREAM_ABORT,
@@ -206,12 +208,12 @@ class WeightBroadcaster:
         else:
             self.streaming = self.fleet.takes_streamed_updates()
             if self.cfg.stream == "on" and not self.streaming:
-                raise RuntimeError(
+                raise UsageError(
                     "weight_sync.stream: on, but not every update target takes streamed updates "
                     "(only the built-in engine does; use auto or off for SGLang servers)"
                 )
         if self.cfg.pause_mode == "none" and not self.streaming:
-            raise RuntimeError(
+            raise UsageError(
                 "weight_sync.pause_mode: none, but not every update target takes streamed updates "
                 "(only the built-in engine does; use auto or in_place for SGLang servers)"
             )
