@@ -307,9 +307,9 @@ def test_groups_issued_as_their_predecessors_end_reuse_their_connection(server):
         after = _accepted(server.url)
     finally:
         fleet.close()
-    # The stream's last result is handed over once its connection is free: the next group takes
-    # it (the warm-up request's), whenever the server's end of stream arrives. (The one more is
-    # the count's own connection.)
+    # Every group took the warm-up request's connection again. (A regression guard for reuse:
+    # with the built-in engine's end of stream sent with the last events, it held before the
+    # client's hand-over change too. The one more is the count's own connection.)
     assert after - before == 1, f"{after - before - 1} new connections for {groups} groups in a row"
 
 
