@@ -15,7 +15,10 @@ The fixture holds, for the pinned releases (``generation/protocol.py`` ``SGLANG_
   (``router_args.py``, ``f"--{prefix}name"`` with an empty prefix) and the defaults of the
   ``RouterArgs`` fields we set;
 - ``facts``: lines of SGLang's source our code depends on (how a server's workers join the
-  weight-update group, the refusal of data-parallel replicas), each ``true`` when present.
+  weight-update group, the refusal of data-parallel replicas), each ``true`` when present;
+- ``moe_loaders``: for each MoE family, the names SGLang's model loader reads a synced expert
+  under (``make_expert_params_mapping``'s ``ckpt_*_proj_name`` keywords, and the decoder layer's
+  attribute holding the sparse block, whose name is the tensors' prefix).
 
 ``tests/generation/test_sglang_pins.py`` checks our routes, payload routes, launch flags and
 scripts against this file (no SGLang needed), and, where the sources are on the machine
@@ -64,6 +67,32 @@ FACTS = (
         "enable_deterministic = get_exec().deterministic.enable_deterministic_inference",
     ),
 )
+
+
+#: MoE family -> its SGLang model file (under sglang/), whose loader reads our synced experts.
+MOE_LOADERS = {"qwen3_moe": "srt/models/qwen3_moe.py", "mixtral": "srt/models/mixtral.py"}
+
+
+def moe_loader(model_file: Path) -> dict[str, str]:
+    """``{"block": <sparse block attribute>, "gate"/"up"/"down": <checkpoint name>}`` of one
+    SGLang MoE model: the keywords of its ``make_expert_params_mapping`` call, and the ``self.X``
+    assigned a ``...MoE(...)`` / ``...SparseMoeBlock(...)`` in its decoder layer."""
+    out: dict[str, str] = {}
+    for node in ast.walk(ast.parse(model_file.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "make_expert_params_mapping":
+            for kw in node.keywords:
+                if kw.arg and kw.arg.startswith("ckpt_") and (c := _const_str(kw.value)):
+                    out[kw.arg.removeprefix("ckpt_").removesuffix("_proj_name")] = c
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id.endswith(("MoE", "SparseMoeBlock"))
+            and isinstance(target := node.targets[0], ast.Attribute)
+            and getattr(target.value, "id", "") == "self"
+        ):
+            out["block"] = target.attr
+    return dict(sorted(out.items()))
 
 
 def _const_str(node: ast.AST) -> str | None:
@@ -181,6 +210,7 @@ def build(sglang: Path, router: Path) -> dict[str, object]:
         "router_flags": rflags,
         "router_defaults": rdefaults,
         "facts": {name: text in (sglang / rel).read_text(encoding="utf-8") for name, rel, text in FACTS},
+        "moe_loaders": {family: moe_loader(sglang / rel) for family, rel in MOE_LOADERS.items()},
     }
 
 

@@ -32,11 +32,11 @@ __all__ = [
     "rope_parameters",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 #: Families with an RMSNorm over each query / key head before RoPE (``q_norm``, ``k_norm``).
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 #: Families whose MLPs are mixtures of experts (softmax router, top-k, no shared expert).
-MOE_MODEL_TYPES = ("qwen3_moe",)
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
 
 # Megatron pads the vocabulary so each TP shard is a multiple of 128 (GEMM-friendly) ids.
 VOCAB_DIVISIBLE_BY = 128
@@ -65,19 +65,26 @@ def load_hf_config(hf_config: HFConfigLike) -> PretrainedConfig:
 
 @dataclass(frozen=True)
 class MoESettings:
-    """The mixture-of-experts part of an HF config (Qwen3-MoE's fields)."""
+    """The mixture-of-experts part of an HF config (Qwen3-MoE's or Mixtral's fields)."""
 
     num_experts: int  # experts per MoE layer
     top_k: int  # num_experts_per_tok: experts each token is sent to
-    ffn: int  # moe_intermediate_size: SwiGLU inner width of one expert
+    ffn: int  # SwiGLU inner width of one expert
     norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
+    #: the config field that gives ``ffn``: Qwen3-MoE's moe_intermediate_size, Mixtral's
+    #: intermediate_size (its experts are its MLPs)
+    ffn_field: str = "moe_intermediate_size"
 
 
 def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings | None:
     """The MoE settings of an HF config (object or config.json dict), or None for a dense family.
 
     Every layer must be an MoE layer (``decoder_sparse_step`` 1, ``mlp_only_layers`` empty, as in
-    the released Qwen3-MoE models): dense layers mixed in are refused, naming the field.
+    the released Qwen3-MoE models): dense layers mixed in are refused, naming the field. Mixtral
+    always renormalises its top-k probabilities (its router is a softmax over the chosen experts'
+    logits) and takes each expert's width from ``intermediate_size``; its training-time router
+    jitter is refused (an RL trainer that perturbs routing would train experts the generators did
+    not use).
     """
 
     def get(name: str, default: JsonValue = None) -> JsonValue:
@@ -85,8 +92,21 @@ def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings 
             return hf.get(name, default)
         return getattr(hf, name, default)
 
-    if get("model_type") not in MOE_MODEL_TYPES:
+    model_type = get("model_type")
+    if model_type not in MOE_MODEL_TYPES:
         return None
+    if model_type == "mixtral":
+        jitter = get("router_jitter_noise", 0.0) or 0.0
+        if jitter != 0:
+            raise ValueError(f"router_jitter_noise: only 0 (no routing noise) is supported, got {jitter!r}")
+        return _checked_moe(
+            {
+                "num_local_experts": get("num_local_experts"),
+                "num_experts_per_tok": get("num_experts_per_tok"),
+                "intermediate_size": get("intermediate_size"),
+            },
+            norm_topk_prob=True,
+        )
     if get("decoder_sparse_step", 1) != 1:
         raise ValueError(
             f"decoder_sparse_step: only 1 (every layer an MoE layer) is supported, got {get('decoder_sparse_step')}"
@@ -100,14 +120,20 @@ def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings 
     values = {n: get(n) for n in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
     if values["num_experts"] is None:  # transformers >= 5 writes num_experts as num_local_experts
         values["num_experts"] = get("num_local_experts")
+    return _checked_moe(values, norm_topk_prob=bool(get("norm_topk_prob", False)))
+
+
+def _checked_moe(values: dict[str, JsonValue], *, norm_topk_prob: bool) -> MoESettings:
+    """``values``: (experts, top-k, expert width) under their config field names, in that order."""
     for name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    experts_field, _, ffn_field = values
     experts, top_k, ffn = (cast(int, v) for v in values.values())
     if top_k > experts:
-        raise ValueError(f"num_experts_per_tok: {top_k} is more than num_experts={experts}")
+        raise ValueError(f"num_experts_per_tok: {top_k} is more than {experts_field}={experts}")
     return MoESettings(
-        num_experts=experts, top_k=top_k, ffn=ffn, norm_topk_prob=bool(get("norm_topk_prob", False))
+        num_experts=experts, top_k=top_k, ffn=ffn, norm_topk_prob=norm_topk_prob, ffn_field=ffn_field
     )
 
 

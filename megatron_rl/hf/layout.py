@@ -1,6 +1,7 @@
 """Hugging Face <-> Megatron-Core names and layouts, one converter per architecture.
 
-The single source of truth for how a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE ``*ForCausalLM``
+The single source of truth for how a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral
+``*ForCausalLM``
 state dict (as saved in safetensors files) maps onto
 the ``GPTModel`` of :mod:`megatron_rl.training.model`. The offline checkpoint converter
 (:mod:`megatron_rl.convert`) and the live weight broadcast to the generators both go through it;
@@ -43,6 +44,9 @@ g = num_key_value_heads, d = head_dim, V = vocab_size, Vp = padded vocabulary):
   ``mlp.experts.e.down_proj``. The HF names are those of the files (and of SGLang's loader):
   transformers >= 5 fuses the experts into 3-D ``gate_up_proj`` / ``down_proj`` parameters in
   memory and splits them again on save. Expert numbers are global (no expert parallelism).
+- Mixtral (E = num_local_experts, m = intermediate_size): the same Megatron tensors from its
+  files' ``block_sparse_moe.gate`` (router) and ``block_sparse_moe.experts.e.w1`` (gate),
+  ``w3`` (up), ``w2`` (down) -- the names SGLang's Mixtral loader reads too.
 
 Tensor parallelism (:func:`tp_split`, :func:`shard_for_tp`, :func:`gather_from_tp`): column-
 parallel weights split dim 0 (fused QKV -- contiguous because it is laid out by query group -- the
@@ -76,6 +80,7 @@ __all__ = [
     "HFConverter",
     "LlamaConverter",
     "MistralConverter",
+    "MixtralConverter",
     "ModelDims",
     "Qwen2Converter",
     "Qwen3Converter",
@@ -96,7 +101,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # An expert's number inside a per-layer suffix, either side (replaced by "E" for shape lookups).
 _EXPERT = re.compile(r"(?<=experts\.)\d+(?=\.)")
-_HF_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_HF_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
 _MCORE_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 # Local-spec module names of the two pre-norms -> the TE / checkpoint spelling.
@@ -136,6 +141,15 @@ _MOE_MAP = {
         "mlp.experts.E.up_proj.weight",
     ),
     "mlp.experts.local_experts.E.linear_fc2.weight": ("mlp.experts.E.down_proj.weight",),
+}
+# Mixtral's files name the same tensors after the original release: w1 = gate, w3 = up, w2 = down.
+_MIXTRAL_MOE_MAP = {
+    "mlp.router.weight": ("block_sparse_moe.gate.weight",),
+    "mlp.experts.local_experts.E.linear_fc1.weight": (
+        "block_sparse_moe.experts.E.w1.weight",
+        "block_sparse_moe.experts.E.w3.weight",
+    ),
+    "mlp.experts.local_experts.E.linear_fc2.weight": ("block_sparse_moe.experts.E.w2.weight",),
 }
 _EMBEDDING, _FINAL_NORM, _OUTPUT = (
     "embedding.word_embeddings.weight",
@@ -330,7 +344,8 @@ class ModelDims:
     layers: int  # num_hidden_layers
     tied: bool  # tie_word_embeddings
     experts: int = 0  # num_experts of an MoE family (0: dense MLPs)
-    moe_ffn: int = 0  # moe_intermediate_size: one expert's SwiGLU inner width
+    moe_ffn: int = 0  # one expert's SwiGLU inner width
+    moe_ffn_field: str = "moe_intermediate_size"  # the config field that gives moe_ffn
 
     @classmethod
     def from_hf_config(
@@ -361,6 +376,7 @@ class ModelDims:
             tied=bool(getattr(hf, "tie_word_embeddings", False)),
             experts=moe.num_experts if moe else 0,
             moe_ffn=moe.ffn if moe else 0,
+            moe_ffn_field=moe.ffn_field if moe else "moe_intermediate_size",
         )
 
 
@@ -385,6 +401,8 @@ class HFConverter:
     qkv_bias: ClassVar[bool] = False
     qk_norm: ClassVar[bool] = False  # per-head RMSNorm on q and k (Qwen3)
     moe: ClassVar[bool] = False  # router + experts instead of the dense MLP (Qwen3-MoE)
+    #: the MoE tensors' HF names (with ``E`` for the expert's number), when ``moe``
+    moe_map: ClassVar[dict[str, tuple[str, ...]]] = _MOE_MAP
 
     def __init__(self, dims: ModelDims):
         if dims.model_type != self.model_type:
@@ -433,8 +451,8 @@ class HFConverter:
             if suffix == "self_attention.linear_proj.weight" and self.qk_norm:
                 out.update(_QK_NORM_MAP)
         if self.moe:  # the router, then expert by expert
-            out["mlp.router.weight"] = _MOE_MAP["mlp.router.weight"]
-            per_expert = [(k, v) for k, v in _MOE_MAP.items() if ".E." in k]
+            out["mlp.router.weight"] = self.moe_map["mlp.router.weight"]
+            per_expert = [(k, v) for k, v in self.moe_map.items() if ".E." in k]
             for e in range(self.dims.experts):
                 for suffix, sources in per_expert:
                     out[suffix.replace(".E.", f".{e}.")] = tuple(s.replace(".E.", f".{e}.") for s in sources)
@@ -564,11 +582,9 @@ class HFConverter:
             ),
             "d": _Dim(d.head_dim, "head_dim", f"head_dim={d.head_dim}{derived}"),
             "E": _Dim(d.experts, "num_experts", f"num_experts={d.experts}"),
-            "m": _Dim(d.moe_ffn, "moe_intermediate_size", f"moe_intermediate_size={d.moe_ffn}"),
+            "m": _Dim(d.moe_ffn, d.moe_ffn_field, f"{d.moe_ffn_field}={d.moe_ffn}"),
             "2m": _Dim(
-                2 * d.moe_ffn,
-                "moe_intermediate_size",
-                f"2 x moe_intermediate_size={d.moe_ffn} = {2 * d.moe_ffn}",
+                2 * d.moe_ffn, d.moe_ffn_field, f"2 x {d.moe_ffn_field}={d.moe_ffn} = {2 * d.moe_ffn}"
             ),
             "qkv": _Dim(
                 (d.heads + 2 * d.kv_heads) * d.head_dim,
@@ -601,6 +617,10 @@ class HFConverter:
         "mlp.experts.E.gate_proj.weight": ("m", "h"),
         "mlp.experts.E.up_proj.weight": ("m", "h"),
         "mlp.experts.E.down_proj.weight": ("h", "m"),
+        "block_sparse_moe.gate.weight": ("E", "h"),
+        "block_sparse_moe.experts.E.w1.weight": ("m", "h"),
+        "block_sparse_moe.experts.E.w3.weight": ("m", "h"),
+        "block_sparse_moe.experts.E.w2.weight": ("h", "m"),
     }
     _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
         _EMBEDDING: ("Vp", "h"),
@@ -776,7 +796,24 @@ class Qwen3MoeConverter(HFConverter):
     moe = True
 
 
+class MixtralConverter(HFConverter):
+    """Mixtral (``MixtralForCausalLM``): Mistral's attention, and in every layer a softmax router
+    over ``num_local_experts`` SwiGLU experts of width ``intermediate_size``, the top-k
+    renormalised; its files keep the original ``block_sparse_moe.experts.e.w1/w3/w2`` names."""
+
+    model_type = "mixtral"
+    moe = True
+    moe_map = _MIXTRAL_MOE_MAP
+
+
 CONVERTERS: dict[str, type[HFConverter]] = {
     c.model_type: c
-    for c in (LlamaConverter, MistralConverter, Qwen2Converter, Qwen3Converter, Qwen3MoeConverter)
+    for c in (
+        LlamaConverter,
+        MistralConverter,
+        Qwen2Converter,
+        Qwen3Converter,
+        Qwen3MoeConverter,
+        MixtralConverter,
+    )
 }

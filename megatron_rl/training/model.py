@@ -1,5 +1,5 @@
 """A Megatron-Core ``GPTModel`` from a Hugging Face config (Mistral / Llama / Qwen2 / Qwen3 /
-Qwen3-MoE families).
+Qwen3-MoE, Mixtral families).
 
 Shapes, as Megatron uses them: the model takes ``input_ids [b, s]`` and ``position_ids [b, s]``
 (and ``attention_mask=None`` for plain causal attention) and, on the last pipeline stage, returns
@@ -129,7 +129,7 @@ def _check_supported(hf: PretrainedConfig) -> None:
 
 
 def _moe_config_kwargs(moe: MoESettings, tensor_parallel: int) -> dict[str, object]:
-    """``TransformerConfig`` MoE arguments that compute what HF's Qwen3-MoE block computes.
+    """``TransformerConfig`` MoE arguments that compute what HF's Qwen3-MoE and Mixtral blocks compute.
 
     HF: ``p = softmax(router logits)`` over all experts, the top-k of ``p``, divided by their sum
     when ``norm_topk_prob``. Megatron with ``moe_router_pre_softmax=False`` takes the top-k of the
@@ -140,9 +140,7 @@ def _moe_config_kwargs(moe: MoESettings, tensor_parallel: int) -> dict[str, obje
     The "allgather" dispatcher runs on CPU over gloo; grouped GEMM needs CUDA kernels.
     """
     if moe.ffn % tensor_parallel:
-        raise ValueError(
-            f"moe_intermediate_size: {moe.ffn} is not divisible by tensor_parallel={tensor_parallel}"
-        )
+        raise ValueError(f"{moe.ffn_field}: {moe.ffn} is not divisible by tensor_parallel={tensor_parallel}")
     return dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
@@ -164,11 +162,11 @@ def transformer_config_from_hf(
     params_dtype: torch.dtype = torch.float32,
     **overrides: object,
 ) -> TransformerConfig:
-    """Megatron ``TransformerConfig`` for a Mistral / Llama / Qwen2 / Qwen3 / Qwen3-MoE HF config
+    """Megatron ``TransformerConfig`` for a Mistral / Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral HF config
     and a layout.
 
     RMSNorm (the config's eps), SwiGLU MLP, grouped-query attention, no linear biases except
-    Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm (``qk_layernorm``), Qwen3-MoE's experts
+    Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm (``qk_layernorm``), Qwen3-MoE's and Mixtral's experts
     (see :func:`_moe_config_kwargs`; split over ``parallel.expert_parallel`` ranks), no dropout (whatever the
     HF config says: RL training runs without it). On CPU, weights are initialised on the CPU from the default generator *before* sharding, so
     the initial model is the same at every TP size, and all fused kernels are off. ``overrides``
@@ -282,7 +280,7 @@ def _moe_without_transformer_engine() -> None:
 
 
 def _spec_kwargs(config: TransformerConfig) -> dict[str, object]:
-    """The layer-spec arguments the family decides: q/k norms (Qwen3) and experts (Qwen3-MoE,
+    """The layer-spec arguments the family decides: q/k norms (Qwen3) and experts (Qwen3-MoE, Mixtral,
     one ``SequentialMLP`` of plain MLPs: grouped GEMM needs CUDA kernels)."""
     if config.num_moe_experts:
         _moe_without_transformer_engine()

@@ -2,7 +2,8 @@
 bit-identical (gloo, CPU; one spawn of 4 ranks per set of families, process starts cost seconds).
 
 For each family (Llama untied / tied, Mistral with head_dim != hidden / heads, Qwen2 with
-biases; Qwen3 with q/k norms and Qwen3-MoE with 4 experts, top 2; vocabulary 1000 padded to 1024):
+biases; Qwen3 with q/k norms, Qwen3-MoE and Mixtral with 4 experts, top 2; vocabulary 1000
+padded to 1024):
 
 1. The parent writes the HF model (fp32, random norms and biases) and computes transformers'
    logits for a fixed batch.
@@ -40,11 +41,12 @@ WRITTEN_AT = {
     "qwen2": (1, 1),
     "qwen3": (2, 2),
     "qwen3_moe": (2, 2),
+    "mixtral": (1, 2),
 }
 # One spawn of 4 ranks per set (each well inside its timeout on a shared CPU).
 FAMILY_SETS = {
     "llama-mistral-qwen2": ("llama", "llama_tied", "mistral", "qwen2"),
-    "qwen3": ("qwen3", "qwen3_moe"),
+    "qwen3-moe": ("qwen3", "qwen3_moe", "mixtral"),
 }
 
 

@@ -1,4 +1,4 @@
-"""A tiny character-level tokenizer with a chat template, and tiny Llama (or Qwen3, Qwen3-MoE)
+"""A tiny character-level tokenizer with a chat template, and tiny Llama (or Qwen3, Qwen3-MoE, Mixtral)
 models saved with ``save_pretrained`` (nothing downloaded), for the curation, evaluation and
 end-to-end training tests.
 
@@ -63,6 +63,7 @@ FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
             head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True
         ),
     ),
+    "mixtral": (transformers.MixtralConfig, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
 }
 
 

@@ -52,6 +52,14 @@ _MODELS = {
         ("norm.weight", "gate.weight"),
         None,
     ),
+    # Mixtral: the experts are w1/w3/w2 of intermediate_size, always renormalised; saved sharded
+    # so that experts of one layer land in different files.
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+        ("norm.weight", "gate.weight"),
+        "60KB",
+    ),
 }
 
 
@@ -117,20 +125,35 @@ def test_sampled_logprobs_match_transformers(hf_models, name):
     torch.testing.assert_close(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
 
 
-def test_moe_weights_are_the_files_per_expert_names(hf_models):
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        (
+            "qwen3_moe",
+            ("model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.0.self_attn.q_norm.weight"),
+        ),
+        (
+            "mixtral",
+            (
+                "model.layers.1.block_sparse_moe.experts.3.w2.weight",
+                "model.layers.0.block_sparse_moe.gate.weight",
+            ),
+        ),
+    ],
+)
+def test_moe_weights_are_the_files_per_expert_names(hf_models, name, expected):
     # transformers 5 fuses the experts in memory; the engine (like SGLang and the converter)
     # uses the per-expert names of the safetensors files.
     from megatron_rl.hf.files import HFWeights
 
-    folder, _ = hf_models["qwen3_moe"]
+    folder, _ = hf_models[name]
     names = set(Decoder.from_pretrained(folder).named_weights())
     files = HFWeights(folder)
     try:
         assert names == set(files)
     finally:
         files.close()
-    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
-    assert "model.layers.0.self_attn.q_norm.weight" in names
+    assert set(expected) <= names
 
 
 def test_sharded_folder_was_sharded(hf_models):
@@ -171,7 +194,7 @@ def test_named_weights_are_live(hf_models):
     assert not torch.allclose(model.full_logits(ids), before)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
 def test_greedy_matches_generate(hf_models, name):
     folder, hf = hf_models[name]
     prompt = _prompt(9, 3)

@@ -156,3 +156,23 @@ def test_fixture_matches_the_sources():
     if router is None or not sglang_fixture.DEFAULT_SGLANG.is_dir():
         pytest.skip("SGLang's source (make install) or sglang-router (test extra) is not here")
     assert sglang_fixture.build(sglang_fixture.DEFAULT_SGLANG, router) == json.loads(FIXTURE.read_text())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_synced_expert_names_are_those_sglangs_loader_reads(pins, family):
+    """A weight update names each expert's tensors as the family's SGLang loader maps them onto
+    its fused experts: the sparse block's attribute, then ``experts.<e>.<ckpt name>.weight``."""
+    from megatron_rl.hf.layout import HFConverter
+    from tests.hf.test_layout import hf_model
+
+    loader = pins["moe_loaders"][family]
+    conv = HFConverter.for_config(hf_model(family).config)
+    prefix = f"model.layers.1.{loader['block']}"
+    assert conv.hf_sources("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight") == (
+        f"{prefix}.experts.2.{loader['gate']}.weight",
+        f"{prefix}.experts.2.{loader['up']}.weight",
+    )
+    assert conv.hf_sources("decoder.layers.1.mlp.experts.local_experts.2.linear_fc2.weight") == (
+        f"{prefix}.experts.2.{loader['down']}.weight",
+    )
+    assert conv.hf_sources("decoder.layers.1.mlp.router.weight") == (f"{prefix}.gate.weight",)

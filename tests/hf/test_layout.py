@@ -53,6 +53,16 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    "mixtral": (
+        transformers.MixtralConfig,  # 4 experts of intermediate_size, top 2, always renormalised
+        dict(
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -217,7 +227,7 @@ def test_names_and_pipeline_offsets():
                 ) == get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=r), (layers, pp, r, v)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "mixtral"])
 def test_tp_layout_agrees_with_megatron_parameters(single_rank, family):
     from megatron_rl.training.model import build_gpt_model
     from megatron_rl.training.parallel import ParallelConfig
@@ -287,6 +297,33 @@ def test_qwen3_moe_names_and_mismatches_by_field():
     # Dense Qwen3 weights under the MoE config: the experts are missing, named as such.
     with pytest.raises(WeightsMismatchError, match="num_experts"):
         conv.check_hf_weights({n: t.shape for n, t in hf_state(hf_model("qwen3")).items()})
+
+
+def test_mixtral_names_are_its_files_and_mismatches_name_its_fields():
+    conv = HFConverter.for_config(hf_model("mixtral").config)
+    assert conv.hf_sources("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight") == (
+        "model.layers.1.block_sparse_moe.experts.3.w1.weight",  # gate first, as Megatron's fc1
+        "model.layers.1.block_sparse_moe.experts.3.w3.weight",
+    )
+    assert conv.hf_sources("decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight") == (
+        "model.layers.1.block_sparse_moe.experts.0.w2.weight",
+    )
+    assert conv.hf_sources("decoder.layers.0.mlp.router.weight") == (
+        "model.layers.0.block_sparse_moe.gate.weight",
+    )
+    state = hf_state(hf_model("mixtral"))
+    assert set(state) == set(conv.hf_names())  # what save_pretrained writes, no more, no less
+    shapes = {n: t.shape for n, t in state.items()}
+    # An expert's width is Mixtral's intermediate_size (there is no moe_intermediate_size).
+    with pytest.raises(WeightsMismatchError, match="intermediate_size=64") as err:
+        HFConverter.for_config(hf_model("mixtral", intermediate_size=64).config).check_hf_weights(shapes)
+    assert err.value.field == "intermediate_size"
+    with pytest.raises(WeightsMismatchError, match="num_experts"):
+        HFConverter.for_config(hf_model("mixtral", num_local_experts=8).config).check_hf_weights(shapes)
+    config = hf_model("mixtral").config
+    config.router_jitter_noise = 0.1  # training-time routing noise: experts the generators never used
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        HFConverter.for_config(config)
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
-"""`megatron-rl train` end to end on a tiny Qwen3 (q/k norms) and a tiny Qwen3-MoE (4 experts, top
-2): the trainer builds the family, the weight broadcast carries its names (q/k norms, router,
+"""`megatron-rl train` end to end on a tiny Qwen3 (q/k norms), a tiny Qwen3-MoE and a tiny Mixtral
+(4 experts, top 2 each): the trainer builds the family, the weight broadcast carries its names (q/k norms, router,
 experts) to the built-in engine bit for bit, and the final policy exports as an HF folder that
 the engine and transformers load."""
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
 def test_a_short_run_trains_the_family_and_syncs_its_weights(tmp_path, family):
     import transformers
 

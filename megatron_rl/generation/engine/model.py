@@ -1,13 +1,14 @@
-"""A plain-PyTorch decoder (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE) with HF parameter names and
-a per-slot KV cache.
+"""A plain-PyTorch decoder (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral) with HF parameter
+names and a per-slot KV cache.
 
 The built-in engine's model. It computes what transformers' ``LlamaForCausalLM``,
-``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` and ``Qwen3MoeForCausalLM``
-compute (RMSNorm, SwiGLU MLP, rotary embeddings with the config's ``rope_theta`` and ``head_dim``,
-grouped-query attention, tied or untied embeddings, Qwen2's q/k/v biases, Qwen3's per-head q/k
-RMSNorm before RoPE, Qwen3-MoE's softmax top-k router over SwiGLU experts), in fp32, and its
-parameters carry exactly the names transformers saves (per-expert ``mlp.experts.e.gate_proj``, as
-in the files, not transformers 5's fused in-memory experts), so that a weight broadcast can assign
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` and
+``MixtralForCausalLM`` compute (RMSNorm, SwiGLU MLP, rotary embeddings with the config's
+``rope_theta`` and ``head_dim``, grouped-query attention, tied or untied embeddings, Qwen2's q/k/v
+biases, Qwen3's per-head q/k RMSNorm before RoPE, the MoE families' softmax top-k router over
+SwiGLU experts), in fp32, and its parameters carry exactly the names transformers saves
+(per-expert ``mlp.experts.e.gate_proj``, Mixtral's ``block_sparse_moe.experts.e.w1``, as in the
+files, not transformers 5's fused in-memory experts), so that a weight broadcast can assign
 HF-named tensors in place through :meth:`Decoder.named_weights`.
 
 The KV cache (:class:`KVCache`) is contiguous: ``[layers, slots, kv_heads, max_len, head_dim]``.
@@ -46,15 +47,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Decoder", "DecoderConfig", "KVCache"]
 
-_SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+_SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 @dataclass(kw_only=True)
 class DecoderConfig:
-    """The shape of a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE decoder, read from an HF
+    """The shape of a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder, read from an HF
     ``config.json``."""
 
-    model_type: str  # one of llama, mistral, qwen2, qwen3, qwen3_moe
+    model_type: str  # one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral
     vocab_size: int  # rows of the embedding and of the output head
     hidden_size: int  # residual-stream width
     intermediate_size: int  # SwiGLU inner width
@@ -69,7 +70,7 @@ class DecoderConfig:
     o_bias: bool = False  # output projection has a bias (Llama with attention_bias only)
     mlp_bias: bool = False  # MLP projections have biases (Llama mlp_bias)
     qk_norm: bool = False  # RMSNorm over each query / key head before RoPE (Qwen3)
-    num_experts: int = 0  # experts per MoE layer (Qwen3-MoE); 0: a dense MLP
+    num_experts: int = 0  # experts per MoE layer (Qwen3-MoE, Mixtral); 0: a dense MLP
     num_experts_per_tok: int = 0  # experts each token goes to (top-k)
     moe_intermediate_size: int = 0  # one expert's SwiGLU inner width
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
@@ -256,13 +257,32 @@ class _MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class _MixtralExpert(nn.Module):
+    """One Mixtral expert: the SwiGLU of :class:`_MLP` under its files' names (w1 gate, w3 up,
+    w2 down)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.w1 = nn.Linear(h, i, bias=False)
+        self.w3 = nn.Linear(h, i, bias=False)
+        self.w2 = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
 class _MoE(nn.Module):
-    """Qwen3-MoE's sparse block: ``gate`` (the router, ``[E, hidden]``) and ``experts.e``."""
+    """Qwen3-MoE's and Mixtral's sparse block: ``gate`` (the router, ``[E, hidden]``) and
+    ``experts.e``."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(_MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(
+            _MixtralExpert(cfg) if cfg.model_type == "mixtral" else _MLP(cfg, cfg.moe_intermediate_size)
+            for _ in range(cfg.num_experts)
+        )
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +300,7 @@ class _MoE(nn.Module):
         out = torch.zeros_like(flat)
         for e in chosen.unique().tolist():
             token, slot = torch.where(chosen == e)
-            expert = cast("_MLP", self.experts[e])
+            expert = cast("_MLP | _MixtralExpert", self.experts[e])
             out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
         return out.reshape(x.shape)
 
@@ -291,7 +311,15 @@ class _Block(nn.Module):
         self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = _Attention(cfg)
         self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = _MoE(cfg) if cfg.num_experts else _MLP(cfg)
+        mlp: nn.Module = _MoE(cfg) if cfg.num_experts else _MLP(cfg)
+        # Mixtral's files name its sparse block "block_sparse_moe"; the parameters follow them.
+        self.mlp_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
+        self.add_module(self.mlp_name, mlp)
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The MLP or sparse block, whatever its name."""
+        return self.get_submodule(self.mlp_name)
 
 
 class _Backbone(nn.Module):
@@ -322,7 +350,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE causal LM over a :class:`KVCache`; parameters
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral causal LM over a :class:`KVCache`; parameters
     named as in HF's files."""
 
     inv_freq: torch.Tensor  # a buffer (register_buffer below), declared for the type checker
@@ -505,7 +533,7 @@ class Decoder(nn.Module):
         # _Backbone fills its ModuleList with _Blocks only; the list's iterator is typed as Modules.
         for i, block in enumerate(cast("Iterable[_Block]", self.model.layers)):
             x = x + self._attend(i, block, block.input_layernorm(x), cache, at)
-            x = x + block.mlp(block.post_attention_layernorm(x))
+            x = x + block.ffn(block.post_attention_layernorm(x))
         cache.lengths[index] = start + T
         if last_only:
             x = x[:, -1:]
