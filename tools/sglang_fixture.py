@@ -61,6 +61,16 @@ FACTS = (
         "srt/managers/scheduler.py",
         "if self.is_fully_idle(ignore_waiting=self._engine_paused):",
     ),
+    (  # a Mistral3 update's language_model.* names reach the language model's own loader
+        "mistral3_is_llava_for_conditional_generation",
+        "srt/models/mistral.py",
+        "class Mistral3ForConditionalGeneration(LlavaForConditionalGeneration):",
+    ),
+    (
+        "llava_routes_language_model_prefix_to_its_loader",
+        "srt/models/llava.py",
+        'for part in ("language_model", "vision_tower"):',
+    ),
     (
         "sampling_seed_read_only_when_deterministic",
         "srt/sampling/sampling_batch_info.py",

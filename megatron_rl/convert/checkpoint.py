@@ -14,6 +14,8 @@ The Megatron side (what :func:`hf_to_mcore` writes, :func:`mcore_to_hf` reads)::
                               training/model.py's save_model_checkpoint writes: every tensor by
                               its global name and shape, layers stacked, any TP/PP loads it
       hf/                     tokenizer and generation_config files of the HF model, verbatim
+      carried.safetensors     a vision-language model's vision tower and projector (Mistral3):
+                              not converted, never trained, the HF tensors bit for bit
 
 :func:`mcore_to_hf` also reads a bare dist-checkpoint folder (``save_model_checkpoint``'s
 output, or the ``dist/`` folder of a training checkpoint), given the HF config to export with.
@@ -25,6 +27,9 @@ Memory and streaming:
   collective call, so every rank holds its shard of the model (the model built at the given
   TP x PP, weights in the chosen dtype) until the save. Across ranks that is one copy of the
   model; with ``torchrun`` over several machines it is spread over them.
+- A vision-language model: only its language model is a Megatron model; the carried tensors are
+  copied into ``carried.safetensors`` and written back unchanged on export (never cast by
+  ``--dtype``), after the language model's.
 - Megatron -> HF: streams on both sides. No model is built: the checkpoint is read one layer at a
   time (``dist_checkpointing.load`` of that layer's slice of each stacked tensor, in one process,
   whatever layout wrote it) and HF shards are written as they fill, so peak memory is about one
@@ -78,8 +83,24 @@ from megatron_rl.convert.checks import (
 from megatron_rl.convert.ranks import group_rank, quiet_megatron_warnings, run_on_ranks
 from megatron_rl.errors import InputError, UsageError
 from megatron_rl.fileio import atomic_output_dir
-from megatron_rl.hf.arch import moe_settings, padded_vocab_size, rope_parameters
-from megatron_rl.hf.files import HFWeights, ShardWriter, copy_side_files, dtype_name, parse_dtype, parse_size
+from megatron_rl.hf.arch import (
+    language_model_config,
+    language_model_dict,
+    moe_settings,
+    padded_vocab_size,
+    rope_parameters,
+)
+from megatron_rl.hf.files import (
+    CARRIED_FILE,
+    HFWeights,
+    ShardWriter,
+    carried_tensors,
+    copy_side_files,
+    dtype_name,
+    parse_dtype,
+    parse_size,
+    write_carried,
+)
 from megatron_rl.hf.layout import HFConverter, WeightsMismatchError
 from megatron_rl.training.chunks import chunk_global_names, load_hf_into_chunk
 from megatron_rl.training.cpu_compat import apply_cpu_compat
@@ -137,13 +158,14 @@ def _architecture(config: dict[str, JsonValue]) -> dict[str, JsonValue]:
     """The config values that shape the weights or the computation, effective values filled in
     (head_dim, kv heads, RoPE parameters in either layout). Not compared: fields that change
     neither (token ids, max_position_embeddings, use_cache, dtype, ...)."""
-    hf = config_from_dict(config)
+    whole = config_from_dict(config)
+    hf = language_model_config(whole)
     heads = hf.num_attention_heads
     window = getattr(hf, "sliding_window", None)
     if hf.model_type.startswith("qwen") and not getattr(hf, "use_sliding_window", False):
         window = None
     arch: dict[str, JsonValue] = {
-        "model_type": hf.model_type,
+        "model_type": whole.model_type,
         "hidden_size": hf.hidden_size,
         "intermediate_size": hf.intermediate_size,
         "num_hidden_layers": hf.num_hidden_layers,
@@ -166,6 +188,9 @@ def _architecture(config: dict[str, JsonValue]) -> dict[str, JsonValue]:
             moe_intermediate_size=moe.ffn,
             norm_topk_prob=moe.norm_topk_prob,
         )
+    vision = getattr(whole, "vision_config", None)
+    if vision is not None:  # the carried tensors' shapes: one canonical string, compared whole
+        arch["vision_config"] = json.dumps(vision.to_diff_dict(), sort_keys=True)
     rope = rope_parameters(hf)  # the same reading the model builder uses
     arch["rope_theta"] = rope.pop("rope_theta")
     arch.update({f"rope_parameters.{k}": v for k, v in sorted(rope.items()) if k != "type"})
@@ -217,12 +242,13 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1, dty
     try:
         with config_errors(hf_dir / "config.json"):
             converter.check_hf_weights({n: weights.shape(n) for n in weights})
-        if converter.dims.tied and "lm_head.weight" in weights:
-            if not same_bits(weights["lm_head.weight"], weights["model.embed_tokens.weight"]):
+        head, embedding = converter.lm_head_hf_name, converter.embedding_hf_name
+        if converter.dims.tied and head in weights:
+            if not same_bits(weights[head], weights[embedding]):
                 raise ConfigMismatchError(
                     hf_dir / "config.json",
                     "tie_word_embeddings",
-                    "the config ties lm_head to the embedding, but lm_head.weight differs from it",
+                    f"the config ties lm_head to the embedding, but {head} differs from it",
                 )
         dtypes = {n: weights.dtype(n) for n in converter.hf_names()}
         matrices = {n for n in dtypes if len(weights.shape(n)) > 1}
@@ -235,7 +261,7 @@ def plan_hf_to_mcore(hf_dir: str | os.PathLike, *, tensor_parallel: int = 1, dty
         )
     chosen = parse_dtype(dtype)
     if chosen is None:
-        chosen = dtypes["model.embed_tokens.weight"]
+        chosen = dtypes[converter.embedding_hf_name]
         odd = {n: dtype_name(d) for n, d in dtypes.items() if d != chosen and n in matrices}
         if odd:
             raise UsageError(
@@ -283,7 +309,7 @@ def hf_to_mcore(
     check_output(out, [hf_dir], overwrite=overwrite)
     config = read_config_json(hf_dir, flag="--hf")
     check_parallel_sizes(
-        config,
+        language_model_dict(config),
         Path(hf_dir) / "config.json",
         tensor_parallel=tensor_parallel,
         pipeline_parallel=pipeline_parallel,
@@ -373,6 +399,9 @@ def _write_mcore_in_group(
             dist.barrier()
             if rank0:
                 _write_meta(tmp, plan, tp, pp)
+                if plan.converter.carried:
+                    stage(show, f"carrying the {' / '.join(plan.converter.carried)} tensors unchanged")
+                    write_carried(tmp / CARRIED_FILE, carried_tensors(plan.hf_dir, plan.converter.carried))
         dist.barrier()  # no rank returns before the output is in place
 
 
@@ -554,6 +583,8 @@ class McoreCheckpoint:
                 "a dist_checkpointing folder (.metadata)"
             )
         self.side_dir = path / HF_FILES_DIR if self.meta else None
+        carried = self.dist_dir.parent / CARRIED_FILE  # beside model/ (converted) or dist/ (a run's)
+        self.carried_file: Path | None = carried if carried.is_file() else None
         check_dist_files(self.dist_dir)  # a missing or truncated shard, named before any read
         with _process_group():
             try:
@@ -747,7 +778,9 @@ def mcore_to_hf(
         )
         with config_errors(source):
             hf = config_from_dict(config)
-            converter = HFConverter.for_config(hf, padded_vocab=ckpt.padded_vocab(hf.vocab_size))
+            converter = HFConverter.for_config(
+                hf, padded_vocab=ckpt.padded_vocab(language_model_config(hf).vocab_size)
+            )
             converter.check_mcore_weights(ckpt.shapes)
         stage(
             show,
@@ -807,8 +840,18 @@ def _write_hf(
                 bar.update(tensor.numel() * tensor.element_size())
             bar.set_postfix(tensors=len(written))
         bar.close()
+        carried_from = ckpt.carried_file or hf_config
+        if converter.carried:
+            if carried_from is None:
+                raise InputError(
+                    f"{ckpt.dist_dir}: a {converter.model_type} checkpoint without its {CARRIED_FILE} "
+                    "(the vision tower); give the HF folder it was made from (--hf-config)"
+                )
+            for hf_name, t in carried_tensors(carried_from, converter.carried):
+                writer.add(hf_name, t)  # as stored: the vision tower is never cast
+                written[hf_name] = t.dtype
         writer.close()
-        config = dict(config, dtype=dtype_name(written["model.embed_tokens.weight"]))
+        config = dict(config, dtype=dtype_name(written[converter.embedding_hf_name]))
         if "torch_dtype" in config:
             config["torch_dtype"] = config["dtype"]
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,6 +1,8 @@
 """What an HF config says about an architecture, for every part that needs it: the families we
-support (and which have q/k norms or experts), the MoE settings, the HF config itself (``config.json`` read locally, never from a hub), RoPE settings in
-either transformers layout, and the vocabulary padding that keeps checkpoint shapes TP-independent.
+support (and which have q/k norms or experts), the MoE settings, the HF config itself
+(``config.json`` read locally, never from a hub), the language model of a vision-language
+family, RoPE settings in either transformers layout, and the vocabulary padding that keeps
+checkpoint shapes TP-independent.
 
 Layer 1: imports nothing of megatron_rl above layer 0.
 """
@@ -20,29 +22,78 @@ if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
 
 __all__ = [
+    "CARRIED_PREFIXES",
     "MOE_MODEL_TYPES",
     "QK_NORM_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
+    "TEXT_PREFIXES",
     "VOCAB_DIVISIBLE_BY",
     "HFConfigLike",
     "MoESettings",
+    "language_model_config",
+    "language_model_dict",
     "load_hf_config",
     "moe_settings",
     "padded_vocab_size",
     "rope_parameters",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral3")
 #: Families with an RMSNorm over each query / key head before RoPE (``q_norm``, ``k_norm``).
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 #: Families whose MLPs are mixtures of experts (softmax router, top-k, no shared expert).
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+
+#: Vision-language families -> the prefix of their language model's tensors in the HF files
+#: (``language_model.model.layers.0...``, ``language_model.lm_head.weight``: the names
+#: transformers writes and SGLang's loader reads). The language model is what is trained; its
+#: config is ``text_config`` (:func:`language_model_config`).
+TEXT_PREFIXES = {"mistral3": "language_model."}
+#: Vision-language families -> the prefixes of the tensors carried through untouched (the
+#: vision tower and the projector: never trained, kept bit for bit, written back on export).
+CARRIED_PREFIXES = {"mistral3": ("vision_tower.", "multi_modal_projector.")}
+#: The language-model families a vision-language family may wrap.
+_TEXT_MODEL_TYPES = {"mistral3": ("mistral",)}
 
 # Megatron pads the vocabulary so each TP shard is a multiple of 128 (GEMM-friendly) ids.
 VOCAB_DIVISIBLE_BY = 128
 
 #: What :func:`load_hf_config` accepts: a loaded config, or the HF folder holding its config.json.
 HFConfigLike: TypeAlias = "PretrainedConfig | str | os.PathLike[str]"
+
+
+def language_model_dict(config: Mapping[str, JsonValue]) -> dict[str, JsonValue]:
+    """The language model's part of a config.json dict: ``text_config`` for a vision-language
+    family (with the top-level ``tie_word_embeddings``, which is what transformers ties by, and
+    whose default for Mistral3 is true), else the dict itself. Raises ValueError naming the
+    field when a vision-language config has no usable ``text_config``."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in TEXT_PREFIXES:
+        return dict(config)
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(
+            f"text_config: a {model_type} config needs its language model's config, got {text!r}"
+        )
+    if text.get("model_type") not in _TEXT_MODEL_TYPES[model_type]:
+        raise ValueError(
+            f"text_config.model_type: {model_type}'s language model must be one of "
+            f"{', '.join(_TEXT_MODEL_TYPES[model_type])}, got {text.get('model_type')!r}"
+        )
+    return {**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", True))}
+
+
+def language_model_config(hf: PretrainedConfig) -> PretrainedConfig:
+    """The config of the language model ``hf`` describes: ``hf`` itself, or for a vision-language
+    family a copy of its text config tied as the whole model is (see :func:`language_model_dict`)."""
+    if hf.model_type not in TEXT_PREFIXES:
+        return hf
+    import copy  # lazy: only vision-language configs need a copy
+
+    language_model_dict({"model_type": hf.model_type, "text_config": hf.get_text_config().to_dict()})
+    text = copy.deepcopy(hf.get_text_config())
+    text.tie_word_embeddings = bool(hf.tie_word_embeddings)
+    return text
 
 
 def load_hf_config(hf_config: HFConfigLike) -> PretrainedConfig:

@@ -10,6 +10,8 @@ shard, the files that travel with the weights, and atomic output folders.
   several are ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``.
 - :func:`atomic_output_dir` writes into a fresh sibling folder and renames it into place, so the
   output either does not exist or is complete.
+- :func:`carried_tensors` / :func:`write_carried` read and keep a vision-language model's carried
+  tensors (vision tower, projector): one safetensors file, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -28,15 +30,18 @@ from megatron_rl.errors import InputError, UsageError
 from megatron_rl.fileio import atomic_output_dir
 
 __all__ = [
+    "CARRIED_FILE",
     "INDEX_FILE",
     "SIDE_FILE_PATTERNS",
     "SINGLE_FILE",
     "HFWeights",
     "ShardWriter",
+    "carried_tensors",
     "copy_side_files",
     "dtype_name",
     "parse_dtype",
     "parse_size",
+    "write_carried",
     "write_hf_folder",
 ]
 
@@ -116,7 +121,8 @@ def parse_size(text: str | int) -> int:
 
 
 class HFWeights(Mapping[str, torch.Tensor]):
-    """The safetensors weights of an HF model folder as a read-on-access mapping.
+    """The safetensors weights of an HF model folder (or of one ``.safetensors`` file) as a
+    read-on-access mapping.
 
     ``weights[name]`` reads that tensor from its file (one ``safe_open`` handle per file, kept
     open); :meth:`shape` and :meth:`dtype` read the headers only. A folder without weights, an
@@ -127,11 +133,12 @@ class HFWeights(Mapping[str, torch.Tensor]):
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         index = self.folder / INDEX_FILE
-        files = (
-            _index_files(index)
-            if index.is_file()
-            else sorted(p.name for p in self.folder.glob("*.safetensors"))
-        )
+        if self.folder.suffix == ".safetensors" and self.folder.is_file():
+            self.folder, files = self.folder.parent, [self.folder.name]
+        elif index.is_file():
+            files = _index_files(index)
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
         if not files:
             raise InputError(f"{self.folder}: no {INDEX_FILE} and no *.safetensors files")
         self._handles = {f: _open_safetensors(self.folder / f) for f in files}
@@ -293,6 +300,43 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     return copied
 
 
+#: Where a vision-language model's carried tensors are kept beside a Megatron model: next to
+#: ``model/`` in a converted checkpoint, next to ``dist/`` in a training checkpoint.
+CARRIED_FILE = "carried.safetensors"
+
+
+def carried_tensors(
+    source: str | os.PathLike, prefixes: tuple[str, ...]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of ``source`` (an HF folder or one safetensors file) whose names start with one
+    of ``prefixes`` (a vision-language family's vision tower and projector), in name order, as
+    stored; nothing when ``prefixes`` is empty. InputError naming ``source`` if it has none."""
+    if not prefixes:
+        return
+    weights = HFWeights(source)
+    try:
+        names = sorted(n for n in weights if n.startswith(prefixes))
+        if not names:
+            raise InputError(f"{source}: no {' / '.join(prefixes)} tensors (the vision tower to carry)")
+        for name in names:
+            yield name, weights[name]
+    finally:
+        weights.close()
+
+
+def write_carried(path: str | os.PathLike, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Write ``tensors`` (name, tensor) as the one safetensors file ``path`` (atomically: a
+    temporary file renamed into place), as they are; returns how many."""
+    from safetensors.torch import save_file  # lazy: only vision-language models carry tensors
+
+    data = {n: t.contiguous() for n, t in tensors}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(data, str(tmp))
+    os.replace(tmp, path)
+    return len(data)
+
+
 def write_hf_folder(
     out: str | os.PathLike,
     config: Mapping,
@@ -301,15 +345,19 @@ def write_hf_folder(
     side_files_from: str | os.PathLike,
     max_shard: str | int = "2GB",
     dtype: torch.dtype | None = None,
+    carried: Iterable[tuple[str, torch.Tensor]] = (),
 ) -> Path:
     """An HF model folder, published atomically (replacing ``out``): ``tensors`` (``(hf_name,
     tensor)`` pairs, streamed into safetensors shards of ``max_shard``, cast to ``dtype`` when
-    given), ``config`` as config.json, and the tokenizer/generation side files of the folder
-    ``side_files_from``. Returns ``out``."""
+    given), then ``carried`` ones as they are (a vision tower: never cast), ``config`` as
+    config.json, and the tokenizer/generation side files of the folder ``side_files_from``.
+    Returns ``out``."""
     with atomic_output_dir(out, overwrite=True) as tmp:
         writer = ShardWriter(tmp, parse_size(max_shard))
         for name, t in tensors:
             writer.add(name, t if dtype is None else t.to(dtype))
+        for name, t in carried:
+            writer.add(name, t)
         writer.close()
         (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
         copy_side_files(side_files_from, tmp)

@@ -47,6 +47,11 @@ g = num_key_value_heads, d = head_dim, V = vocab_size, Vp = padded vocabulary):
 - Mixtral (E = num_local_experts, m = intermediate_size): the same Megatron tensors from its
   files' ``block_sparse_moe.gate`` (router) and ``block_sparse_moe.experts.e.w1`` (gate),
   ``w3`` (up), ``w2`` (down) -- the names SGLang's Mixtral loader reads too.
+- Mistral3 (vision-language): its language model is a Mistral whose every HF name above carries
+  the prefix ``language_model.`` (``language_model.model.layers.i...``,
+  ``language_model.lm_head.weight``: the files' names, which SGLang's Mistral3 loader routes to
+  its language model); the ``vision_tower.`` and ``multi_modal_projector.`` tensors are not
+  converted (:meth:`HFConverter.is_carried`): they travel beside the Megatron model, bit for bit.
 
 Tensor parallelism (:func:`tp_split`, :func:`shard_for_tp`, :func:`gather_from_tp`): column-
 parallel weights split dim 0 (fused QKV -- contiguous because it is laid out by query group -- the
@@ -69,7 +74,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from megatron_rl.hf.arch import load_hf_config, moe_settings, padded_vocab_size
+from megatron_rl.hf.arch import (
+    CARRIED_PREFIXES,
+    TEXT_PREFIXES,
+    language_model_config,
+    load_hf_config,
+    moe_settings,
+    padded_vocab_size,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.hf.arch import HFConfigLike
@@ -79,6 +91,7 @@ __all__ = [
     "IGNORED_HF_SUFFIXES",
     "HFConverter",
     "LlamaConverter",
+    "Mistral3Converter",
     "MistralConverter",
     "MixtralConverter",
     "ModelDims",
@@ -351,8 +364,11 @@ class ModelDims:
     def from_hf_config(
         cls, hf_config: HFConfigLike, *, tensor_parallel: int = 1, padded_vocab: int | None = None
     ) -> ModelDims:
-        """``padded_vocab`` defaults to :func:`padded_vocab_size` at ``tensor_parallel``."""
-        hf = load_hf_config(hf_config)
+        """``padded_vocab`` defaults to :func:`padded_vocab_size` at ``tensor_parallel``. A
+        vision-language config gives its language model's dimensions (``model_type`` stays the
+        whole model's)."""
+        whole = load_hf_config(hf_config)
+        hf = language_model_config(whole)
         heads = hf.num_attention_heads
         explicit = getattr(hf, "head_dim", None)
         vocab = hf.vocab_size
@@ -363,7 +379,7 @@ class ModelDims:
                 "vocab_size", f"vocab_size={vocab} is larger than the padded vocabulary of {padded} rows"
             )
         return cls(
-            model_type=hf.model_type,
+            model_type=whole.model_type,
             hidden=hf.hidden_size,
             ffn=hf.intermediate_size,
             heads=heads,
@@ -403,6 +419,10 @@ class HFConverter:
     moe: ClassVar[bool] = False  # router + experts instead of the dense MLP (Qwen3-MoE)
     #: the MoE tensors' HF names (with ``E`` for the expert's number), when ``moe``
     moe_map: ClassVar[dict[str, tuple[str, ...]]] = _MOE_MAP
+    #: prefix of every HF name of the language model (a vision-language family's files)
+    prefix: ClassVar[str] = ""
+    #: prefixes of the HF tensors carried through untouched (a vision tower), never converted
+    carried: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, dims: ModelDims):
         if dims.model_type != self.model_type:
@@ -432,7 +452,7 @@ class HFConverter:
                 f"model_type: {hf.model_type!r} is not supported (supported: {', '.join(CONVERTERS)})"
             )
         for flag in ("attention_bias", "mlp_bias"):
-            if getattr(hf, flag, False):
+            if getattr(language_model_config(hf), flag, False):
                 raise ValueError(f"{flag}: {hf.model_type} with {flag}=true is not supported")
         dims = ModelDims.from_hf_config(hf, tensor_parallel=tensor_parallel, padded_vocab=padded_vocab)
         return CONVERTERS[hf.model_type](dims)
@@ -478,15 +498,30 @@ class HFConverter:
         ``model.embed_tokens.weight``."""
         name = canonical_name(mcore_name)
         if name == _OUTPUT and self.dims.tied:
-            return (_GLOBAL_MAP[_EMBEDDING],)
+            return (self.prefix + _GLOBAL_MAP[_EMBEDDING],)
         if name in _GLOBAL_MAP:
-            return (_GLOBAL_MAP[name],)
+            return (self.prefix + _GLOBAL_MAP[name],)
         m = _LAYER.match(name)
         if not m or m.group(2) not in self._map or int(m.group(1)) >= self.dims.layers:
             raise KeyError(
                 f"{mcore_name!r} is not a weight of this {self.model_type} model ({self.dims.layers} layers)"
             )
-        return tuple(f"model.layers.{m.group(1)}.{s}" for s in self._map[m.group(2)])
+        return tuple(f"{self.prefix}model.layers.{m.group(1)}.{s}" for s in self._map[m.group(2)])
+
+    @property
+    def embedding_hf_name(self) -> str:
+        """The HF name of the input embedding (``model.embed_tokens.weight``, prefixed)."""
+        return self.prefix + _GLOBAL_MAP[_EMBEDDING]
+
+    @property
+    def lm_head_hf_name(self) -> str:
+        """The HF name of the output layer (``lm_head.weight``, prefixed), also when tied."""
+        return self.prefix + _GLOBAL_MAP[_OUTPUT]
+
+    def is_carried(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` is carried through untouched (a vision-language family's vision
+        tower or projector): not a weight of the language model, never converted or trained."""
+        return bool(self.carried) and hf_name.startswith(self.carried)
 
     def hf_names(self) -> list[str]:
         """Every HF weight name, in model order (``lm_head.weight`` only when untied)."""
@@ -641,6 +676,7 @@ class HFConverter:
     }
 
     def _hf_dims(self, hf_name: str) -> tuple[_Dim, ...]:
+        hf_name = hf_name.removeprefix(self.prefix)
         m = _HF_LAYER.match(hf_name)
         key = _EXPERT.sub("E", m.group(2)) if m else hf_name
         table = self._dims_table()
@@ -680,9 +716,19 @@ class HFConverter:
         then every shape (hidden and vocabulary first, so the root cause is named).
 
         A tied config may come with an ``lm_head.weight`` (some checkpoints store the copy):
-        it is not an error here, and the caller must check it equals the embedding.
+        it is not an error here, and the caller must check it equals the embedding. Carried
+        tensors (:meth:`is_carried`) are not checked.
         """
-        names = {n for n in shapes if not n.endswith(IGNORED_HF_SUFFIXES)}
+        names = {n for n in shapes if not n.endswith(IGNORED_HF_SUFFIXES) and not self.is_carried(n)}
+        outside = sorted(n for n in names if not n.startswith(self.prefix))
+        if outside:  # only a vision-language family has a prefix to be outside of
+            raise WeightsMismatchError(
+                "model_type",
+                f"a {self.model_type} model's tensors sit under {self.prefix!r} or "
+                f"{' / '.join(repr(c) for c in self.carried)}, but the weights have {outside[:3]}",
+            )
+        names = {n.removeprefix(self.prefix) for n in names}
+        shapes = {n.removeprefix(self.prefix): s for n, s in shapes.items()}
         layers = {int(m.group(1)) for n in names if (m := _HF_LAYER.match(n))}
         self._check_layers(layers, "model.layers")
         if self.dims.tied:
@@ -694,7 +740,7 @@ class HFConverter:
             )
         self._check_bias(any(n.endswith("q_proj.bias") for n in names), "q_proj.bias")
         self._check_experts(names, _HF_EXPERT)
-        self._check_names(names, set(self.hf_names()), "HF")
+        self._check_names(names, {n.removeprefix(self.prefix) for n in self.hf_names()}, "HF")
         for name in sorted(names, key=_priority):
             self._check_shape(name, tuple(shapes[name]), self._hf_dims(name))
 
@@ -806,6 +852,16 @@ class MixtralConverter(HFConverter):
     moe_map = _MIXTRAL_MOE_MAP
 
 
+class Mistral3Converter(HFConverter):
+    """Mistral 3 (``Mistral3ForConditionalGeneration``: Mistral Small 3.x, Magistral Small 1.x):
+    a Mistral language model (``text_config``) whose tensors sit under ``language_model.`` in the
+    files, beside a Pixtral vision tower and a projector that are carried through untouched."""
+
+    model_type = "mistral3"
+    prefix = TEXT_PREFIXES["mistral3"]
+    carried = CARRIED_PREFIXES["mistral3"]
+
+
 CONVERTERS: dict[str, type[HFConverter]] = {
     c.model_type: c
     for c in (
@@ -815,5 +871,6 @@ CONVERTERS: dict[str, type[HFConverter]] = {
         Qwen3Converter,
         Qwen3MoeConverter,
         MixtralConverter,
+        Mistral3Converter,
     )
 }

@@ -587,7 +587,9 @@ class _Run:
         extra: dict[str, object] = {"curriculum_index": self.curriculum.index, "history": self.history[-20:]}
         if self.rollouts is not None:  # its sampler's cursor and the counters, read at one instant
             extra.update(self.rollouts.state_dict())
-        self.trainer.save_checkpoint(self.ckpt_root, extra=extra, keep_last=self.cfg.run.keep_last)
+        self.trainer.save_checkpoint(
+            self.ckpt_root, extra=extra, keep_last=self.cfg.run.keep_last, carried_from=self.cfg.model.hf
+        )
         self.saved_step = int(self.trainer.step)
 
     def _advance_curriculum(self) -> None:

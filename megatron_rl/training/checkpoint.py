@@ -18,6 +18,8 @@ Layout on disk (``root`` is the folder given to :func:`save_checkpoint`)::
                                  every tensor under its global name and shape, any TP/PP reads it
         rng/rank_00000.pt        RNG states of each rank (python, numpy, torch CPU/CUDA, Megatron's
                                  tensor-parallel tracker), plain tensors and numbers
+        carried.safetensors      a vision-language model's vision tower and projector, as the HF
+                                 files hold them (never trained; only when ``carried`` is given)
         scheduler.json           OptimizerParamScheduler.state_dict() (rank 0; same on every rank)
         extra.json               the caller's ``extra`` dict (rank 0's)
       step_00000012.tmp-3f9a1c/  a save in progress or a crashed one: never loaded, swept later
@@ -88,7 +90,7 @@ import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -99,6 +101,7 @@ import torch.distributed as dist
 
 from megatron_rl import __version__
 from megatron_rl.fileio import atomic_write_json, atomic_write_text, fsync_dir
+from megatron_rl.hf.files import CARRIED_FILE, write_carried
 from megatron_rl.training.model import model_sharded_state_dict, unwrap_chunks
 
 if TYPE_CHECKING:
@@ -679,6 +682,7 @@ def save_checkpoint(
     extra: dict[str, object] | None = None,
     keep_last: int | None = 3,
     seed: int | None = None,
+    carried: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write ``root/step_<step>`` atomically; return its path (the same on every rank).
 
@@ -690,7 +694,9 @@ def save_checkpoint(
     layout. After the new checkpoint is complete and ``latest`` names it, complete checkpoints
     with lower steps beyond the newest ``keep_last`` intact ones (None: keep all) are deleted,
     along with leftovers of crashed saves (best effort: a failed deletion is logged; see
-    :func:`_prune`). Saving a step that already exists replaces it.
+    :func:`_prune`). Saving a step that already exists replaces it. ``carried`` (read on rank 0
+    only): HF-named tensors kept beside the model unchanged (a vision tower), so that the
+    checkpoint exports whole (``megatron-rl convert mcore-to-hf``).
 
     Raises ValueError for bad arguments; NonFiniteError (naming a parameter) if any rank's
     weights hold NaN or inf, and TypeError if ``extra`` is not JSON-serialisable, both on every
@@ -729,6 +735,8 @@ def save_checkpoint(
         torch.save({"layout": asdict(layout), "rank": rank, **rng}, _rng_file(tmp, rank))
         if rank == 0 and scheduler is not None:
             atomic_write_json(tmp / SCHEDULER_FILE, scheduler.state_dict())
+        if rank == 0 and carried is not None:
+            write_carried(tmp / CARRIED_FILE, carried)
     # Every rank has written all it writes (the agreement above is a barrier); each digests its own.
     world = dist.get_world_size()
     with _all_or_none(f"digesting {tmp}"):

@@ -29,6 +29,7 @@ from megatron_rl.hf.arch import (
     QK_NORM_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
     MoESettings,
+    language_model_config,
     load_hf_config,
     moe_settings,
     padded_vocab_size,
@@ -178,7 +179,7 @@ def transformer_config_from_hf(
         TransformerConfig,  # lazy: megatron-core takes seconds to import; only this path needs it
     )
 
-    hf = load_hf_config(hf_config)
+    hf = language_model_config(load_hf_config(hf_config))  # a vision-language model: its language model
     _check_supported(hf)
     _rope_model_kwargs(hf)  # validates rope settings early; they go to GPTModel, not here
     layers_per_stage = parallel.pipeline_parallel * (parallel.virtual_pipeline or 1)
@@ -253,7 +254,7 @@ def gpt_model_kwargs_from_hf(
 ) -> dict[str, object]:
     """The ``GPTModel`` arguments that come from the HF config (vocabulary, positions, RoPE,
     tied embeddings); ``vocab_size`` overrides the config's (e.g. a resized tokenizer)."""
-    hf = load_hf_config(hf_config)
+    hf = language_model_config(load_hf_config(hf_config))
     return dict(
         vocab_size=padded_vocab_size(vocab_size or hf.vocab_size, tensor_parallel),
         max_sequence_length=hf.max_position_embeddings,

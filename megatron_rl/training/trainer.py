@@ -41,8 +41,8 @@ from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metri
 from megatron_rl.batching.collate import Microbatch, build_microbatches, collate
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
-from megatron_rl.hf.arch import load_hf_config, moe_settings, padded_vocab_size
-from megatron_rl.hf.files import HFWeights, write_hf_folder
+from megatron_rl.hf.arch import language_model_config, load_hf_config, moe_settings, padded_vocab_size
+from megatron_rl.hf.files import HFWeights, carried_tensors, write_hf_folder
 from megatron_rl.hf.layout import HFConverter
 from megatron_rl.training.checkpoint import NonFiniteError, load_checkpoint, save_checkpoint
 from megatron_rl.training.chunks import iter_model_hf, load_hf_into_chunk
@@ -187,7 +187,7 @@ class PolicyTrainer:
         self._owns_parallel = _ensure_parallel(cfg)
         self.pgs = process_groups()
         self.hf_config = hf  # the architecture (weight names and shapes of hf_tensors)
-        self.vocab_size = int(vocab_size or hf.vocab_size)
+        self.vocab_size = int(vocab_size or language_model_config(hf).vocab_size)
         self.params_dtype = cfg.params_dtype()
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
@@ -354,9 +354,14 @@ class PolicyTrainer:
         *,
         extra: dict[str, object] | None = None,
         keep_last: int | None = 3,
+        carried_from: str | os.PathLike[str] | None = None,
     ) -> Path:
         """Atomic checkpoint of model, optimizer, scheduler (the step) and RNG under ``root``
-        (collective; see :mod:`megatron_rl.training.checkpoint`). Returns its folder."""
+        (collective; see :mod:`megatron_rl.training.checkpoint`). Returns its folder. A
+        vision-language model's carried tensors (vision tower, projector) are kept in it too,
+        read from ``carried_from`` (the HF folder the run started from)."""
+        prefixes = self.hf_converter(self.hf_config).carried
+        carried = carried_tensors(carried_from, prefixes) if carried_from is not None and prefixes else None
 
         return save_checkpoint(
             root,
@@ -367,6 +372,7 @@ class PolicyTrainer:
             extra=extra,
             keep_last=keep_last,
             seed=self.cfg.seed,
+            carried=carried,
         )
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> dict[str, JsonValue]:
@@ -415,13 +421,19 @@ class PolicyTrainer:
         like: str | os.PathLike[str],
         dtype: torch.dtype | None = None,
         max_shard: str = "2GB",
+        carried_from: str | os.PathLike[str] | None = None,
     ) -> Path | None:
         """Write the current weights as an HF folder ``out`` (config and tokenizer files from
         the HF folder ``like``), atomically; collective over the model-parallel ranks of the
-        first data-parallel replica (call it on every rank). Returns ``out`` on rank 0."""
+        first data-parallel replica (call it on every rank). Returns ``out`` on rank 0.
+
+        A vision-language model's carried tensors (vision tower, projector) are written after the
+        language model's, bit for bit (never cast to ``dtype``), from ``carried_from`` (an HF
+        folder or a safetensors file holding them; default ``like``)."""
         if self.pgs.expt_dp.rank() != 0:  # = dp rank without EP; EP peers join the expert gathers
             return None
-        tensors = iter_model_hf(self.chunks, self.hf_converter(like))
+        converter = self.hf_converter(like)
+        tensors = iter_model_hf(self.chunks, converter)
         if dist.get_rank() != 0:
             for _ in tensors:  # take part in the gathers
                 pass
@@ -433,6 +445,7 @@ class PolicyTrainer:
             side_files_from=like,
             max_shard=max_shard,
             dtype=dtype,
+            carried=carried_tensors(carried_from or like, converter.carried),
         )
 
     def close(self) -> None:

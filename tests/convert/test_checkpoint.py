@@ -198,3 +198,32 @@ def test_shard_writer_follows_max_shard_size(tmp_path):
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1GiB") == 2**30
     with pytest.raises(ValueError, match="max_shard_size"):
         parse_size("five")
+
+
+def test_mistral3_vision_tower_is_carried_bit_for_bit_and_never_cast(tmp_path):
+    """The vision tower and projector are not converted: they travel in carried.safetensors, come
+    back as they were (``--dtype bf16`` casts the language model only), and a bare checkpoint
+    takes them from the HF folder it is exported with; a vision config that does not fit them is
+    refused, naming the field."""
+    src = save_hf(hf_model("mistral3"), tmp_path / "hf")
+    hf_to_mcore(src, tmp_path / "mcore")
+    carried = HFWeights(tmp_path / "mcore" / "carried.safetensors")
+    assert sorted(carried) and all(n.startswith(("vision_tower.", "multi_modal_projector.")) for n in carried)
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "bf16", dtype="bf16")
+    out, source = HFWeights(tmp_path / "bf16"), HFWeights(src)
+    assert sorted(out) == sorted(source)
+    for name in out:
+        if name.startswith(("vision_tower.", "multi_modal_projector.")):
+            assert out.dtype(name) == torch.float32 and torch.equal(out[name], source[name]), name
+        else:
+            assert out.dtype(name) == torch.bfloat16, name
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["model_type"] == "mistral3"
+    mcore_to_hf(tmp_path / "mcore" / "model", tmp_path / "bare", hf_config=src)  # carried from src
+    assert_same_weights(src, tmp_path / "bare")
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    config["vision_config"] = {**config["vision_config"], "hidden_size": 32}
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsMismatchError, match="vision_config"):
+        mcore_to_hf(tmp_path / "mcore", tmp_path / "wrong", hf_config=other)

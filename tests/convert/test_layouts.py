@@ -2,8 +2,8 @@
 bit-identical (gloo, CPU; one spawn of 4 ranks per set of families, process starts cost seconds).
 
 For each family (Llama untied / tied, Mistral with head_dim != hidden / heads, Qwen2 with
-biases; Qwen3 with q/k norms, Qwen3-MoE and Mixtral with 4 experts, top 2; vocabulary 1000
-padded to 1024):
+biases; Qwen3 with q/k norms, Qwen3-MoE and Mixtral with 4 experts, top 2; Mistral3, whose
+vision tower and projector are carried through bit for bit; vocabulary 1000 padded to 1024):
 
 1. The parent writes the HF model (fp32, random norms and biases) and computes transformers'
    logits for a fixed batch.
@@ -23,6 +23,7 @@ padded to 1024):
 
 from __future__ import annotations
 
+import json
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -38,6 +39,7 @@ WRITTEN_AT = {
     "llama": (2, 2),
     "llama_tied": (1, 2),
     "mistral": (2, 1),
+    "mistral3": (2, 2),
     "qwen2": (1, 1),
     "qwen3": (2, 2),
     "qwen3_moe": (2, 2),
@@ -46,6 +48,7 @@ WRITTEN_AT = {
 # One spawn of 4 ranks per set (each well inside its timeout on a shared CPU).
 FAMILY_SETS = {
     "llama-mistral-qwen2": ("llama", "llama_tied", "mistral", "qwen2"),
+    "mistral3": ("mistral3",),
     "qwen3-moe": ("qwen3", "qwen3_moe", "mixtral"),
 }
 
@@ -165,7 +168,13 @@ def _check_export(root: Path, family: str, reference: torch.Tensor) -> None:
 
     back = mcore_to_hf(root / f"{family}-mcore", root / f"{family}-back")
     assert_same_weights(root / family, back)
-    model = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    auto = (
+        transformers.AutoModelForImageTextToText
+        if family == "mistral3"
+        else transformers.AutoModelForCausalLM
+    )
+    model = auto.from_pretrained(back, attn_implementation="eager").eval()
+    assert type(model).__name__ == json.loads((root / family / "config.json").read_text())["architectures"][0]
     with torch.no_grad():
         logits = model(input_ids=_input_ids()).logits
     torch.testing.assert_close(logits, reference, atol=0, rtol=0)

@@ -64,10 +64,37 @@ FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
         ),
     ),
     "mixtral": (transformers.MixtralConfig, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
+    "mistral": (transformers.MistralConfig, dict(head_dim=16, sliding_window=None)),
 }
 
 
+def mistral3_config(text: transformers.MistralConfig, **overrides) -> transformers.Mistral3Config:
+    """A Mistral3 (vision-language) config around the language model ``text``, with a tiny Pixtral
+    vision tower (one layer, 16 wide) and its projector; untied as Mistral Small 3.x is, unless
+    ``overrides`` say otherwise."""
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=8,
+        image_size=32,
+        patch_size=8,
+    )
+    kwargs = dict(image_token_index=10, spatial_merge_size=2, tie_word_embeddings=text.tie_word_embeddings)
+    return transformers.Mistral3Config(text_config=text, vision_config=vision, **(kwargs | overrides))
+
+
+def build_model(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
+    """A random model of ``config``: a causal LM, or Mistral3's vision-language class."""
+    if config.model_type == "mistral3":
+        return transformers.Mistral3ForConditionalGeneration(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def _config(vocab: int, hidden: int, eos: int, family: str = "llama") -> transformers.PretrainedConfig:
+    if family == "mistral3":
+        return mistral3_config(_config(vocab, hidden, eos, "mistral"))
     cls, extra = FAMILIES[family]
     return cls(
         vocab_size=vocab,
@@ -91,7 +118,7 @@ def random_model(
     """A random one-layer model of ``family`` and the tokenizer, both saved in ``folder``."""
     tok = make_tokenizer()
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(len(tok), 64, tok.eos_token_id, family))
+    model = build_model(_config(len(tok), 64, tok.eos_token_id, family))
     model.float().save_pretrained(folder)
     tok.save_pretrained(folder)
     return tok
@@ -105,7 +132,7 @@ def answering_model(
     tok = make_tokenizer()
     vocab = len(tok)
     hidden = 1 << (vocab - 1).bit_length()  # >= vocab: room for a one-hot code per token
-    model = transformers.AutoModelForCausalLM.from_config(_config(vocab, hidden, tok.eos_token_id, family))
+    model = build_model(_config(vocab, hidden, tok.eos_token_id, family))
     ids = tok.convert_tokens_to_ids
     chain = ["<|assistant|>", "<think>", "h", "m", "</think>", "\\", "b", "o", "x", "e", "d", "{"]
     with torch.no_grad():
@@ -113,11 +140,11 @@ def answering_model(
             # (transformers 5 holds a MoE layer's experts as one 3-D ``experts.down_proj``)
             if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 p.zero_()  # the layer adds nothing: the last hidden state is the token's embedding
-        emb = model.model.embed_tokens.weight
+        emb = model.get_input_embeddings().weight
         emb.zero_()
         emb[:, :vocab] = torch.eye(vocab)
         # RMSNorm maps a one-hot row to sqrt(hidden) * one-hot; scale the table to undo it.
-        head = model.lm_head.weight
+        head = model.get_output_embeddings().weight
         head.zero_()
         scale = logit / math.sqrt(hidden)
         for cur, nxt in zip(chain, chain[1:]):

@@ -9,6 +9,7 @@ import transformers
 
 from megatron_rl.algorithms.logprobs import token_logprobs
 from megatron_rl.generation.engine import Decoder, Engine, EngineConfig
+from tests.data.tinylm import build_model, mistral3_config
 
 _COMMON = dict(
     vocab_size=97,
@@ -60,6 +61,9 @@ _MODELS = {
         ("norm.weight", "gate.weight"),
         "60KB",
     ),
+    # Mistral3 (vision-language): its Mistral language model under language_model., beside a
+    # Pixtral vision tower the engine does not load (text prompts only).
+    "mistral3": (transformers.MistralConfig, dict(head_dim=32, sliding_window=None), ("norm.weight",), None),
 }
 
 
@@ -69,7 +73,8 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
     out = {}
     for i, (name, (cls, extra, randomise, shard)) in enumerate(_MODELS.items()):
         torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_config(cls(**_COMMON, **extra))
+        config = cls(**_COMMON, **extra)
+        model = build_model(mistral3_config(config) if name == "mistral3" else config)
         model = model.float().eval()
         # HF initialises biases to zero and norms to one, which would not exercise them.
         with torch.no_grad():
@@ -194,7 +199,9 @@ def test_named_weights_are_live(hf_models):
     assert not torch.allclose(model.full_logits(ids), before)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize(
+    "name", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral3"]
+)
 def test_greedy_matches_generate(hf_models, name):
     folder, hf = hf_models[name]
     prompt = _prompt(9, 3)
@@ -454,3 +461,20 @@ def test_moe_configs_the_engine_cannot_run_are_refused_by_field(hf_models, field
         cfg["num_experts"] = 4
     with pytest.raises(ValueError, match=field):
         DecoderConfig.from_hf(cfg)
+
+
+def test_mistral3_engine_is_its_language_model_named_as_in_the_files(hf_models):
+    """The engine loads a Mistral3 checkpoint's language model under the files' names (what a
+    weight update sends) and leaves the vision tower and projector in the files."""
+    from megatron_rl.hf.files import HFWeights
+
+    folder, _ = hf_models["mistral3"]
+    names = set(Decoder.from_pretrained(folder).named_weights())
+    files = HFWeights(folder)
+    try:
+        on_disk = set(files)
+    finally:
+        files.close()
+    carried = {n for n in on_disk if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert carried and names == on_disk - carried
+    assert {"language_model.lm_head.weight", "language_model.model.layers.1.mlp.up_proj.weight"} <= names

@@ -132,6 +132,11 @@ def test_bad_requests_get_a_clear_error(server):
         server.url, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 600}}
     )
     assert status == 400 and "max_len 512" in body["message"]
+    # An image (SGLang's multimodal field): this engine serves language models, text prompts only.
+    status, body = _post(
+        server.url, "/generate", {"input_ids": [1, 2], "image_data": "data:image/png;base64,iVBO"}
+    )
+    assert status == 400 and "image_data" in body["message"] and "text prompts only" in body["message"]
     status, body = _post(server.url, "/pause_generation", {"mode": "retract"})
     assert status == 400 and "in_place" in body["message"]
     status, body = _post(

@@ -176,3 +176,18 @@ def test_synced_expert_names_are_those_sglangs_loader_reads(pins, family):
         f"{prefix}.experts.2.{loader['down']}.weight",
     )
     assert conv.hf_sources("decoder.layers.1.mlp.router.weight") == (f"{prefix}.gate.weight",)
+
+
+def test_synced_mistral3_names_are_those_sglangs_loader_routes(pins):
+    """SGLang's Mistral3 is its Llava class, whose loader hands a ``language_model.X`` tensor to
+    the language model's own (Mistral/Llama) loader as ``X``: an update sends exactly the files'
+    ``language_model.`` names, whose rest are a Mistral's, and never the vision tower."""
+    from megatron_rl.hf.layout import HFConverter
+    from tests.hf.test_layout import hf_model
+
+    assert pins["facts"]["mistral3_is_llava_for_conditional_generation"]
+    assert pins["facts"]["llava_routes_language_model_prefix_to_its_loader"]
+    conv = HFConverter.for_config(hf_model("mistral3").config)
+    mistral = HFConverter.for_config(hf_model("mistral").config)
+    assert [n.removeprefix("language_model.") for n in conv.hf_names()] == mistral.hf_names()
+    assert all(n.startswith("language_model.") and not conv.is_carried(n) for n in conv.hf_names())

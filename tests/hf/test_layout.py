@@ -22,6 +22,7 @@ from megatron_rl.hf.layout import (
     tp_split,
 )
 from megatron_rl.training.chunks import chunk_global_names, chunk_to_hf, load_hf_into_chunk
+from tests.data.tinylm import build_model, mistral3_config
 
 VOCAB = 1000  # pads to 1024 rows: padding exercised, and ids land on both halves at TP=2
 TINY = dict(
@@ -53,6 +54,12 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Mistral3: the Mistral language model of a vision-language checkpoint (its vision tower is
+    # carried: see tests/data/tinylm.py's mistral3_config)
+    "mistral3": (
+        transformers.MistralConfig,
+        dict(head_dim=32, sliding_window=None, tie_word_embeddings=False),
+    ),
     "mixtral": (
         transformers.MixtralConfig,  # 4 experts of intermediate_size, top 2, always renormalised
         dict(
@@ -72,8 +79,10 @@ def hf_model(family: str, seed: int = 0, **overrides):
     ``num_hidden_layers``)."""
     cls, extra = FAMILIES[family]
     config = cls(**{**TINY, **extra, **overrides}, attn_implementation="eager")
+    if family == "mistral3":
+        config = mistral3_config(config, attn_implementation="eager")
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = build_model(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -155,7 +164,8 @@ def test_round_trip_and_shapes(family):
     assert mcore["embedding.word_embeddings.weight"].shape[0] == 1024
     assert not mcore["embedding.word_embeddings.weight"][VOCAB:].any()  # padding rows are zero
     back = dict(pair for n, t in mcore.items() for pair in conv.mcore_to_hf(n, t))
-    expected = {n for n in hf if not (model.config.tie_word_embeddings and n == "lm_head.weight")}
+    tied_head = conv.lm_head_hf_name if conv.dims.tied else None
+    expected = {n for n in hf if n != tied_head and not conv.is_carried(n)}  # Mistral3: its LM
     assert set(back) == expected == set(conv.hf_names())
     for name in expected:
         assert torch.equal(back[name], hf[name]), name

@@ -1,5 +1,6 @@
 """`megatron-rl train` end to end on a tiny Qwen3 (q/k norms), a tiny Qwen3-MoE and a tiny Mixtral
-(4 experts, top 2 each): the trainer builds the family, the weight broadcast carries its names (q/k norms, router,
+(4 experts, top 2 each), and a tiny Mistral3 (a vision-language checkpoint whose language model
+trains while its vision tower is carried through): the trainer builds the family, the weight broadcast carries its names (q/k norms, router,
 experts) to the built-in engine bit for bit, and the final policy exports as an HF folder that
 the engine and transformers load."""
 
@@ -17,11 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "mistral3"])
 def test_a_short_run_trains_the_family_and_syncs_its_weights(tmp_path, family):
     import transformers
 
     from megatron_rl.generation.engine import Decoder
+    from megatron_rl.hf.files import HFWeights
     from tests.data.tinylm import answering_model, tiny_train_command
 
     answering_model(tmp_path / "model", family=family)  # \boxed{4} three times in four, else 5
@@ -43,10 +45,28 @@ def test_a_short_run_trains_the_family_and_syncs_its_weights(tmp_path, family):
     # The exported policy: this family's tensors, moved by training, loadable by both.
     exported = Decoder.from_pretrained(run / "hf")
     start = Decoder.from_pretrained(tmp_path / "model")
-    assert exported.cfg.model_type == family
+    assert json.loads((run / "hf" / "config.json").read_text())["model_type"] == family
     changed = {n for n, p in exported.named_weights().items() if not torch.equal(p, start.named_weights()[n])}
-    assert any("q_norm" in n or "k_norm" in n for n in changed) or any("experts" in n for n in changed)
     assert any(n.endswith("lm_head.weight") for n in changed)
+    if family == "mistral3":  # the language model trained; the vision tower came back bit for bit
+        assert any(n.startswith("language_model.model.layers.") for n in changed)
+        new, old = HFWeights(run / "hf"), HFWeights(tmp_path / "model")
+        carried = [n for n in old if n.startswith(("vision_tower.", "multi_modal_projector."))]
+        assert carried and all(torch.equal(new[n], old[n]) and new.dtype(n) == old.dtype(n) for n in carried)
+        loaded = transformers.AutoModelForImageTextToText.from_pretrained(run / "hf")
+        assert type(loaded).__name__ == "Mistral3ForConditionalGeneration"
+        # The run's checkpoint keeps the vision tower: it exports whole with only a config.json.
+        from megatron_rl.convert.checkpoint import mcore_to_hf
+
+        config_only = tmp_path / "config_only"
+        config_only.mkdir()
+        (config_only / "config.json").write_bytes((tmp_path / "model" / "config.json").read_bytes())
+        mcore_to_hf(run / "checkpoints" / "step_00000002", tmp_path / "from_ckpt", hf_config=config_only)
+        again = HFWeights(tmp_path / "from_ckpt")
+        assert sorted(again) == sorted(new) and all(torch.equal(again[n], new[n]) for n in new)
+        return
+    assert exported.cfg.model_type == family
+    assert any("q_norm" in n or "k_norm" in n for n in changed) or any("experts" in n for n in changed)
     transformers.AutoModelForCausalLM.from_pretrained(run / "hf")
 
 

@@ -39,7 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_rl.hf.arch import MOE_MODEL_TYPES, QK_NORM_MODEL_TYPES, moe_settings
+from megatron_rl.hf.arch import (
+    CARRIED_PREFIXES,
+    MOE_MODEL_TYPES,
+    QK_NORM_MODEL_TYPES,
+    TEXT_PREFIXES,
+    language_model_dict,
+    moe_settings,
+)
 from megatron_rl.hf.files import HFWeights
 
 if TYPE_CHECKING:
@@ -76,6 +83,11 @@ class DecoderConfig:
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
     sliding_window: int | None = None  # Mistral/Qwen2 window; sequences must fit inside it
     eos_token_ids: tuple[int, ...] = ()  # from config.json, for the engine's default stop set
+    #: a vision-language checkpoint's language model: the prefix of its tensors' names, and the
+    #: prefixes of the tensors it has besides (vision tower, projector), which the engine does
+    #: not load: it serves text prompts only
+    weight_prefix: str = ""
+    carried_prefixes: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.model_type not in _SUPPORTED:
@@ -112,7 +124,10 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, JsonValue]) -> DecoderConfig:
-        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout)."""
+        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout). A
+        vision-language config (Mistral3) gives its language model."""
+        whole_type = cfg.get("model_type", "")
+        cfg = language_model_dict(cfg)
         model_type = cfg.get("model_type", "")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act: only silu is supported, got {cfg['hidden_act']!r}")
@@ -158,6 +173,8 @@ class DecoderConfig:
             num_experts_per_tok=moe.top_k if moe else 0,
             moe_intermediate_size=moe.ffn if moe else 0,
             norm_topk_prob=moe.norm_topk_prob if moe else False,
+            weight_prefix=TEXT_PREFIXES.get(whole_type, ""),
+            carried_prefixes=CARRIED_PREFIXES.get(whole_type, ()),
         )
 
 
@@ -386,25 +403,32 @@ class Decoder(nn.Module):
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The live parameters by HF name; ``named_weights()[n].copy_(t)`` updates the model.
 
-        With tied embeddings there is no ``lm_head.weight`` entry: the head is the embedding.
+        With tied embeddings there is no ``lm_head.weight`` entry: the head is the embedding. A
+        vision-language model's names carry its language model's prefix, as in its files.
         """
-        return {name: p for name, p in self.named_parameters()}
+        prefix = self.cfg.weight_prefix
+        return {prefix + name: p for name, p in self.named_parameters()}
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Copy HF-named tensors into the parameters (cast to their dtype).
 
         Accepts exactly what transformers saves: every parameter must be present, and the only
-        extras tolerated are ``lm_head.weight`` of a tied model (must equal the embedding) and
-        rotary ``inv_freq`` buffers of older checkpoints, which are recomputed here anyway.
+        extras tolerated are ``lm_head.weight`` of a tied model (must equal the embedding),
+        rotary ``inv_freq`` buffers of older checkpoints, which are recomputed here anyway, and a
+        vision-language model's vision tower and projector (not loaded: text prompts only).
         ``strict`` and ``assign`` exist for signature compatibility; loading is always strict.
         """
         params = self.named_weights()
+        prefix, carried = self.cfg.weight_prefix, self.cfg.carried_prefixes
+        head, embedding = f"{prefix}lm_head.weight", f"{prefix}model.embed_tokens.weight"
         missing = sorted(set(params) - set(state))
         extra = []
         for name in state:
             if name in params or name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if carried and name.startswith(carried):
+                continue
+            if name == head and self.lm_head is None:
                 continue  # compared with the embedding once that is loaded, below
             extra.append(name)
         if missing or extra:
@@ -417,13 +441,10 @@ class Decoder(nn.Module):
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(p.shape)}")
                 p.copy_(t.to(p.dtype))
-        if self.lm_head is None and "lm_head.weight" in state:
-            embed = params["model.embed_tokens.weight"]
-            if not torch.equal(state["lm_head.weight"].to(embed.dtype), embed):
-                raise ValueError(
-                    "lm_head.weight: differs from model.embed_tokens.weight but "
-                    "the config says tie_word_embeddings"
-                )
+        if self.lm_head is None and head in state:
+            embed = params[embedding]
+            if not torch.equal(state[head].to(embed.dtype), embed):
+                raise ValueError(f"{head}: differs from {embedding} but the config says tie_word_embeddings")
         return None
 
     # ------------------------------------------------------------------ forward

@@ -55,8 +55,19 @@ class GenerateBody:
     flat_logprobs: bool = False  # FLAT_LOGPROBS: log-probs as one list of floats per reply
 
 
+#: SGLang 0.5.23's multimodal ``/generate`` fields (``GenerateReqInput``): refused, naming the field.
+_MEDIA_FIELDS = ("image_data", "video_data", "audio_data")
+
+
 def parse_generate_body(body: dict[str, JsonValue]) -> GenerateBody:
     """``body``'s requests, checked (:class:`BadRequest` naming the field)."""
+    for media in _MEDIA_FIELDS:  # SGLang's multimodal inputs: this engine runs language models only
+        if body.get(media) not in (None, [], ""):
+            raise BadRequest(
+                f"{media}: the built-in engine serves the language model of a checkpoint and takes "
+                "text prompts only (token ids); images, video and audio need SGLang servers "
+                "(fleet.urls), which serve a vision-language checkpoint whole"
+            )
     if body.get("text") is not None or body.get("input_ids") is None:
         raise BadRequest(
             "input_ids: required (the built-in engine has no tokenizer; send token ids, not text)"

@@ -112,6 +112,7 @@ from megatron_rl.generation.protocol import (
     check_api_key,
     tensor_digest,
 )
+from megatron_rl.hf.arch import language_model_dict
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -680,12 +681,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     config = EngineConfig(max_slots=args.max_slots, max_len=args.max_len)
     if args.timing is not None:
-        eos = args.hf_config.get("eos_token_id")
-        vocab = args.hf_config.get("vocab_size")
+        text = language_model_dict(args.hf_config)  # a vision-language config: its language model's
+        eos = text.get("eos_token_id")
+        vocab = text.get("vocab_size")
         engine: Engine | TimingEngine = TimingEngine(
             args.timing,
             config,
-            eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],  # type: ignore[list-item]
+            eos_token_ids=[] if eos is None else eos if isinstance(eos, list) else [eos],
             vocab_size=vocab if isinstance(vocab, int) else None,
         )
     else:
