@@ -89,6 +89,9 @@ class Completion:
     versions: list[int]  # policy version that generated each token
     finish_reason: FinishReason = "stop"
     text: str = ""
+    # MoE routing replay: the experts of every position fed to the generator (prompt and
+    # completion tokens but the last), [P + C - 1, layers, top_k] int32; None when not recorded
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -136,6 +139,7 @@ class TrainSequence:
     weight: float
     group_id: int
     reward: float = 0.0
+    routed_experts: torch.Tensor | None = None  # [P + C - 1, layers, top_k] int32 (routing replay)
 
     def __post_init__(self) -> None:
         c = self.completion_length
@@ -148,6 +152,12 @@ class TrainSequence:
             raise ValueError(
                 f"per-token fields must be [{c}], got behaviour_logprobs "
                 f"{tuple(self.behaviour_logprobs.shape)}, versions {tuple(self.versions.shape)}"
+            )
+        routed = self.routed_experts
+        if routed is not None and (routed.dim() != 3 or routed.shape[0] != self.length - 1):
+            raise ValueError(
+                f"routed_experts must be [{self.length - 1}, layers, top_k] (every position but the "
+                f"last), got {tuple(routed.shape)}"
             )
 
     @property

@@ -22,6 +22,10 @@ class GRPOConfig:
     kl_coef: float = 0.0  # KL to a reference model; 0 = none and no reference model (paper)
     temperature: float = 1.0  # sampling temperature the behaviour log-probs were recorded at
     logprob_chunk_size: int = 0  # tokens per log-prob chunk; 0 = automatic (~64 MiB fp32 buffer)
+    # MoE routing replay (R3): "rollout" -- the generators return each token's experts and the
+    # trainer's routers take them in forward and backward, so the experts that produced a token
+    # are the ones trained; "off" -- the trainer routes by its own router.
+    routing_replay: Literal["off", "rollout"] = "off"
 
     def __post_init__(self) -> None:
         check_range("adv_eps", self.adv_eps, low=0.0, low_open=True)

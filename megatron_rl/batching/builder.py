@@ -63,6 +63,7 @@ def build_train_batch(groups: list[Group], cfg: GRPOConfig) -> TrainBatch:
                 weight=float(weights[k]),
                 group_id=gi,
                 reward=float(rewards[i]),
+                routed_experts=c.routed_experts,
             )
         )
     return TrainBatch(sequences=sequences, filter_report=report)

@@ -16,6 +16,11 @@ Two layouts, one planner; the cost of a microbatch under each is what the budget
 - ``padded``: one row per sequence, right-padded to the longest in the microbatch; works with every
   attention kernel without varlen support. Cost = rows x longest row.
 
+MoE routing replay: when the sequences carry the experts the generator routed each position to
+(``TrainSequence.routed_experts``), the microbatch holds them per position (``[R, S, layers,
+top_k]``); a sequence's last position (never fed to the generator) and padding get experts ``0 ..
+top_k-1``, which route only positions whose outputs no loss reads.
+
 Causal-LM alignment: position ``p`` predicts token ``p + 1`` of the same sequence. Completion token
 ``j`` of a sequence with prompt length ``P`` is the label at position ``P + j - 1``; every per-token
 field (loss weight, advantage, behaviour log-prob, version) sits at that position. Prompt
@@ -44,6 +49,7 @@ __all__ = [
     "build_microbatches",
     "collate",
     "collation_stats",
+    "filler_routing",
     "microbatch_cost",
     "plan_microbatches",
 ]
@@ -173,6 +179,7 @@ class Microbatch:
     seq_index: list[int]  # which sequences of the batch, in row / segment order
     seq_lengths: list[int]
     cu_seqlens: torch.Tensor | None = None  # [n + 1] int32 segment starts in the packed row
+    routed_experts: torch.Tensor | None = None  # [R, S, layers, top_k] int64 (routing replay)
 
     @property
     def num_tokens(self) -> int:
@@ -261,6 +268,7 @@ def collate(
         starts = [0] + list(torch.tensor(lengths).cumsum(0)[:-1].tolist())
     for k, seq in enumerate(sequences):
         _place(seq, f, 0 if layout == "packed" else k, starts[k])
+    routed = _routing(sequences, rows, width, starts, layout)
     cu = None
     if layout == "packed":
         bounds = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
@@ -281,7 +289,35 @@ def collate(
         seq_index=list(seq_index),
         seq_lengths=lengths,
         cu_seqlens=cu,
+        routed_experts=routed,
     )
+
+
+def filler_routing(rows: int, width: int, layers: int, top_k: int) -> torch.Tensor:
+    """``[rows, width, layers, top_k]`` experts ``0 .. top_k-1`` everywhere: the routing of
+    positions whose outputs no loss reads (padding, a sequence's last position)."""
+    return torch.arange(top_k).expand(rows, width, layers, top_k).clone()
+
+
+def _routing(
+    sequences: list[TrainSequence], rows: int, width: int, starts: list[int], layout: Layout
+) -> torch.Tensor | None:
+    """The microbatch's routed experts (see the module docstring), or None when no sequence
+    carries them; ValueError when only some do, or their layer / top-k counts differ."""
+    given = [s.routed_experts for s in sequences if s.routed_experts is not None]
+    if not given:
+        return None
+    if len(given) != len(sequences):
+        raise ValueError("routed_experts: some sequences carry the generator's experts and others do not")
+    shapes = {tuple(r.shape[1:]) for r in given}
+    if len(shapes) != 1:
+        raise ValueError(f"routed_experts: sequences disagree on [layers, top_k]: {sorted(shapes)}")
+    layers, top_k = shapes.pop()
+    out = filler_routing(rows, width, layers, top_k)
+    for k, (seq, r) in enumerate(zip(sequences, given)):
+        row, start = (0, starts[k]) if layout == "packed" else (k, 0)
+        out[row, start : start + seq.length - 1] = r
+    return out
 
 
 def build_microbatches(

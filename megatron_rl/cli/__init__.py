@@ -103,7 +103,9 @@ def _sglang_args(args: argparse.Namespace) -> int:
     if args.target == "router":
         words = router_launch_args(request_timeout_s=cfg.fleet.request_timeout_s)
     else:
-        words = server_launch_args(deterministic=cfg.fleet.deterministic)
+        words = server_launch_args(
+            deterministic=cfg.fleet.deterministic, routed_experts=cfg.algorithm.routing_replay == "rollout"
+        )
     print(shlex.join(words))
     return 0
 

@@ -18,6 +18,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import torch
+
 from megatron_rl.generation.engine import Engine, EngineConfig
 from megatron_rl.types import FinishReason
 
@@ -35,6 +37,7 @@ class GenRequest:
     top_p: float = 1.0
     seed: int | None = None  # per-request sampling seed (SGLang's ``sampling_seed``)
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS
+    return_routed_experts: bool = False  # MoE routing replay: every fed position's experts
 
 
 @dataclass(kw_only=True)
@@ -49,6 +52,10 @@ class GenResult:
     finish_reason: FinishReason
     server: str = ""  # which server produced it ("local" in process)
     meta: dict = field(default_factory=dict)
+    #: with ``return_routed_experts``: the experts of every position fed to the model (the
+    #: prompt and the output but its last token), flat int32 ``[positions * layers * top_k]``
+    #: in position, layer, rank order, as SGLang sends them; None when not asked for
+    routed_experts: torch.Tensor | None = None
 
 
 class Generator(Protocol):
@@ -92,6 +99,7 @@ class LocalGenerator:
                 top_p=r.top_p,
                 seed=r.seed,
                 stop_token_ids=r.stop_token_ids,
+                return_routed_experts=r.return_routed_experts,
             )
             pending += 1
         while pending:
@@ -105,4 +113,5 @@ class LocalGenerator:
                     versions=f.versions,
                     finish_reason=f.finish_reason,
                     server="local",
+                    routed_experts=None if f.routed_experts is None else f.routed_experts.reshape(-1),
                 )

@@ -64,6 +64,7 @@ tensors' bytes back to back in ``names`` order, each starting at a multiple of i
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import io
 import json
@@ -209,7 +210,7 @@ def _sampling_params(req: GenRequest) -> dict[str, object]:
 
 def generate_payload(req: GenRequest) -> dict[str, object]:
     """``/generate`` body for one request: token ids in, token ids + log-probs + versions out."""
-    return {
+    body: dict[str, object] = {
         "rid": req.request_id,
         "input_ids": list(req.input_ids),
         "sampling_params": _sampling_params(req),
@@ -218,6 +219,9 @@ def generate_payload(req: GenRequest) -> dict[str, object]:
         "logprob_start_len": -1,
         "stream": False,
     }
+    if req.return_routed_experts:  # every position from 0: the trainer replays them all
+        body["return_routed_experts"] = True
+    return body
 
 
 def generate_batch_payload(
@@ -249,6 +253,8 @@ def generate_batch_payload(
     }
     if flat_logprobs:
         body[FLAT_LOGPROBS] = True
+    if any(r.return_routed_experts for r in reqs):  # one field for the batch, as SGLang has it
+        body["return_routed_experts"] = True
     return body
 
 
@@ -316,6 +322,7 @@ def parse_generate(
             f"/generate reply from {server or 'server'}: output_token_logprobs do not match output_ids"
         )
     reason = _finish_reason(finish.get("type", "stop") if isinstance(finish, dict) else str(finish))
+    routed = _routed_experts(meta.get("routed_experts"), len(req.input_ids) + len(token_ids) - 1, server)
     return GenResult(
         request_id=req.request_id,
         prompt_ids=req.input_ids,  # shared with the request (a group's samples: one list), never changed
@@ -332,7 +339,27 @@ def parse_generate(
             # Prompt tokens served from SGLang's prefix cache (KV possibly of older weights).
             "cached_tokens": int(meta.get("cached_tokens") or 0),
         },
+        routed_experts=routed,
     )
+
+
+def _routed_experts(value: JsonValue, positions: int, server: str) -> torch.Tensor | None:
+    """SGLang's ``meta_info.routed_experts`` (base64 of int32 experts, position by position, for
+    the ``positions`` fed tokens) as a flat int32 tensor; None when the reply has none."""
+    if value is None:
+        return None
+    try:
+        raw = base64.b64decode(str(value), validate=True)
+    except (binascii.Error, ValueError):
+        raise ProtocolError(
+            f"/generate reply from {server or 'server'}: routed_experts is not base64"
+        ) from None
+    if len(raw) % 4 or positions < 1 or (len(raw) // 4) % positions:
+        raise ProtocolError(
+            f"/generate reply from {server or 'server'}: routed_experts holds {len(raw)} bytes, not "
+            f"int32 experts for each of the {positions} positions fed"
+        )
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32)
 
 
 def parse_generate_batch(
@@ -577,7 +604,9 @@ def parse_weights_checker(body: JsonValue, url: str = "server") -> dict[tuple[in
     return out
 
 
-def server_launch_args(*, deterministic: bool, weight_version: int = 0) -> list[str]:
+def server_launch_args(
+    *, deterministic: bool, weight_version: int = 0, routed_experts: bool = False
+) -> list[str]:
     """The flags of ``python -m sglang.launch_server`` that follow from a recipe (the launch
     scripts add the model, the layout, host and port; ``megatron-rl sglang-args`` prints these).
 
@@ -586,10 +615,14 @@ def server_launch_args(*, deterministic: bool, weight_version: int = 0) -> list[
     mode), so the same prompt and seed give different completions; with it SGLang switches to
     batch-invariant kernels, which cost throughput (SGLang's own figures: about 35% slower
     decode with FlashInfer/FA3 attention; measure on your model). ``--weight-version`` makes the
-    server's initial weights read as the trainer's version, not ``"default"``."""
+    server's initial weights read as the trainer's version, not ``"default"``.
+    ``routed_experts`` (``algorithm.routing_replay: rollout``): ``--enable-return-routed-experts``,
+    without which SGLang refuses a request's ``return_routed_experts``."""
     args = ["--weight-version", str(int(weight_version))]
     if deterministic:
         args.append("--enable-deterministic-inference")
+    if routed_experts:
+        args.append("--enable-return-routed-experts")
     return args
 
 

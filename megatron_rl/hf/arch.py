@@ -36,6 +36,7 @@ __all__ = [
     "moe_settings",
     "padded_vocab_size",
     "rope_parameters",
+    "routed_shape",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral3")
@@ -186,6 +187,20 @@ def _checked_moe(values: dict[str, JsonValue], *, norm_topk_prob: bool) -> MoESe
     return MoESettings(
         num_experts=experts, top_k=top_k, ffn=ffn, norm_topk_prob=norm_topk_prob, ffn_field=ffn_field
     )
+
+
+def routed_shape(hf_config: HFConfigLike) -> tuple[int, int]:
+    """``(MoE layers, top_k)`` of a model's routed experts (what routing replay records for every
+    position); ValueError naming ``algorithm.routing_replay`` for a model without experts."""
+    whole = load_hf_config(hf_config)
+    hf = language_model_config(whole)
+    moe = moe_settings(hf)
+    if moe is None:
+        raise ValueError(
+            f"algorithm.routing_replay: rollout replays an MoE model's routing; {whole.model_type!r} "
+            "has no experts (use off)"
+        )
+    return int(hf.num_hidden_layers), moe.top_k
 
 
 def padded_vocab_size(

@@ -70,6 +70,7 @@ from megatron_rl.data.sampling import completion_decoder, render_prompt
 from megatron_rl.errors import UserError
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import ClientClosed, ServerLost
+from megatron_rl.hf.arch import routed_shape
 from megatron_rl.rewards.compose import (
     RewardConfig,
     failed_result,
@@ -85,6 +86,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
     from concurrent.futures import Future
 
+    import torch
     from transformers import PreTrainedTokenizerBase
 
     from megatron_rl.fileio import JsonValue
@@ -246,10 +248,13 @@ class Rollouts:
         stall_groups: int = 0,
         version: Callable[[], int] = lambda: 0,
         group_requests: bool | str = "auto",
+        routed_shape: tuple[int, int] | None = None,
     ):
         """``stall_groups``: this many groups dropped in a row stop the run (0: never);
         ``group_requests``: a group's samples go to one server in one request (else one each);
-        ``"auto"``: where the fleet streams them back one by one (:meth:`Fleet.streams_batches`)."""
+        ``"auto"``: where the fleet streams them back one by one (:meth:`Fleet.streams_batches`);
+        ``routed_shape``: ``(MoE layers, top_k)`` to ask the generators for every position's
+        experts and keep them with each completion (routing replay), None not to."""
         if group_requests not in ("auto", True, False):
             raise ValueError(f"group_requests: must be true, false or 'auto', got {group_requests!r}")
         self.group_requests = fleet.streams_batches() if group_requests == "auto" else bool(group_requests)
@@ -259,6 +264,7 @@ class Rollouts:
         self.seed, self.system_prompt = seed, system_prompt
         self.filter_tolerance = filter_tolerance
         self.stall_groups = stall_groups
+        self.routed_shape = routed_shape
         self._dropped_in_a_row: list[GroupRecord] = []  # since the last kept group
         self.version = version
         self.eos = tokenizer.eos_token_id
@@ -322,6 +328,7 @@ class Rollouts:
             stall_groups=cfg.loop.stall_groups(),
             version=version,
             group_requests=cfg.fleet.group_requests,
+            routed_shape=routed_shape(cfg.model.hf) if cfg.algorithm.routing_replay == "rollout" else None,
         )
 
     # ------------------------------------------------------------------ counts (read-only)
@@ -578,6 +585,7 @@ class Rollouts:
             top_p=self.top_p,
             seed=request_seed(self.seed, rec.problem.id, rec.epoch, i),
             stop_token_ids=(self.eos,) if self.eos is not None else (),
+            return_routed_experts=self.routed_shape is not None,
         )
 
     def _submit(self, rec: GroupRecord, samples: list[int], exclude: frozenset[str] = frozenset()) -> None:
@@ -729,6 +737,22 @@ class Rollouts:
             res = RewardResult(0.0, {}, "verifier_error", f"{type(e).__name__}: {e}")
         self._score(rec, i, entry[2], entry[3], res)
 
+    def _routed(self, r: GenResult) -> torch.Tensor | None:
+        """``r``'s experts as ``[positions, layers, top_k]`` (routing replay), None without it.
+        A generator that sent none, or another shape, stops the run with why."""
+        if self.routed_shape is None:
+            return None
+        positions = len(r.prompt_ids) + len(r.token_ids) - 1
+        layers, top_k = self.routed_shape
+        if r.routed_experts is None or r.routed_experts.numel() != positions * layers * top_k:
+            got = "none" if r.routed_experts is None else f"{r.routed_experts.numel()} values"
+            raise ValueError(
+                f"algorithm.routing_replay: rollout needs every position's experts ({positions} x "
+                f"{layers} layers x top {top_k}) from {r.server or 'the generator'}, got {got}; start "
+                "SGLang with --enable-return-routed-experts (`megatron-rl sglang-args` adds it)"
+            )
+        return r.routed_experts.view(positions, layers, top_k)
+
     def _score(self, rec: GroupRecord, i: int, r: GenResult, text: str, res: RewardResult) -> None:
         """Sample ``i`` of ``rec`` (generated as ``r``, decoded as ``text``) has its score ``res``."""
         scored = ScoredCompletion(
@@ -740,6 +764,7 @@ class Rollouts:
                 versions=r.versions,
                 finish_reason=r.finish_reason,
                 text=text,
+                routed_experts=self._routed(r),
             ),
             reward=float(res.reward),
             parts=dict(res.parts),

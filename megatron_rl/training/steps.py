@@ -76,6 +76,7 @@ import torch
 from megatron_rl.algorithms.logprobs import token_logprobs
 from megatron_rl.algorithms.loss import grpo_loss
 from megatron_rl.batching.collate import Microbatch
+from megatron_rl.training.replay import set_routing
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -128,6 +129,7 @@ _TENSOR_FIELDS = (
     "versions",
     "loss_mask",
     "cu_seqlens",
+    "routed_experts",
 )
 
 
@@ -397,6 +399,7 @@ def _forward_step(
     ctx: StepContext, loss_fn: LossFn, data_iterator: Iterator[Microbatch], model: MegatronModule
 ) -> tuple[torch.Tensor, LossClosure]:
     mb = next(data_iterator)
+    set_routing(model, mb.routed_experts)  # routing replay: the generator's experts (or none)
     kwargs = model_inputs(mb, device=ctx.device)
     if ctx.fp32_output is not None:
         kwargs["fp32_output"] = ctx.fp32_output

@@ -38,10 +38,16 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metrics
-from megatron_rl.batching.collate import Microbatch, build_microbatches, collate
+from megatron_rl.batching.collate import Microbatch, build_microbatches, collate, filler_routing
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
-from megatron_rl.hf.arch import language_model_config, load_hf_config, moe_settings, padded_vocab_size
+from megatron_rl.hf.arch import (
+    language_model_config,
+    load_hf_config,
+    moe_settings,
+    padded_vocab_size,
+    routed_shape,
+)
 from megatron_rl.hf.files import HFWeights, carried_tensors, write_hf_folder
 from megatron_rl.hf.layout import HFConverter
 from megatron_rl.training.checkpoint import NonFiniteError, load_checkpoint, save_checkpoint
@@ -148,7 +154,15 @@ def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
         versions=grow(mb.versions, -1),
         loss_mask=grow(mb.loss_mask),
         cu_seqlens=cu_seqlens,
+        routed_experts=None if mb.routed_experts is None else _grow_routing(mb.routed_experts, rows, width),
     )
+
+
+def _grow_routing(routed: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``routed [r, s, layers, top_k]`` grown to ``[rows, width, ...]`` with filler experts."""
+    out = filler_routing(rows, width, routed.shape[2], routed.shape[3])
+    out[: routed.shape[0], : routed.shape[1]] = routed
+    return out
 
 
 class PolicyTrainer:
@@ -184,6 +198,13 @@ class PolicyTrainer:
                 "Transformer Engine; without it train the MoE at tensor_parallel 1 (conversion and "
                 "generation work at any layout)"
             )
+        if grpo.routing_replay == "rollout":
+            routed_shape(hf)  # ValueError naming algorithm.routing_replay for a model without experts
+            if cfg.recompute:
+                raise ValueError(
+                    "algorithm.routing_replay: rollout with trainer.recompute: true is not supported "
+                    "(the recomputed forward would route again); turn one of them off"
+                )
         self._owns_parallel = _ensure_parallel(cfg)
         self.pgs = process_groups()
         self.hf_config = hf  # the architecture (weight names and shapes of hf_tensors)
@@ -223,6 +244,8 @@ class PolicyTrainer:
         )
         if self.cfg.recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if self.grpo.routing_replay == "rollout":  # checked in __init__
+            overrides["moe_enable_routing_replay"] = True
         config = transformer_config_from_hf(hf, p, params_dtype=self.params_dtype, **overrides)
         if self._uniform_shapes:
             # PP = 2 with interleaving: both p2p directions go to the same peer. Megatron's batched

@@ -99,3 +99,49 @@ def test_padded_microbatch_alignment():
     assert allowed.shape == (2, 1, 5, 5)
     assert not allowed[1, 0, 2, 3]  # no key is padding for a real query
     assert [t.tolist() for t in mb.split_per_sequence(mb.labels)] == [[12, 13, 14], [21, 22]]
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_routed_experts_sit_at_their_positions(layout):
+    """Each sequence's experts (every position but its last) land where its tokens are; the last
+    position and padding get the filler experts 0 .. top_k-1."""
+    routed = [torch.randint(0, 8, (n - 1, 2, 3), dtype=torch.int32) for n in (5, 3)]
+    seqs = [
+        TrainSequence(
+            tokens=torch.arange(n),
+            prompt_length=2,
+            behaviour_logprobs=torch.zeros(n - 2),
+            versions=torch.zeros(n - 2, dtype=torch.long),
+            advantage=0.0,
+            weight=1.0,
+            group_id=0,
+            routed_experts=r,
+        )
+        for n, r in zip((5, 3), routed)
+    ]
+    mb = collate(seqs, [0, 1], layout=layout, pad_to_multiple=4)
+    filler = torch.arange(3).expand(2, 3)
+    got = mb.routed_experts
+    if layout == "packed":
+        assert got.shape == (1, 8, 2, 3)
+        assert torch.equal(got[0, 0:4], routed[0].long()) and torch.equal(got[0, 5:7], routed[1].long())
+        for p in (4, 7):  # each sequence's last position
+            assert torch.equal(got[0, p], filler)
+    else:
+        assert got.shape == (2, 8, 2, 3)
+        assert torch.equal(got[0, :4], routed[0].long()) and torch.equal(got[1, :2], routed[1].long())
+        assert all(torch.equal(got[1, p], filler) for p in range(2, 8))
+    seqs[1].routed_experts = None
+    with pytest.raises(ValueError, match="routed_experts"):
+        collate(seqs, [0, 1], layout=layout)
+    with pytest.raises(ValueError, match="routed_experts"):  # not one per fed position
+        TrainSequence(
+            tokens=torch.arange(4),
+            prompt_length=2,
+            behaviour_logprobs=torch.zeros(2),
+            versions=torch.zeros(2, dtype=torch.long),
+            advantage=0.0,
+            weight=1.0,
+            group_id=0,
+            routed_experts=torch.zeros(4, 2, 3, dtype=torch.int32),
+        )

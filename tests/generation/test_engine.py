@@ -478,3 +478,46 @@ def test_mistral3_engine_is_its_language_model_named_as_in_the_files(hf_models):
     carried = {n for n in on_disk if n.startswith(("vision_tower.", "multi_modal_projector."))}
     assert carried and names == on_disk - carried
     assert {"language_model.lm_head.weight", "language_model.model.layers.1.mlp.up_proj.weight"} <= names
+
+
+def _hf_routed(hf, ids: list[int]) -> torch.Tensor:
+    """transformers' experts for every position of ``ids``: ``[T, layers, top_k]``, each
+    position's experts sorted (the order within a top-k is not part of the contract)."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    k = hf.config.num_experts_per_tok
+    chosen = [torch.topk(logits.float().softmax(-1), k, dim=-1).indices for logits in out.router_logits]
+    return torch.stack(chosen, dim=1).sort(dim=-1).values
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_routed_experts_are_the_experts_transformers_routes_to(hf_models, name):
+    """Every fed position's experts (prompt and generated tokens but the last), also for a
+    group's sample admitted after its siblings (its prompt routing comes from the prefix kept),
+    and for samples decoded in one batch."""
+    folder, hf = hf_models[name]
+    engine = _engine(folder, slots=2)
+    prompt = _prompt(7, 9)
+    # Three samples of one prompt, two slots: s2 starts when s1 ends, while s0 still holds the
+    # prompt, so s2's prompt is not prefilled again (its KV and routing come from s0's).
+    for i, n in enumerate((9, 3, 5)):
+        engine.add_request(
+            f"s{i}", prompt, max_new_tokens=n, temperature=1.0, seed=i, return_routed_experts=True
+        )
+    engine.add_request("plain", _prompt(5, 2), max_new_tokens=3, temperature=0.0)
+    done = _run(engine)
+    assert engine.prefill_tokens == len(prompt) + 5  # the prompt once, the plain request once
+    assert done["plain"].routed_experts is None  # not asked for
+    layers, k = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
+    for i in range(3):
+        out = done[f"s{i}"]
+        routed = out.routed_experts
+        assert routed.dtype == torch.int32 and routed.shape == (
+            len(prompt) + len(out.token_ids) - 1,
+            layers,
+            k,
+        )
+        reference = _hf_routed(hf, prompt + out.token_ids[:-1])
+        assert torch.equal(routed.sort(dim=-1).values.long(), reference)
+    with pytest.raises(ValueError, match="return_routed_experts"):
+        _engine(hf_models["llama"][0]).add_request("x", prompt, max_new_tokens=2, return_routed_experts=True)

@@ -137,6 +137,14 @@ def test_bad_requests_get_a_clear_error(server):
         server.url, "/generate", {"input_ids": [1, 2], "image_data": "data:image/png;base64,iVBO"}
     )
     assert status == 400 and "image_data" in body["message"] and "text prompts only" in body["message"]
+    # Routed experts: of an MoE model only; the start within the prompt, as SGLang.
+    for bad, field in (
+        ({"return_routed_experts": True}, "has no experts"),
+        ({"return_routed_experts": "yes"}, "return_routed_experts"),
+        ({"return_routed_experts": True, "routed_experts_start_len": 3}, "routed_experts_start_len"),
+    ):
+        status, body = _post(server.url, "/generate", {"input_ids": [1, 2], **bad})
+        assert status == 400 and field in body["message"], (bad, body)
     status, body = _post(server.url, "/pause_generation", {"mode": "retract"})
     assert status == 400 and "in_place" in body["message"]
     status, body = _post(

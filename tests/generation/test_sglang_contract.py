@@ -382,6 +382,15 @@ def _cases() -> list[tuple[str, str, dict]]:
             "GenerateReqInput",
             generate_batch_payload([_gen_request(request_id=f"g.{i}", seed=i) for i in range(4)]),
         ),
+        # MoE routing replay: every position's experts, for one request and for a group.
+        ("/generate", "GenerateReqInput", generate_payload(_gen_request(return_routed_experts=True))),
+        (
+            "/generate",
+            "GenerateReqInput",
+            generate_batch_payload(
+                [_gen_request(request_id=f"r.{i}", return_routed_experts=True) for i in range(2)]
+            ),
+        ),
         *[
             ("/pause_generation", "PauseGenerationReqInput", pause_payload(m))
             for m in ("in_place", "abort", "retract")
@@ -520,7 +529,9 @@ def _keys_written(tree: ast.AST, var: str) -> set[str]:
 
 def test_reply_keys_we_read_are_written_by_sglang(src, api):
     tm = src.tree("srt/managers/tokenizer_manager.py")
-    assert {"finish_reason", "weight_version", "output_token_logprobs"} <= _keys_written(tm, "meta_info")
+    assert {"finish_reason", "weight_version", "output_token_logprobs", "routed_experts"} <= _keys_written(
+        tm, "meta_info"
+    )
     assert {"output_ids", "meta_info"} <= _keys_written(tm, "out_dict")
     assert {"weight_versions", "weight_version"} <= _keys_written(
         src.tree("srt/utils/weight_versions.py"), "meta_info"
@@ -766,3 +777,28 @@ def test_weights_checker_reply_is_read_by_sglangs_field_names(src):
         parse_weights_checker({"success": False, "message": "no model"})
     with pytest.raises(ProtocolError, match="lacks"):
         parse_weights_checker({"success": True, "ranks": [{"per_gpu_checksum": "a"}]})
+
+
+def test_routed_experts_are_read_as_sglang_encodes_them():
+    """SGLang's ``meta_info.routed_experts``: base64 of int32 experts, position by position; a
+    reply whose size does not fit the positions fed is refused, naming the field."""
+    import base64
+
+    from megatron_rl.generation.protocol import ProtocolError, parse_generate
+
+    req = _gen_request(return_routed_experts=True)  # a 3-token prompt
+    experts = torch.arange(4 * 2 * 2, dtype=torch.int32)  # 3 + 2 - 1 positions, 2 layers, top 2
+    reply = {
+        "output_ids": [5, 6],
+        "meta_info": {
+            "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+            "routed_experts": base64.b64encode(experts.numpy().tobytes()).decode(),
+        },
+    }
+    assert torch.equal(parse_generate(req, reply).routed_experts, experts)
+    reply["meta_info"]["routed_experts"] = base64.b64encode(experts[:-3].numpy().tobytes()).decode()
+    with pytest.raises(ProtocolError, match="routed_experts"):
+        parse_generate(req, reply)
+    reply["meta_info"]["routed_experts"] = "not base64!"
+    with pytest.raises(ProtocolError, match="routed_experts"):
+        parse_generate(req, reply)

@@ -79,13 +79,13 @@ def test_built_in_engine_answers_sglang_routes_with_sglangs_methods(pins):
             assert method in pins["routes"][route], f"{route}: SGLang answers {pins['routes'][route]}"
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_server_flags_we_print_are_sglangs(pins, deterministic):
-    for flag in _flags(server_launch_args(deterministic=deterministic)):
+@pytest.mark.parametrize("deterministic, routed", [(False, False), (True, False), (False, True)])
+def test_server_flags_we_print_are_sglangs(pins, deterministic, routed):
+    words = server_launch_args(deterministic=deterministic, routed_experts=routed)
+    for flag in _flags(words):
         assert flag in pins["server_flags"], f"{flag}: not a flag of sglang.launch_server {SGLANG_VERSION}"
-    assert (
-        "--enable-deterministic-inference" in server_launch_args(deterministic=deterministic)
-    ) == deterministic
+    assert ("--enable-deterministic-inference" in words) == deterministic
+    assert ("--enable-return-routed-experts" in words) == routed  # routing replay needs it
 
 
 def test_router_timeout_outlasts_the_clients(pins):

@@ -18,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "mistral3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "mistral3", "qwen3_moe+replay"])
 def test_a_short_run_trains_the_family_and_syncs_its_weights(tmp_path, family):
+    """``+replay``: with MoE routing replay (the engine returns every position's experts, the
+    trainer's routers take them)."""
+    family, _, replay = family.partition("+")
     import transformers
 
     from megatron_rl.generation.engine import Decoder
@@ -32,7 +35,13 @@ def test_a_short_run_trains_the_family_and_syncs_its_weights(tmp_path, family):
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run = tmp_path / "run"
     cmd = tiny_train_command(
-        tmp_path / "model", run, 2, f"data.train={train}", "data.eval=", "weight_sync.verify=true"
+        tmp_path / "model",
+        run,
+        2,
+        f"data.train={train}",
+        "data.eval=",
+        "weight_sync.verify=true",
+        *(["algorithm.routing_replay=rollout"] if replay else []),
     )
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -31,6 +31,13 @@ included) report ``log_softmax(logits)`` (temperature 1), as SGLang, which sampl
 **Versions.** :meth:`Engine.set_version` sets the weight version; every token records the
 version in force when it was sampled.
 
+**Routed experts.** A request with ``return_routed_experts`` (an MoE model) gets, in
+``Finished.routed_experts``, the experts each position was sent to in each layer
+(``[P + n - 1, layers, top_k]``, int32: every prompt token and every generated token but the last,
+which is never fed): SGLang's ``return_routed_experts``. They are the experts actually used: a
+group's shared prompt is routed once (under the weights of its prefill), and the tokens decoded
+after a weight update were routed by the new weights -- what routing replay trains on.
+
 **Pause.** :meth:`Engine.pause` makes :meth:`step` a no-op until :meth:`Engine.resume`; the KV cache,
 running and waiting requests are kept, so a weight update between the two continues every
 sequence in place (its later tokens then carry the new version).
@@ -95,6 +102,8 @@ class Finished:
     logprobs: list[float]  # log_softmax(logits / temperature)[token], full vocabulary
     versions: list[int]  # weight version that sampled each token
     finish_reason: FinishReason
+    #: [P + n - 1, layers, top_k] int32 experts of every fed position (return_routed_experts only)
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -111,6 +120,8 @@ class _Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    return_routed: bool = False
+    routed: list[torch.Tensor] = field(default_factory=list)  # [n_i, layers, top_k] per forward
 
     def finished(self, reason: FinishReason) -> Finished:
         return Finished(
@@ -120,6 +131,7 @@ class _Request:
             logprobs=self.logprobs,
             versions=self.versions,
             finish_reason=reason,
+            routed_experts=torch.cat(self.routed) if self.return_routed and self.routed else None,
         )
 
 
@@ -396,8 +408,9 @@ class Engine(SlotEngine[_Request]):
             device=model.model.norm.weight.device,
         )
         self.eos_token_ids = frozenset(model.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        # prompt -> (its last position's logits, the running requests holding its KV)
-        self._prompts: dict[tuple[int, ...], tuple[torch.Tensor, list[_Request]]] = {}
+        # prompt -> (its last position's logits, the running requests holding its KV, its routed
+        # experts [P, layers, top_k] or None for a dense model)
+        self._prompts: dict[tuple[int, ...], tuple[torch.Tensor, list[_Request], torch.Tensor | None]] = {}
 
     @classmethod
     def from_pretrained(
@@ -426,14 +439,21 @@ class Engine(SlotEngine[_Request]):
         seed: int | None = None,
         stop_token_ids: Iterable[int] = (),
         top_k: int = TOP_K_OFF,
+        return_routed_experts: bool = False,
     ) -> None:
         """Queue a prompt ``input_ids`` (token ids). ``temperature=0`` (or below
-        ``SAMPLING_EPS``) decodes greedily; ``top_k`` -1 keeps the whole vocabulary.
+        ``SAMPLING_EPS``) decodes greedily; ``top_k`` -1 keeps the whole vocabulary;
+        ``return_routed_experts`` records every position's experts (an MoE model).
 
         Raises ``ValueError`` for a request that cannot run: duplicate id, empty prompt, prompt
-        plus ``max_new_tokens`` beyond ``max_len``, ids outside the vocabulary, bad sampling values.
+        plus ``max_new_tokens`` beyond ``max_len``, ids outside the vocabulary, bad sampling values,
+        routed experts of a model without experts.
         """
         self._check_new(request_id)
+        if return_routed_experts and not self.model.cfg.num_experts:
+            raise ValueError(
+                f"return_routed_experts: the model ({self.model.cfg.model_type}) has no experts to report"
+            )
         ids = check_request(
             input_ids,
             max_new_tokens=max_new_tokens,
@@ -458,6 +478,7 @@ class Engine(SlotEngine[_Request]):
                 top_k=int(top_k),
                 stop=frozenset(int(t) for t in stop_token_ids) | self.eos_token_ids,
                 generator=gen,
+                return_routed=bool(return_routed_experts),
             )
         )
 
@@ -507,9 +528,10 @@ class Engine(SlotEngine[_Request]):
         for req in admitted:
             groups.setdefault(tuple(req.prompt_ids), []).append(req)
         for key in [k for k in groups if k in self._prompts]:  # a running request holds its KV
-            members, (row, holders) = groups.pop(key), self._prompts[key]
+            members, (row, holders, routed) = groups.pop(key), self._prompts[key]
             self.cache.fork(holders[0].slot, [r.slot for r in members], length=len(key))
             holders.extend(members)
+            self._record(members, routed)
             self._accept(members, row.expand(len(members), -1), finished)
         by_len: dict[int, list[list[_Request]]] = {}
         for members in groups.values():
@@ -519,9 +541,12 @@ class Engine(SlotEngine[_Request]):
             self.prefill_tokens += ids.numel()
             slots = torch.tensor([m[0].slot for m in batch], dtype=torch.long)
             last = self.model(ids, slots, self.cache, last_only=True)[:, -1]
+            batch_routed = self.model.last_routed
             for j, members in enumerate(batch):
                 self.cache.fork(members[0].slot, [r.slot for r in members[1:]])
-                self._prompts[tuple(members[0].prompt_ids)] = (last[j].clone(), list(members))
+                routed = None if batch_routed is None else batch_routed[j].clone()
+                self._prompts[tuple(members[0].prompt_ids)] = (last[j].clone(), list(members), routed)
+                self._record(members, routed)
             rows = torch.tensor([i for i, m in enumerate(batch) for _ in m], device=last.device)
             self._accept([r for m in batch for r in m], last[rows], finished)
         if self._running:
@@ -529,8 +554,22 @@ class Engine(SlotEngine[_Request]):
             # each is not yet in the cache: feed it now.
             decoding = [self._running[s] for s in range(len(self._running))]
             ids = torch.tensor([[r.token_ids[-1]] for r in decoding], dtype=torch.long, device=device)
-            self._accept(decoding, self.model(ids, len(decoding), self.cache)[:, -1], finished)
+            logits = self.model(ids, len(decoding), self.cache)[:, -1]
+            step_routed = self.model.last_routed  # [B, 1, layers, top_k]
+            if step_routed is not None:
+                for i, req in enumerate(decoding):
+                    if req.return_routed:
+                        req.routed.append(step_routed[i])
+            self._accept(decoding, logits, finished)
         return finished
+
+    @staticmethod
+    def _record(reqs: list[_Request], routed: torch.Tensor | None) -> None:
+        """The prompt's routed experts ``[P, layers, top_k]`` for the requests that asked."""
+        if routed is not None:
+            for req in reqs:
+                if req.return_routed:
+                    req.routed.append(routed)
 
     def _accept(self, reqs: list[_Request], logits: torch.Tensor, finished: list[Finished]) -> None:
         """Sample each request's next token from its row of ``logits [B, V]``; finish the

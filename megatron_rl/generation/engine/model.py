@@ -301,6 +301,7 @@ class _MoE(nn.Module):
             for _ in range(cfg.num_experts)
         )
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.routed: torch.Tensor | None = None  # [N, top_k] int32: the last forward's experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., hidden]`` -> the weighted sum of each token's top-k experts, same shape.
@@ -311,6 +312,7 @@ class _MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        self.routed = chosen.to(torch.int32)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
@@ -384,6 +386,9 @@ class Decoder(nn.Module):
         exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
         self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta**exponent), persistent=False)
         self.requires_grad_(False)
+        #: an MoE model's routing of the last :meth:`forward`: ``[B, T, layers, top_k]`` int32, the
+        #: experts each position was sent to in each layer (None for a dense model)
+        self.last_routed: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ loading
 
@@ -551,10 +556,15 @@ class Decoder(nn.Module):
             sin=sin,
         )
         x = self.model.embed_tokens(input_ids)
+        routed = []
         # _Backbone fills its ModuleList with _Blocks only; the list's iterator is typed as Modules.
         for i, block in enumerate(cast("Iterable[_Block]", self.model.layers)):
             x = x + self._attend(i, block, block.input_layernorm(x), cache, at)
             x = x + block.ffn(block.post_attention_layernorm(x))
+            if isinstance(block.ffn, _MoE) and block.ffn.routed is not None:
+                routed.append(block.ffn.routed.view(B, T, -1))
+        # Every position's experts, layer by layer (what SGLang's return_routed_experts reports).
+        self.last_routed = torch.stack(routed, dim=2) if routed else None  # [B, T, layers, top_k]
         cache.lengths[index] = start + T
         if last_only:
             x = x[:, -1:]

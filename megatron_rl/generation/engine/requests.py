@@ -41,6 +41,7 @@ class Job:
     prompt: list[int]
     sampling: Sampling
     where: str
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -53,6 +54,8 @@ class GenerateBody:
     stream: bool
     jobs: list[Job]
     flat_logprobs: bool = False  # FLAT_LOGPROBS: log-probs as one list of floats per reply
+    return_routed_experts: bool = False  # SGLang's: meta_info.routed_experts in each reply
+    routed_experts_start_len: int = 0  # the first position whose experts are returned
 
 
 #: SGLang 0.5.23's multimodal ``/generate`` fields (``GenerateReqInput``): refused, naming the field.
@@ -78,6 +81,12 @@ def parse_generate_body(body: dict[str, JsonValue]) -> GenerateBody:
     flat = body.get(FLAT_LOGPROBS)
     if flat is not None and not isinstance(flat, bool):
         raise BadRequest(f"{FLAT_LOGPROBS}: must be true or false, got {flat!r}")
+    routed = body.get("return_routed_experts", False)
+    if not isinstance(routed, bool):
+        raise BadRequest(f"return_routed_experts: must be true or false, got {routed!r}")
+    routed_start = body.get("routed_experts_start_len", 0)
+    if not _is_int(routed_start) or routed_start < 0:
+        raise BadRequest(f"routed_experts_start_len: must be an integer >= 0, got {routed_start!r}")
     ids = body["input_ids"]
     if not isinstance(ids, list) or not ids:
         raise BadRequest("input_ids: must be a non-empty list of token ids, or a list of such lists")
@@ -98,13 +107,30 @@ def parse_generate_body(body: dict[str, JsonValue]) -> GenerateBody:
             raise BadRequest(f"input_ids{where}: must be a list of token ids (integers)")
         if rid is not None and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
             raise BadRequest(f"rid{where}: must be a string, got {rid!r}")
+        if routed_start > len(prompt):  # SGLang: in [0, prompt tokens]
+            raise BadRequest(
+                f"routed_experts_start_len: {routed_start} is beyond the prompt{where} ({len(prompt)} tokens)"
+            )
         jobs.append(
-            Job(str(rid) if rid is not None else "", prompt, _sampling(sp, f"sampling_params{where}"), where)
+            Job(
+                str(rid) if rid is not None else "",
+                prompt,
+                _sampling(sp, f"sampling_params{where}"),
+                where,
+                return_routed_experts=routed,
+            )
         )
     named = [j.rid for j in jobs if j.rid]
     if len(set(named)) != len(named):
         raise BadRequest("rid: the same id twice in one batch")
-    return GenerateBody(batch=batch, stream=bool(stream), jobs=jobs, flat_logprobs=bool(flat))
+    return GenerateBody(
+        batch=batch,
+        stream=bool(stream),
+        jobs=jobs,
+        flat_logprobs=bool(flat),
+        return_routed_experts=routed,
+        routed_experts_start_len=int(routed_start),
+    )
 
 
 # SGLang 0.5.23's sampling parameters (``SamplingParams``, sglang/srt/sampling/sampling_params.py)

@@ -67,6 +67,7 @@ checked, and the port bound, before the model loads (``engine/serve_args.py``).
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import ipaddress
@@ -95,7 +96,7 @@ from megatron_rl.generation.engine.http import (
     EngineHTTPServer,
     make_handler,
 )
-from megatron_rl.generation.engine.requests import Job, parse_generate_body
+from megatron_rl.generation.engine.requests import GenerateBody, Job, parse_generate_body
 from megatron_rl.generation.engine.serve_args import bind, parse_serve_args
 from megatron_rl.generation.engine.timing import TimingEngine
 from megatron_rl.generation.engine.updates import UpdateRoutes
@@ -197,11 +198,10 @@ class _Stream:
         waiters: list[_Waiter],
         ready: queue.SimpleQueue[int],
         client_gone: Callable[[], bool],
-        batch: bool,
-        flat: bool,
+        parsed: GenerateBody,
     ) -> None:
         self._server, self._jobs, self._waiters, self._ready = server, jobs, waiters, ready
-        self._client_gone, self._batch, self._flat = client_gone, batch, flat
+        self._client_gone, self._batch, self._parsed = client_gone, parsed.batch, parsed
         self._left = len(waiters)
 
     def __iter__(self) -> _Stream:
@@ -228,7 +228,7 @@ class _Stream:
             except queue.Empty:
                 break
         self._left -= len(done)
-        replies = [self._server._reply(self._waiters[i].finished(), self._flat) for i in done]
+        replies = [self._server._reply(self._waiters[i].finished(), self._parsed) for i in done]
         if self._batch:
             for i, reply in zip(done, replies):
                 reply["index"] = i
@@ -426,14 +426,14 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         if parsed.stream:
             ready: queue.SimpleQueue[int] = queue.SimpleQueue()
             waiting = self._enqueue(jobs, ready)
-            return _Stream(self, jobs, waiting, ready, client_gone, parsed.batch, parsed.flat_logprobs)
+            return _Stream(self, jobs, waiting, ready, client_gone, parsed)
         waiters = self._enqueue(jobs)
         for w in waiters:
             while not w.event.wait(_POLL_S):
                 if client_gone():
                     self._abandon([job.rid for job in jobs])
                     raise ClientGone
-        out = [self._reply(w.finished(), parsed.flat_logprobs) for w in waiters]
+        out = [self._reply(w.finished(), parsed) for w in waiters]
         return out if parsed.batch else out[0]
 
     def _enqueue(self, jobs: list[Job], ready: queue.SimpleQueue[int] | None = None) -> list[_Waiter]:
@@ -449,9 +449,15 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             try:
                 for job in jobs:
                     sp = job.sampling
-                    # The timing engine writes scripted tokens: no distribution for top_k to cut.
-                    kwargs = {"top_k": sp.top_k} if isinstance(self.engine, Engine) else {}
                     limit = sp.max_new_tokens  # null: up to the context length, as SGLang
+                    if job.return_routed_experts and not isinstance(self.engine, Engine):
+                        raise ValueError("return_routed_experts: the timing engine routes no experts")
+                    # The timing engine writes scripted tokens: no distribution for top_k to cut.
+                    extra = (
+                        {"top_k": sp.top_k, "return_routed_experts": job.return_routed_experts}
+                        if isinstance(self.engine, Engine)
+                        else {}
+                    )
                     self.engine.add_request(
                         job.rid,
                         job.prompt,
@@ -460,7 +466,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                         top_p=sp.top_p,
                         seed=sp.seed,
                         stop_token_ids=sp.stop_token_ids,
-                        **kwargs,
+                        **extra,  # type: ignore[arg-type]  # mypy cannot pair ** keys with parameters
                     )
                     added.append(job.rid)
             except (ValueError, TypeError) as e:
@@ -492,9 +498,13 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             self._rid_counter += 1
             return f"engine-{os.getpid()}-{self._rid_counter}"
 
-    def _reply(self, f: Finished, flat: bool = False) -> Body:
-        """SGLang's ``/generate`` reply for ``f``; with ``flat`` its log-probs as one list of floats
-        (:data:`~megatron_rl.generation.protocol.FLAT_LOGPROBS`) instead of per-token triples."""
+    def _reply(self, f: Finished, parsed: GenerateBody | None = None) -> Body:
+        """SGLang's ``/generate`` reply for ``f``; with ``parsed.flat_logprobs`` its log-probs as one
+        list of floats (:data:`~megatron_rl.generation.protocol.FLAT_LOGPROBS`) instead of
+        per-token triples; with ``return_routed_experts`` SGLang's ``meta_info.routed_experts``:
+        base64 of the int32 ``[positions, layers, top_k]`` experts from
+        ``routed_experts_start_len`` on."""
+        flat = parsed is not None and parsed.flat_logprobs
         n = len(f.token_ids)
         spans: list[dict[str, str | int]] = []
         for i, v in enumerate(f.versions):
@@ -522,6 +532,9 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             meta[FLAT_LOGPROBS_FIELD] = f.logprobs
         else:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(f.logprobs, f.token_ids)]
+        if f.routed_experts is not None and parsed is not None:
+            routed = f.routed_experts[parsed.routed_experts_start_len :].contiguous()
+            meta["routed_experts"] = base64.b64encode(routed.numpy().tobytes()).decode("ascii")
         return {"text": "", "output_ids": f.token_ids, "meta_info": meta}
 
     def pause(self, body: Body) -> Body:
