@@ -86,6 +86,7 @@ from megatron_rl.fileio import atomic_output_dir
 from megatron_rl.hf.arch import (
     language_model_config,
     language_model_dict,
+    mla_settings,
     moe_settings,
     padded_vocab_size,
     rope_parameters,
@@ -101,7 +102,7 @@ from megatron_rl.hf.files import (
     parse_size,
     write_carried,
 )
-from megatron_rl.hf.layout import HFConverter, WeightsMismatchError
+from megatron_rl.hf.layout import HFConverter, WeightsMismatchError, canonical_name
 from megatron_rl.training.chunks import chunk_global_names, load_hf_into_chunk
 from megatron_rl.training.cpu_compat import apply_cpu_compat
 from megatron_rl.training.model import build_gpt_model, save_model_checkpoint, transformer_config_from_hf
@@ -133,6 +134,8 @@ META_FILE, MODEL_DIR, HF_FILES_DIR = "megatron_rl_model.json", "model", "hf"
 # [layers, experts, ...]: "decoder.layers." + _EXPERTS_KEY + "linear_fc1.weight".
 _EXPERTS_KEY, _EXPERT_NAME = "mlp.experts.experts.", "mlp.experts.local_experts."
 _EXPERT_PARAM = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_STORED_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")  # a layer stored on its own
+_LAYER_NUMBER = re.compile(r"^decoder\.layers\.(\d+)\.")
 FORMAT, FORMAT_VERSION = "megatron-rl/mcore-model", 1
 
 
@@ -187,6 +190,21 @@ def _architecture(config: dict[str, JsonValue]) -> dict[str, JsonValue]:
             num_experts_per_tok=moe.top_k,
             moe_intermediate_size=moe.ffn,
             norm_topk_prob=moe.norm_topk_prob,
+            scoring_func=moe.score_function,
+            n_shared_experts=moe.shared_ffn // moe.ffn,
+            first_k_dense_replace=moe.first_dense,
+            n_group=moe.num_groups,
+            topk_group=moe.group_topk,
+            routed_scaling_factor=moe.scaling_factor,
+        )
+    mla = mla_settings(hf)
+    if mla is not None:
+        arch.update(
+            q_lora_rank=mla.q_lora_rank,
+            kv_lora_rank=mla.kv_lora_rank,
+            qk_nope_head_dim=mla.qk_nope,
+            qk_rope_head_dim=mla.qk_rope,
+            v_head_dim=mla.v_dim,
         )
     vision = getattr(whole, "vision_config", None)
     if vision is not None:  # the carried tensors' shapes: one canonical string, compared whole
@@ -594,19 +612,33 @@ class McoreCheckpoint:
         self._stored = {
             k: (tuple(v.global_shape), v.dtype) for k, v in stored.items() if not k.startswith("optimizer.")
         }  # training checkpoints hold both
-        self.num_layers = next(
-            (s[0] for k, (s, _) in self._stored.items() if k.startswith("decoder.layers.")), 0
-        )
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self._key_of: dict[str, str] = {}  # canonical name -> its stored key, where they differ
         self.dtypes: dict[str, torch.dtype] = {}
         for key, (shape, dtype) in self._stored.items():
             for name, sub in self._names(key, shape):
                 self.shapes[name], self.dtypes[name] = sub, dtype
+        layers = {int(m.group(1)) for n in self.shapes if (m := _LAYER_NUMBER.match(n))}
+        self.num_layers = max(layers) + 1 if layers else 0
 
     def _names(self, key: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-        """The per-layer (and per-expert) canonical names and shapes of a stored tensor."""
+        """The per-layer (and per-expert) canonical names and shapes of a stored tensor.
+
+        Layers of one structure are stored stacked (``decoder.layers.X [layers, ...]``); a model
+        whose layers differ (DeepSeek-V3: dense and MoE layers, multi-latent attention) stores
+        each layer on its own (``decoder.layers.i.X``), its experts stacked (``[experts, ...]``)."""
         if not key.startswith("decoder.layers."):
             return [(key, shape)]
+        per_layer = _STORED_LAYER.match(key)
+        if per_layer is not None:
+            i, rest = per_layer.group(1), per_layer.group(2)
+            if rest.startswith(_EXPERTS_KEY):
+                leaf = rest.removeprefix(_EXPERTS_KEY)
+                return [(f"decoder.layers.{i}.{_EXPERT_NAME}{e}.{leaf}", shape[1:]) for e in range(shape[0])]
+            name = canonical_name(key)  # the local spec's norm names, as the converter spells them
+            if name != key:
+                self._key_of[name] = key
+            return [(name, shape)]
         suffix = key.removeprefix("decoder.layers.")
         if suffix.startswith(_EXPERTS_KEY):  # stacked [layers, experts, ...]
             rest = suffix.removeprefix(_EXPERTS_KEY)
@@ -624,6 +656,15 @@ class McoreCheckpoint:
         )
 
         m = _EXPERT_PARAM.match(name)
+        own = None if m is None else f"decoder.layers.{m.group(1)}.{_EXPERTS_KEY}{m.group(3)}"
+        if m and own in self._stored:  # a layer stored on its own: a (1, ...) slice of its experts
+            shape, dtype = self._stored[own]
+            data = torch.empty((1, *shape[1:]), dtype=dtype)
+            return ShardedTensor.from_rank_offsets(own, data, (0, int(m.group(2)), shape[0]), replica_id=0)
+        stored = self._key_of.get(name, name)
+        if stored in self._stored:  # a layer stored on its own, or a tensor outside the layers
+            shape, dtype = self._stored[stored]
+            return ShardedTensor.from_rank_offsets(stored, torch.empty(shape, dtype=dtype), replica_id=0)
         if m:  # a (1, 1, ...) slice of the [layers, experts, ...] stack
             i, e = int(m.group(1)), int(m.group(2))
             key = f"decoder.layers.{_EXPERTS_KEY}{m.group(3)}"
@@ -657,9 +698,12 @@ class McoreCheckpoint:
             except (Exception, CheckpointException) as e:  # noqa: BLE001
                 raise dist_read_error(self.dist_dir, {r.key for r in request.values()}, e) from None
         out = {}
-        for n, t in loaded.items():
-            if _EXPERT_PARAM.match(n):
-                t = t[0, 0]
+        for n in names:  # a training checkpoint's common state comes back too: not asked for
+            t, key = loaded[n], request[n].key
+            if key == self._key_of.get(n, n):  # stored whole
+                pass
+            elif _EXPERT_PARAM.match(n):
+                t = t[0] if _STORED_LAYER.match(key) else t[0, 0]  # one layer's experts, or the stack
             elif n.startswith("decoder.layers."):
                 t = t[0]
             out[n] = t

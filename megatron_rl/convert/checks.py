@@ -28,6 +28,7 @@ import torch
 
 from megatron_rl.errors import InputError, OutputError, UsageError, UserError
 from megatron_rl.fileio import JsonValue, check_output_apart
+from megatron_rl.hf.arch import mla_settings, moe_settings
 from megatron_rl.hf.layout import WeightsMismatchError
 
 __all__ = [
@@ -169,9 +170,18 @@ def check_parallel_sizes(
     split = {"num_attention_heads": heads, "num_key_value_heads": kv_heads}
     if ffn is not None:
         split["intermediate_size"] = ffn
-    moe_ffn = _int_field(config, path, "moe_intermediate_size")
-    if moe_ffn is not None and str(config.get("model_type", "")).endswith("_moe"):
-        split["moe_intermediate_size"] = moe_ffn
+    try:
+        moe, mla = moe_settings(config), mla_settings(config)
+    except ValueError as e:  # names the field
+        raise InputError(f"{path}: {e}") from None
+    if moe is not None:
+        split[moe.ffn_field] = moe.ffn
+        if moe.shared_ffn:
+            split["n_shared_experts x moe_intermediate_size"] = moe.shared_ffn
+    if mla is not None:  # its down projections are column-parallel too
+        split["kv_lora_rank + qk_rope_head_dim"] = mla.kv_lora_rank + mla.qk_rope
+        if mla.q_lora_rank:
+            split["q_lora_rank"] = mla.q_lora_rank
     for field, n in split.items():
         if n % tensor_parallel:
             raise UsageError(

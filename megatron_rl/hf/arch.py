@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias, cast
@@ -23,27 +23,42 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CARRIED_PREFIXES",
+    "MLA_MODEL_TYPES",
     "MOE_MODEL_TYPES",
     "QK_NORM_MODEL_TYPES",
     "SUPPORTED_MODEL_TYPES",
     "TEXT_PREFIXES",
     "VOCAB_DIVISIBLE_BY",
     "HFConfigLike",
+    "MLASettings",
     "MoESettings",
     "language_model_config",
     "language_model_dict",
     "load_hf_config",
+    "mla_settings",
     "moe_settings",
     "padded_vocab_size",
     "rope_parameters",
     "routed_shape",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "mistral3",
+    "deepseek_v3",
+)
 #: Families with an RMSNorm over each query / key head before RoPE (``q_norm``, ``k_norm``).
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
-#: Families whose MLPs are mixtures of experts (softmax router, top-k, no shared expert).
-MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
+#: Families whose MLPs are mixtures of experts (softmax router, top-k, no shared expert; DeepSeek-V3:
+#: sigmoid router with an expert bias, shared experts, leading dense layers).
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v3")
+#: Families with multi-latent attention (low-rank q and kv projections, a shared RoPE key).
+MLA_MODEL_TYPES = ("deepseek_v3",)
 
 #: Vision-language families -> the prefix of their language model's tensors in the HF files
 #: (``language_model.model.layers.0...``, ``language_model.lm_head.weight``: the names
@@ -126,6 +141,64 @@ class MoESettings:
     #: the config field that gives ``ffn``: Qwen3-MoE's moe_intermediate_size, Mixtral's
     #: intermediate_size (its experts are its MLPs)
     ffn_field: str = "moe_intermediate_size"
+    # DeepSeek-V3's router and layout (the defaults: a softmax router over routed experts only)
+    score_function: str = "softmax"  # "sigmoid": each expert scored on its own
+    expert_bias: bool = False  # e_score_correction_bias: added to the scores for the choice only
+    shared_ffn: int = 0  # width of the shared experts every token goes through (0: none)
+    first_dense: int = 0  # first_k_dense_replace: leading layers with a dense MLP
+    num_groups: int | None = None  # n_group > 1: experts in groups, top groups chosen first
+    group_topk: int | None = None  # topk_group: groups chosen per token
+    scaling_factor: float | None = None  # routed_scaling_factor: multiplies the routed weights
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (from 0) has experts (the leading ones may be dense)."""
+        return layer >= self.first_dense
+
+
+@dataclass(frozen=True)
+class MLASettings:
+    """DeepSeek's multi-latent attention: queries through a rank-``q_lora_rank`` bottleneck
+    (None: one projection), keys and values from a rank-``kv_lora_rank`` latent, each head's key
+    ``qk_nope`` wide plus a ``qk_rope`` wide RoPE part shared by all heads, values ``v_dim`` wide."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope: int  # qk_nope_head_dim
+    qk_rope: int  # qk_rope_head_dim
+    v_dim: int  # v_head_dim
+
+
+def mla_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MLASettings | None:
+    """The multi-latent attention of a config (object or config.json dict), or None for the
+    families with grouped-query attention. ValueError naming the field for what is not built:
+    RoPE on the key/query dimensions in their original (non-interleaved) order."""
+
+    def get(name: str, default: JsonValue = None) -> JsonValue:
+        if isinstance(hf, Mapping):
+            return hf.get(name, default)
+        return getattr(hf, name, default)
+
+    if get("model_type") not in MLA_MODEL_TYPES:
+        return None
+    if get("rope_interleave", True) is not True:
+        raise ValueError("rope_interleave: only true (DeepSeek's released layout) is supported")
+    values = {n: get(n) for n in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    q_lora = get("q_lora_rank")
+    for name, value in {**values, "q_lora_rank": 1 if q_lora is None else q_lora}.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    kv, nope, rope, v = (cast(int, x) for x in values.values())
+    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
+    if kv_heads is not None and kv_heads != heads:
+        raise ValueError(
+            f"num_key_value_heads: multi-latent attention gives every head its own key and value; "
+            f"must equal num_attention_heads={heads}, got {kv_heads}"
+        )
+    if rope % 2:
+        raise ValueError(f"qk_rope_head_dim: must be even (RoPE rotates pairs), got {rope}")
+    return MLASettings(
+        q_lora_rank=cast("int | None", q_lora), kv_lora_rank=kv, qk_nope=nope, qk_rope=rope, v_dim=v
+    )
 
 
 def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings | None:
@@ -147,6 +220,8 @@ def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings 
     model_type = get("model_type")
     if model_type not in MOE_MODEL_TYPES:
         return None
+    if model_type == "deepseek_v3":
+        return _deepseek_moe(get)
     if model_type == "mixtral":
         jitter = get("router_jitter_noise", 0.0) or 0.0
         if jitter != 0:
@@ -173,6 +248,70 @@ def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings 
     if values["num_experts"] is None:  # transformers >= 5 writes num_experts as num_local_experts
         values["num_experts"] = get("num_local_experts")
     return _checked_moe(values, norm_topk_prob=bool(get("norm_topk_prob", False)))
+
+
+def _deepseek_moe(get: Callable[..., JsonValue]) -> MoESettings:
+    """DeepSeek-V3's MoE fields (``get(name, default)`` reads the config), checked against what
+    Megatron-Core's sigmoid router computes: the top-k weights renormalised, groups scored by the
+    sum of their two best experts."""
+    for name, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if get(name, want) != want:
+            raise ValueError(f"{name}: only {want!r} (DeepSeek-V3's router) is supported, got {get(name)!r}")
+    base = _checked_moe(
+        {
+            "n_routed_experts": get("n_routed_experts"),
+            "num_experts_per_tok": get("num_experts_per_tok"),
+            "moe_intermediate_size": get("moe_intermediate_size"),
+        },
+        norm_topk_prob=bool(get("norm_topk_prob", True)),
+    )
+    if base.top_k > 1 and not base.norm_topk_prob:
+        raise ValueError("norm_topk_prob: only true is supported (Megatron renormalises a sigmoid top-k)")
+    ints = {
+        "n_shared_experts": get("n_shared_experts", 0) or 0,
+        "first_k_dense_replace": get("first_k_dense_replace", 0) or 0,
+        "n_group": get("n_group", 1) or 1,
+        "topk_group": get("topk_group", 1) or 1,
+        "moe_layer_freq": get("moe_layer_freq", 1),
+    }
+    for name, value in ints.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
+    shared, first_dense, groups, group_topk, freq = (cast(int, v) for v in ints.values())
+    if freq != 1:
+        raise ValueError(
+            f"moe_layer_freq: only 1 (every layer after the dense ones) is supported, got {freq}"
+        )
+    layers = get("num_hidden_layers")
+    if isinstance(layers, int) and first_dense > layers:
+        raise ValueError(f"first_k_dense_replace: {first_dense} is more than num_hidden_layers={layers}")
+    if groups > 1:
+        if base.num_experts % groups or not 1 <= group_topk <= groups:
+            raise ValueError(
+                f"n_group / topk_group: {groups} groups of the {base.num_experts} experts, {group_topk} "
+                "chosen: the groups must divide the experts and at least one be chosen"
+            )
+        if base.top_k // group_topk != 2 or base.top_k % group_topk:
+            raise ValueError(
+                f"topk_group: a group is scored by its two best experts (DeepSeek-V3), which Megatron "
+                f"does when num_experts_per_tok / topk_group = 2; got {base.top_k} / {group_topk}"
+            )
+    scale = get("routed_scaling_factor", 1.0)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
+        raise ValueError(f"routed_scaling_factor: must be a number > 0, got {scale!r}")
+    return MoESettings(
+        num_experts=base.num_experts,
+        top_k=base.top_k,
+        ffn=base.ffn,
+        norm_topk_prob=base.norm_topk_prob,
+        score_function="sigmoid",
+        expert_bias=True,
+        shared_ffn=shared * base.ffn,
+        first_dense=first_dense,
+        num_groups=groups if groups > 1 else None,
+        group_topk=group_topk if groups > 1 else None,
+        scaling_factor=float(scale),
+    )
 
 
 def _checked_moe(values: dict[str, JsonValue], *, norm_topk_prob: bool) -> MoESettings:

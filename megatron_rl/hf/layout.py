@@ -77,8 +77,10 @@ import torch
 from megatron_rl.hf.arch import (
     CARRIED_PREFIXES,
     TEXT_PREFIXES,
+    MLASettings,
     language_model_config,
     load_hf_config,
+    mla_settings,
     moe_settings,
     padded_vocab_size,
 )
@@ -89,6 +91,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONVERTERS",
     "IGNORED_HF_SUFFIXES",
+    "DeepseekV3Converter",
     "HFConverter",
     "LlamaConverter",
     "Mistral3Converter",
@@ -163,6 +166,28 @@ _MIXTRAL_MOE_MAP = {
         "block_sparse_moe.experts.E.w3.weight",
     ),
     "mlp.experts.local_experts.E.linear_fc2.weight": ("block_sparse_moe.experts.E.w2.weight",),
+}
+# DeepSeek-V3: multi-latent attention (no linear_qkv; the q/kv latents' norms), the router's
+# expert bias (a buffer in Megatron, added to the scores for the choice only) and shared experts.
+_MLA_MAP: dict[str, tuple[str, ...]] = {
+    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
+    "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight",),
+    "self_attention.q_layernorm.weight": ("self_attn.q_a_layernorm.weight",),
+    "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight",),
+    "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight",),
+    "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight",),
+    "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight",),
+    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
+    "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
+}
+_MLA_Q_PROJ = {"self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight",)}  # q_lora_rank null
+_EXPERT_BIAS = {"mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",)}
+_SHARED_EXPERTS = {
+    "mlp.shared_experts.linear_fc1.weight": (
+        "mlp.shared_experts.gate_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+    ),
+    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight",),
 }
 _EMBEDDING, _FINAL_NORM, _OUTPUT = (
     "embedding.word_embeddings.weight",
@@ -277,6 +302,14 @@ _TP_RULES: tuple[tuple[str, TPSplit], ...] = (
     (".mlp.linear_fc2.weight", TPSplit.ROW),
     (".mlp.linear_fc2.bias", TPSplit.REPLICATED),
     (".mlp.router.weight", TPSplit.REPLICATED),  # every TP rank routes all its tokens
+    (".mlp.router.expert_bias", TPSplit.REPLICATED),
+    # Multi-latent attention: every projection column-parallel (the down projections' latents
+    # are gathered again before their norms), the output row-parallel (above).
+    (".self_attention.linear_q_proj.weight", TPSplit.COLUMN),
+    (".self_attention.linear_q_down_proj.weight", TPSplit.COLUMN),
+    (".self_attention.linear_q_up_proj.weight", TPSplit.COLUMN),
+    (".self_attention.linear_kv_down_proj.weight", TPSplit.COLUMN),
+    (".self_attention.linear_kv_up_proj.weight", TPSplit.COLUMN),
     (".linear_fc1.weight", TPSplit.SWIGLU),  # an expert's fc1 (...local_experts.e.linear_fc1)
     (".linear_fc2.weight", TPSplit.ROW),
     (".layer_norm_weight", TPSplit.REPLICATED),
@@ -359,6 +392,9 @@ class ModelDims:
     experts: int = 0  # num_experts of an MoE family (0: dense MLPs)
     moe_ffn: int = 0  # one expert's SwiGLU inner width
     moe_ffn_field: str = "moe_intermediate_size"  # the config field that gives moe_ffn
+    shared_ffn: int = 0  # DeepSeek-V3: the shared experts' width (0: none)
+    first_dense: int = 0  # DeepSeek-V3: leading layers with a dense MLP
+    mla: MLASettings | None = None  # DeepSeek-V3: multi-latent attention (None: grouped-query)
 
     @classmethod
     def from_hf_config(
@@ -393,6 +429,9 @@ class ModelDims:
             experts=moe.num_experts if moe else 0,
             moe_ffn=moe.ffn if moe else 0,
             moe_ffn_field=moe.ffn_field if moe else "moe_intermediate_size",
+            shared_ffn=moe.shared_ffn if moe else 0,
+            first_dense=moe.first_dense if moe else 0,
+            mla=mla_settings(hf),
         )
 
 
@@ -419,6 +458,7 @@ class HFConverter:
     moe: ClassVar[bool] = False  # router + experts instead of the dense MLP (Qwen3-MoE)
     #: the MoE tensors' HF names (with ``E`` for the expert's number), when ``moe``
     moe_map: ClassVar[dict[str, tuple[str, ...]]] = _MOE_MAP
+    expert_bias: ClassVar[bool] = False  # the router's score-correction bias (DeepSeek-V3)
     #: prefix of every HF name of the language model (a vision-language family's files)
     prefix: ClassVar[str] = ""
     #: prefixes of the HF tensors carried through untouched (a vision tower), never converted
@@ -438,7 +478,9 @@ class HFConverter:
                 "num_experts", f"{self.model_type!r} needs num_experts >= 1 exactly when it is an MoE family"
             )
         self.dims = dims
-        self._map = self._per_layer_map()
+        # Per-layer suffix maps: the dense layers' and the MoE layers' (DeepSeek-V3 has both).
+        self._dense_map = self._per_layer_map(moe_layer=False)
+        self._moe_map = self._per_layer_map(moe_layer=True) if self.moe else self._dense_map
 
     @staticmethod
     def for_config(
@@ -459,34 +501,55 @@ class HFConverter:
 
     # ----------------------------------------------------------------- names
 
-    def _per_layer_map(self) -> dict[str, tuple[str, ...]]:
-        """Per-layer Megatron suffix -> its HF suffixes for this family, in model order."""
+    def _per_layer_map(self, *, moe_layer: bool) -> dict[str, tuple[str, ...]]:
+        """Per-layer Megatron suffix -> its HF suffixes for this family's dense or MoE layers, in
+        model order."""
         out: dict[str, tuple[str, ...]] = {}
+        mla = self.dims.mla
+        if mla is not None:  # multi-latent attention instead of the fused QKV
+            for suffix, sources in _MLA_MAP.items():
+                if mla.q_lora_rank is None and suffix.startswith(
+                    ("self_attention.linear_q_down_proj", "self_attention.q_layernorm")
+                ):
+                    continue  # no query bottleneck: one projection, in the up projection's place
+                if mla.q_lora_rank is None and suffix.startswith("self_attention.linear_q_up_proj"):
+                    out.update(_MLA_Q_PROJ)
+                    continue
+                out[suffix] = sources
         for suffix, sources in _LAYER_MAP.items():
+            if suffix.startswith("self_attention.") and mla is not None:
+                continue
+            if suffix == "mlp.linear_fc1.layer_norm_weight" and mla is not None:
+                continue  # in _MLA_MAP, after the attention
             if suffix.endswith("linear_qkv.bias") and not self.qkv_bias:
                 continue
-            if self.moe and suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
+            if moe_layer and suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
                 continue
             out[suffix] = sources
             if suffix == "self_attention.linear_proj.weight" and self.qk_norm:
                 out.update(_QK_NORM_MAP)
-        if self.moe:  # the router, then expert by expert
+        if moe_layer:  # the router (and its bias), then expert by expert, then the shared experts
             out["mlp.router.weight"] = self.moe_map["mlp.router.weight"]
+            if self.expert_bias:
+                out.update(_EXPERT_BIAS)
             per_expert = [(k, v) for k, v in self.moe_map.items() if ".E." in k]
             for e in range(self.dims.experts):
                 for suffix, sources in per_expert:
                     out[suffix.replace(".E.", f".{e}.")] = tuple(s.replace(".E.", f".{e}.") for s in sources)
+            if self.dims.shared_ffn:
+                out.update(_SHARED_EXPERTS)
         return out
 
-    def _layer_suffixes(self) -> list[str]:
-        return list(self._map)
+    def _map_for(self, layer: int) -> dict[str, tuple[str, ...]]:
+        """Layer ``layer``'s suffix map (DeepSeek-V3's leading layers are dense)."""
+        return self._moe_map if self.moe and layer >= self.dims.first_dense else self._dense_map
 
     def mcore_names(self) -> list[str]:
         """Canonical names of every Megatron weight, in model order (embedding, layers, final
         norm, output layer unless tied)."""
         names = [_EMBEDDING]
         for i in range(self.dims.layers):
-            names += [f"decoder.layers.{i}.{s}" for s in self._layer_suffixes()]
+            names += [f"decoder.layers.{i}.{s}" for s in self._map_for(i)]
         names.append(_FINAL_NORM)
         if not self.dims.tied:
             names.append(_OUTPUT)
@@ -502,11 +565,12 @@ class HFConverter:
         if name in _GLOBAL_MAP:
             return (self.prefix + _GLOBAL_MAP[name],)
         m = _LAYER.match(name)
-        if not m or m.group(2) not in self._map or int(m.group(1)) >= self.dims.layers:
+        layer = int(m.group(1)) if m else -1
+        if not m or layer >= self.dims.layers or m.group(2) not in self._map_for(layer):
             raise KeyError(
                 f"{mcore_name!r} is not a weight of this {self.model_type} model ({self.dims.layers} layers)"
             )
-        return tuple(f"{self.prefix}model.layers.{m.group(1)}.{s}" for s in self._map[m.group(2)])
+        return tuple(f"{self.prefix}model.layers.{m.group(1)}.{s}" for s in self._map_for(layer)[m.group(2)])
 
     @property
     def embedding_hf_name(self) -> str:
@@ -621,12 +685,55 @@ class HFConverter:
             "2m": _Dim(
                 2 * d.moe_ffn, d.moe_ffn_field, f"2 x {d.moe_ffn_field}={d.moe_ffn} = {2 * d.moe_ffn}"
             ),
+            **self._mla_dims(),
+            "s": _Dim(
+                d.shared_ffn,
+                "n_shared_experts / moe_intermediate_size",
+                f"shared experts {d.shared_ffn} wide",
+            ),
+            "2s": _Dim(
+                2 * d.shared_ffn,
+                "n_shared_experts / moe_intermediate_size",
+                f"2 x shared experts' width {d.shared_ffn} = {2 * d.shared_ffn}",
+            ),
             "qkv": _Dim(
                 (d.heads + 2 * d.kv_heads) * d.head_dim,
                 "num_attention_heads / num_key_value_heads / head_dim",
                 f"(num_attention_heads={d.heads} + 2 x num_key_value_heads="
                 f"{d.kv_heads}) x head_dim={d.head_dim}{derived} = "
                 f"{(d.heads + 2 * d.kv_heads) * d.head_dim}",
+            ),
+        }
+
+    def _mla_dims(self) -> dict[str, _Dim]:
+        """The multi-latent attention's dimensions (none for grouped-query attention)."""
+        mla, n = self.dims.mla, self.dims.heads
+        if mla is None:
+            return {}
+        q_head, kv_head = mla.qk_nope + mla.qk_rope, mla.qk_nope + mla.v_dim
+        heads = f"num_attention_heads={n}"
+        return {
+            "ql": _Dim(mla.q_lora_rank or 0, "q_lora_rank", f"q_lora_rank={mla.q_lora_rank}"),
+            "kvl": _Dim(mla.kv_lora_rank, "kv_lora_rank", f"kv_lora_rank={mla.kv_lora_rank}"),
+            "kvd": _Dim(
+                mla.kv_lora_rank + mla.qk_rope,
+                "kv_lora_rank / qk_rope_head_dim",
+                f"kv_lora_rank={mla.kv_lora_rank} + qk_rope_head_dim={mla.qk_rope} = {mla.kv_lora_rank + mla.qk_rope}",
+            ),
+            "qup": _Dim(
+                n * q_head,
+                "num_attention_heads / qk_nope_head_dim / qk_rope_head_dim",
+                f"{heads} x (qk_nope_head_dim={mla.qk_nope} + qk_rope_head_dim={mla.qk_rope}) = {n * q_head}",
+            ),
+            "kvup": _Dim(
+                n * kv_head,
+                "num_attention_heads / qk_nope_head_dim / v_head_dim",
+                f"{heads} x (qk_nope_head_dim={mla.qk_nope} + v_head_dim={mla.v_dim}) = {n * kv_head}",
+            ),
+            "ov": _Dim(
+                n * mla.v_dim,
+                "num_attention_heads / v_head_dim",
+                f"{heads} x v_head_dim={mla.v_dim} = {n * mla.v_dim}",
             ),
         }
 
@@ -852,6 +959,46 @@ class MixtralConverter(HFConverter):
     moe_map = _MIXTRAL_MOE_MAP
 
 
+class DeepseekV3Converter(HFConverter):
+    """DeepSeek-V3 (``DeepseekV3ForCausalLM``): multi-latent attention, ``first_k_dense_replace``
+    dense layers, then MoE layers of a sigmoid router with a score-correction bias (Megatron's
+    ``expert_bias`` buffer), ``n_routed_experts`` experts and ``n_shared_experts`` shared ones.
+    Qwen3-MoE's expert names."""
+
+    model_type = "deepseek_v3"
+    moe = True
+    expert_bias = True
+    _HF_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
+        **HFConverter._HF_SHAPES,
+        "self_attn.q_proj.weight": ("qup", "h"),
+        "self_attn.o_proj.weight": ("h", "ov"),
+        "self_attn.q_a_proj.weight": ("ql", "h"),
+        "self_attn.q_a_layernorm.weight": ("ql",),
+        "self_attn.q_b_proj.weight": ("qup", "ql"),
+        "self_attn.kv_a_proj_with_mqa.weight": ("kvd", "h"),
+        "self_attn.kv_a_layernorm.weight": ("kvl",),
+        "self_attn.kv_b_proj.weight": ("kvup", "kvl"),
+        "mlp.gate.e_score_correction_bias": ("E",),
+        "mlp.shared_experts.gate_proj.weight": ("s", "h"),
+        "mlp.shared_experts.up_proj.weight": ("s", "h"),
+        "mlp.shared_experts.down_proj.weight": ("h", "s"),
+    }
+    _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
+        **HFConverter._MCORE_SHAPES,
+        "self_attention.linear_proj.weight": ("h", "ov"),
+        "self_attention.linear_q_proj.weight": ("qup", "h"),
+        "self_attention.linear_q_down_proj.weight": ("ql", "h"),
+        "self_attention.q_layernorm.weight": ("ql",),
+        "self_attention.linear_q_up_proj.weight": ("qup", "ql"),
+        "self_attention.linear_kv_down_proj.weight": ("kvd", "h"),
+        "self_attention.kv_layernorm.weight": ("kvl",),
+        "self_attention.linear_kv_up_proj.weight": ("kvup", "kvl"),
+        "mlp.router.expert_bias": ("E",),
+        "mlp.shared_experts.linear_fc1.weight": ("2s", "h"),
+        "mlp.shared_experts.linear_fc2.weight": ("h", "s"),
+    }
+
+
 class Mistral3Converter(HFConverter):
     """Mistral 3 (``Mistral3ForConditionalGeneration``: Mistral Small 3.x, Magistral Small 1.x):
     a Mistral language model (``text_config``) whose tensors sit under ``language_model.`` in the
@@ -872,5 +1019,6 @@ CONVERTERS: dict[str, type[HFConverter]] = {
         Qwen3MoeConverter,
         MixtralConverter,
         Mistral3Converter,
+        DeepseekV3Converter,
     )
 }

@@ -94,9 +94,13 @@ class SegmentCausalAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
     ) -> None:
         """Check the config against what this attention computes and record the per-rank head
-        counts (heads and key/value groups split over the tensor-parallel group)."""
+        counts (heads and key/value groups split over the tensor-parallel group). ``k_channels``
+        / ``v_channels``: multi-latent attention's query/key and value head widths, which differ
+        (its heads are all query groups of their own)."""
         from megatron.core.process_groups_config import (
             ProcessGroupCollection,  # lazy: megatron-core takes seconds to import; only this path needs it
         )
@@ -105,7 +109,7 @@ class SegmentCausalAttention(torch.nn.Module):
         )
 
         super().__init__()
-        del layer_number, attention_type, cp_comm_type  # nothing here depends on them
+        del layer_number, attention_type, cp_comm_type, v_channels  # nothing here depends on them
         self.config = config
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -136,7 +140,7 @@ class SegmentCausalAttention(torch.nn.Module):
                 f"num_query_groups: {config.num_query_groups} does not divide "
                 f"num_attention_heads {config.num_attention_heads}"
             )
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels or config.kv_channels
         self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def forward(

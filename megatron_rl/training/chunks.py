@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "chunk_global_names",
     "chunk_layer_offset",
+    "chunk_tensors",
     "chunk_to_hf",
     "iter_model_hf",
     "load_hf_into_chunk",
@@ -65,6 +66,13 @@ def chunk_layer_offset(chunk: MegatronModule) -> int:
     """Global index of the chunk's first transformer layer (0 for a chunk without layers)."""
     layers = _unwrap(chunk).decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0
+
+
+def chunk_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The chunk's weights by local name: its parameters, then the routers' ``expert_bias``
+    buffers (DeepSeek-V3's score correction: part of the checkpoint, never trained here)."""
+    buffers = [(n, b) for n, b in model.named_buffers() if n.endswith(".router.expert_bias")]
+    return [*model.named_parameters(), *buffers]
 
 
 _LOCAL_EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..+)$")
@@ -117,13 +125,13 @@ def _renumber_expert(name: str, expert: int) -> str:
 
 
 def chunk_global_names(chunk: MegatronModule) -> dict[str, str]:
-    """Local parameter name -> canonical global name, for every parameter of ``chunk``: global
+    """Local parameter name -> canonical global name, for every weight of ``chunk`` (:func:`chunk_tensors`): global
     layer numbers and, under expert parallelism, global expert numbers."""
     model = _unwrap(chunk)
     offset = chunk_layer_offset(chunk)
     blocks = _expert_blocks(model)
     names = {}
-    for n, _ in model.named_parameters():
+    for n, _ in chunk_tensors(model):
         name = canonical_name(to_global_name(n, offset))
         found = _expert_of(n, blocks)
         if found is not None:
@@ -153,7 +161,7 @@ def load_hf_into_chunk(
     """
     names = chunk_global_names(chunk)
     filled = 0
-    for local, param in _unwrap(chunk).named_parameters():
+    for local, param in chunk_tensors(_unwrap(chunk)):
         full = converter.hf_to_mcore_tensor(names[local], hf_state)
         shard = shard_for_tp(names[local], full, tp_rank, tp_size)
         if shard.shape != param.shape:
@@ -184,7 +192,7 @@ def chunk_to_hf(
     model = _unwrap(chunk)
     names = chunk_global_names(chunk)
     blocks = _expert_blocks(model)
-    for local, param in model.named_parameters():
+    for local, param in chunk_tensors(model):
         name = names[local]
         if name == "output_layer.weight" and converter.dims.tied:
             continue  # the same decision on every TP rank, so the gathers stay in step

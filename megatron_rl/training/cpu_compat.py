@@ -68,6 +68,7 @@ PATCHED_MODULES: dict[str, str] = {
     "megatron.core.transformer.moe.router": "gating moves the router weight to current_device on every forward",
     "megatron.core.models.gpt.gpt_model": "inference sequence_len_offset on current_device",
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "get_emb moves inv_freq to current_device on every first forward",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding": "YaRN (DeepSeek's MLA): moves its inverse frequencies to current_device at the first forward",
     "megatron.core.distributed.param_and_grad_buffer": "contiguous param/grad buffers on current_device",
     "megatron.core.distributed.distributed_data_parallel": "torch.cuda.synchronize() around buffer offload / reload",
     "megatron.core.optimizer.optimizer": "found_inf / _scale / _dummy_overflow_buf tensors with device='cuda'",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,11 @@ import torch.nn.functional as F
 from megatron_rl.hf.arch import (
     QK_NORM_MODEL_TYPES,
     SUPPORTED_MODEL_TYPES,
+    MLASettings,
     MoESettings,
     language_model_config,
     load_hf_config,
+    mla_settings,
     moe_settings,
     padded_vocab_size,
     rope_parameters,
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.module import MegatronModule
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from transformers import PretrainedConfig
 
     from megatron_rl.hf.arch import HFConfigLike
@@ -129,7 +132,7 @@ def _check_supported(hf: PretrainedConfig) -> None:
     moe_settings(hf)  # refuses dense layers mixed into an MoE model, naming the field
 
 
-def _moe_config_kwargs(moe: MoESettings, tensor_parallel: int) -> dict[str, object]:
+def _moe_config_kwargs(moe: MoESettings, tensor_parallel: int, num_layers: int) -> dict[str, object]:
     """``TransformerConfig`` MoE arguments that compute what HF's Qwen3-MoE and Mixtral blocks compute.
 
     HF: ``p = softmax(router logits)`` over all experts, the top-k of ``p``, divided by their sum
@@ -139,21 +142,43 @@ def _moe_config_kwargs(moe: MoESettings, tensor_parallel: int) -> dict[str, obje
     is the top-k of ``p`` unnormalised. No token is dropped (no capacity factor), and the
     load-balancing loss is off: it changes no logit, and RL fine-tuning trains without it here.
     The "allgather" dispatcher runs on CPU over gloo; grouped GEMM needs CUDA kernels.
+
+    DeepSeek-V3: ``sigmoid`` scores, the top-k chosen on ``score + e_score_correction_bias``
+    (Megatron's ``expert_bias``, kept fixed: RL does not rebalance the experts), groups of
+    experts scored by their two best (``n_group`` / ``topk_group``), the chosen scores divided by
+    their sum and multiplied by ``routed_scaling_factor``, shared experts added, and the first
+    ``first_k_dense_replace`` layers dense (``moe_layer_freq``).
     """
     if moe.ffn % tensor_parallel:
         raise ValueError(f"{moe.ffn_field}: {moe.ffn} is not divisible by tensor_parallel={tensor_parallel}")
-    return dict(
+    out = dict(
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.top_k,
         moe_ffn_hidden_size=moe.ffn,
         moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_score_function="softmax",
+        moe_router_score_function=moe.score_function,
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,
         moe_expert_capacity_factor=None,
         moe_token_dispatcher_type="allgather",
         moe_grouped_gemm=False,
     )
+    if moe.score_function == "sigmoid":  # DeepSeek-V3 (see the docstring)
+        if moe.shared_ffn % tensor_parallel:
+            raise ValueError(
+                f"n_shared_experts: their width {moe.shared_ffn} is not divisible by tensor_parallel={tensor_parallel}"
+            )
+        out.update(
+            moe_router_enable_expert_bias=moe.expert_bias,
+            moe_router_bias_update_rate=0.0,  # the bias is a fixed part of the checkpoint here
+            moe_router_num_groups=moe.num_groups,
+            moe_router_group_topk=moe.group_topk,
+            moe_router_topk_scaling_factor=moe.scaling_factor,
+            moe_router_dtype="fp32",  # transformers scores in fp32 whatever the model's dtype
+            moe_shared_expert_intermediate_size=moe.shared_ffn or None,
+            moe_layer_freq=[0] * moe.first_dense + [1] * (num_layers - moe.first_dense),
+        )
+    return out
 
 
 def transformer_config_from_hf(
@@ -178,10 +203,15 @@ def transformer_config_from_hf(
     from megatron.core.transformer import (
         TransformerConfig,  # lazy: megatron-core takes seconds to import; only this path needs it
     )
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
 
     hf = language_model_config(load_hf_config(hf_config))  # a vision-language model: its language model
     _check_supported(hf)
-    _rope_model_kwargs(hf)  # validates rope settings early; they go to GPTModel, not here
+    mla = mla_settings(hf)
+    if mla is None:
+        _rope_model_kwargs(hf)  # validates rope settings early; they go to GPTModel, not here
     layers_per_stage = parallel.pipeline_parallel * (parallel.virtual_pipeline or 1)
     if hf.num_hidden_layers % layers_per_stage:
         raise ValueError(
@@ -190,11 +220,15 @@ def transformer_config_from_hf(
         )
     heads = hf.num_attention_heads
     kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    for name, n in (
+    split = [
         ("num_attention_heads", heads),
         ("num_key_value_heads", kv_heads),
         ("intermediate_size", hf.intermediate_size),
-    ):
+    ]
+    if mla is not None:  # its down projections are column-parallel too
+        split += [("kv_lora_rank + qk_rope_head_dim", mla.kv_lora_rank + mla.qk_rope)]
+        split += [("q_lora_rank", mla.q_lora_rank)] if mla.q_lora_rank else []
+    for name, n in split:
         if n % parallel.tensor_parallel:
             raise ValueError(f"{name}: {n} is not divisible by tensor_parallel={parallel.tensor_parallel}")
     on_gpu = torch.cuda.is_available()
@@ -235,7 +269,7 @@ def transformer_config_from_hf(
     )
     moe = moe_settings(hf)
     if moe is not None:
-        kwargs.update(_moe_config_kwargs(moe, parallel.tensor_parallel))
+        kwargs.update(_moe_config_kwargs(moe, parallel.tensor_parallel, hf.num_hidden_layers))
     if parallel.expert_parallel > 1 and moe is None:
         raise ValueError(
             f"expert_parallel: {parallel.expert_parallel} needs an MoE model; {hf.model_type!r} has no experts"
@@ -245,8 +279,55 @@ def transformer_config_from_hf(
             f"expert_parallel: {parallel.expert_parallel} does not divide num_experts={moe.num_experts}"
         )
     kwargs["expert_model_parallel_size"] = parallel.expert_parallel
+    if mla is not None:
+        kwargs.update(_mla_config_kwargs(hf, mla))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if mla is not None else TransformerConfig)(**kwargs)
+
+
+def _mla_config_kwargs(hf: PretrainedConfig, mla: MLASettings) -> dict[str, object]:
+    """``MLATransformerConfig`` arguments for DeepSeek's multi-latent attention: its ranks and
+    head widths, and its RoPE -- plain, or YaRN with DeepSeek's attention scale (``mscale``,
+    ``mscale_all_dim``), which Megatron's MLA applies as transformers does. The RoPE part of
+    each head is de-interleaved before rotation by both (``rope_interleave``)."""
+    rope = rope_parameters(hf)
+    kind = rope["rope_type"]
+    out: dict[str, object] = dict(
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_nope,
+        qk_pos_emb_head_dim=mla.qk_rope,
+        v_head_dim=mla.v_dim,
+        rotary_base=rope["rope_theta"],
+        qk_layernorm=True,  # the q and kv latents' RMSNorms
+    )
+    if kind == "default":
+        return {
+            **out,
+            "rope_type": "rope",
+            "rotary_scaling_factor": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.0,
+        }
+    if kind != "yarn":
+        raise ValueError(
+            f"rope_scaling.rope_type: {kind!r} is not supported with MLA (supported: default, yarn)"
+        )
+    defaults = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0, "beta_slow": 1.0}
+    values = {k: rope.get(k, d) for k, d in defaults.items()}
+    for name, value in values.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"rope_scaling.{name}: must be a number > 0, got {value!r}")
+    return {
+        **out,
+        "rope_type": "yarn",
+        "rotary_scaling_factor": float(cast(float, values["factor"])),
+        "original_max_position_embeddings": int(cast(float, values["original_max_position_embeddings"])),
+        "beta_fast": float(cast(float, values["beta_fast"])),
+        "beta_slow": float(cast(float, values["beta_slow"])),
+        "mscale": float(cast(float, rope.get("mscale") or 1.0)),
+        "mscale_all_dim": float(cast(float, rope.get("mscale_all_dim") or 0.0)),
+    }
 
 
 def gpt_model_kwargs_from_hf(
@@ -255,12 +336,13 @@ def gpt_model_kwargs_from_hf(
     """The ``GPTModel`` arguments that come from the HF config (vocabulary, positions, RoPE,
     tied embeddings); ``vocab_size`` overrides the config's (e.g. a resized tokenizer)."""
     hf = language_model_config(load_hf_config(hf_config))
+    mla = mla_settings(hf) is not None  # multi-latent attention rotates inside itself
     return dict(
         vocab_size=padded_vocab_size(vocab_size or hf.vocab_size, tensor_parallel),
         max_sequence_length=hf.max_position_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="none" if mla else "rope",
         share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
-        **_rope_model_kwargs(hf),
+        **({} if mla else _rope_model_kwargs(hf)),
     )
 
 
@@ -280,6 +362,22 @@ def _moe_without_transformer_engine() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _mla_without_transformer_engine() -> None:
+    """Let Megatron-Core 0.16.1's multi-latent attention run without Transformer Engine.
+
+    ``multi_latent_attention`` sets ``HAVE_TE`` when ``megatron.core.extensions.transformer_engine``
+    imports -- which it does without TE, with stand-ins -- and then tests
+    ``isinstance(linear_proj, TELinear)`` against a stand-in that is no class: a TypeError while
+    building every MLA layer. Without TE there is no TE layer to find.
+    """
+    from megatron.core.transformer import (
+        multi_latent_attention,  # lazy: megatron-core takes seconds to import; only this path needs it
+    )
+
+    if not have_transformer_engine():
+        multi_latent_attention.HAVE_TE = False
+
+
 def _spec_kwargs(config: TransformerConfig) -> dict[str, object]:
     """The layer-spec arguments the family decides: q/k norms (Qwen3) and experts (Qwen3-MoE, Mixtral,
     one ``SequentialMLP`` of plain MLPs: grouped GEMM needs CUDA kernels)."""
@@ -288,11 +386,17 @@ def _spec_kwargs(config: TransformerConfig) -> dict[str, object]:
     return dict(qk_layernorm=config.qk_layernorm, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
 
 
-def _layer_spec(config: TransformerConfig) -> ModuleSpec:
+def _layer_spec(
+    config: TransformerConfig, vp_stage: int | None = None
+) -> ModuleSpec | TransformerBlockSubmodules:
     """Transformer Engine layers where TE is importable, plain PyTorch ones otherwise; the plain
     ones attend with :class:`~megatron_rl.training.attention.SegmentCausalAttention` (SDPA per
-    packed sequence, no ``[T, T]`` mask) instead of Megatron's ``DotProductAttention``."""
+    packed sequence, no ``[T, T]`` mask) instead of Megatron's ``DotProductAttention``.
+
+    DeepSeek-V3 (multi-latent attention, leading dense layers among MoE ones): a spec per layer
+    of the chunk (virtual stage ``vp_stage``), Megatron's ``get_gpt_decoder_block_spec``."""
     from megatron.core.models.gpt.gpt_layer_specs import (  # lazy: megatron-core takes seconds to import; only this path needs it
+        get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
@@ -301,6 +405,17 @@ def _layer_spec(config: TransformerConfig) -> ModuleSpec:
         SegmentCausalAttention,  # lazy: it imports megatron-core, which takes seconds; only this path needs it
     )
 
+    if config.multi_latent_attention:
+        _spec_kwargs(config)  # the MoE without TE
+        _mla_without_transformer_engine()
+        te = have_transformer_engine()
+        block = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=te, normalization="RMSNorm", vp_stage=vp_stage
+        )
+        if not te:
+            for layer in block.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = SegmentCausalAttention
+        return block
     if have_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec(**_spec_kwargs(config))
     if config.sequence_parallel:
@@ -347,7 +462,7 @@ def build_gpt_model(
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config),
+        transformer_layer_spec=_layer_spec(config, vp_stage),
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,

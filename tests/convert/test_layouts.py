@@ -3,7 +3,9 @@ bit-identical (gloo, CPU; one spawn of 4 ranks per set of families, process star
 
 For each family (Llama untied / tied, Mistral with head_dim != hidden / heads, Qwen2 with
 biases; Qwen3 with q/k norms, Qwen3-MoE and Mixtral with 4 experts, top 2; Mistral3, whose
-vision tower and projector are carried through bit for bit; vocabulary 1000 padded to 1024):
+vision tower and projector are carried through bit for bit; DeepSeek-V3 with multi-latent
+attention, a dense first layer, grouped sigmoid routing and shared experts, and with YaRN;
+vocabulary 1000 padded to 1024):
 
 1. The parent writes the HF model (fp32, random norms and biases) and computes transformers'
    logits for a fixed batch.
@@ -44,11 +46,14 @@ WRITTEN_AT = {
     "qwen3": (2, 2),
     "qwen3_moe": (2, 2),
     "mixtral": (1, 2),
+    "deepseek_v3": (2, 2),
+    "deepseek_v3_yarn": (2, 1),
 }
 # One spawn of 4 ranks per set (each well inside its timeout on a shared CPU).
 FAMILY_SETS = {
     "llama-mistral-qwen2": ("llama", "llama_tied", "mistral", "qwen2"),
     "mistral3": ("mistral3",),
+    "deepseek_v3": ("deepseek_v3", "deepseek_v3_yarn"),
     "qwen3-moe": ("qwen3", "qwen3_moe", "mixtral"),
 }
 

@@ -21,7 +21,7 @@ from megatron_rl.hf.layout import (
     to_local_name,
     tp_split,
 )
-from megatron_rl.training.chunks import chunk_global_names, chunk_to_hf, load_hf_into_chunk
+from megatron_rl.training.chunks import chunk_global_names, chunk_tensors, chunk_to_hf, load_hf_into_chunk
 from tests.data.tinylm import build_model, mistral3_config
 
 VOCAB = 1000  # pads to 1024 rows: padding exercised, and ids land on both halves at TP=2
@@ -60,6 +60,58 @@ FAMILIES = {
         transformers.MistralConfig,
         dict(head_dim=32, sliding_window=None, tie_word_embeddings=False),
     ),
+    # DeepSeek-V3: MLA (q and kv latents), a dense first layer, then MoE layers of a sigmoid router
+    # with a score-correction bias, groups of experts (2 groups, 1 chosen) and a shared expert.
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            routed_scaling_factor=1.5,
+            num_key_value_heads=4,  # MLA: every head its own key and value
+            tie_word_embeddings=False,
+        ),
+    ),
+    # ... with YaRN RoPE and DeepSeek's attention scale (mscale), as the released models
+    "deepseek_v3_yarn": (
+        transformers.DeepseekV3Config,
+        dict(
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=None,  # no query bottleneck (DeepSeek-V2-Lite's layout)
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            num_key_value_heads=4,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            tie_word_embeddings=False,
+        ),
+    ),
     "mixtral": (
         transformers.MixtralConfig,  # 4 experts of intermediate_size, top 2, always renormalised
         dict(
@@ -89,6 +141,9 @@ def hf_model(family: str, seed: int = 0, **overrides):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.3)
             if name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # transformers initialises it to zero
+                b.normal_(0.0, 0.3)
     return model
 
 
@@ -237,7 +292,7 @@ def test_names_and_pipeline_offsets():
                 ) == get_transformer_layer_offset(cfg, vp_stage=v, pp_rank=r), (layers, pp, r, v)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3_yarn"])
 def test_tp_layout_agrees_with_megatron_parameters(single_rank, family):
     from megatron_rl.training.model import build_gpt_model
     from megatron_rl.training.parallel import ParallelConfig
@@ -266,7 +321,7 @@ def test_forward_matches_transformers_at_tp1(single_rank, family):
     conv = HFConverter.for_config(reference.config)
     model = build_gpt_model(reference.config, ParallelConfig())
     hf = hf_state(reference)
-    assert load_hf_into_chunk(model, conv, hf, tp_rank=0, tp_size=1) == len(list(model.parameters()))
+    assert load_hf_into_chunk(model, conv, hf, tp_rank=0, tp_size=1) == len(chunk_tensors(model))
     ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(ids, torch.arange(12).expand(2, 12), None)[..., :VOCAB]

@@ -91,7 +91,12 @@ class DecoderConfig:
 
     def __post_init__(self):
         if self.model_type not in _SUPPORTED:
-            raise ValueError(f"model_type: {self.model_type!r} is not one of {_SUPPORTED}")
+            raise ValueError(
+                f"model_type: the built-in engine runs {', '.join(_SUPPORTED)}, not {self.model_type!r} "
+                "(DeepSeek-V3's multi-latent attention: serve it with SGLang, fleet.urls)"
+                if self.model_type in ("deepseek_v3",)
+                else f"model_type: {self.model_type!r} is not one of {_SUPPORTED}"
+            )
         for name in (
             "vocab_size",
             "hidden_size",
