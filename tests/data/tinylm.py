@@ -65,6 +65,25 @@ FAMILIES: dict[str, tuple[type[transformers.PretrainedConfig], dict]] = {
     ),
     "mixtral": (transformers.MixtralConfig, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
     "mistral": (transformers.MistralConfig, dict(head_dim=16, sliding_window=None)),
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(
+            num_hidden_layers=2,  # a dense first layer, then an MoE layer
+            first_k_dense_replace=1,
+            num_key_value_heads=2,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+        ),
+    ),
 }
 
 
@@ -96,7 +115,7 @@ def _config(vocab: int, hidden: int, eos: int, family: str = "llama") -> transfo
     if family == "mistral3":
         return mistral3_config(_config(vocab, hidden, eos, "mistral"))
     cls, extra = FAMILIES[family]
-    return cls(
+    base = dict(
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=32,
@@ -108,8 +127,8 @@ def _config(vocab: int, hidden: int, eos: int, family: str = "llama") -> transfo
         bos_token_id=None,
         pad_token_id=None,
         tie_word_embeddings=False,
-        **extra,
     )
+    return cls(**{**base, **extra})
 
 
 def random_model(

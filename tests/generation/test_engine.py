@@ -61,6 +61,62 @@ _MODELS = {
         ("norm.weight", "gate.weight"),
         "60KB",
     ),
+    # DeepSeek-V3: MLA (q and kv latents, a shared RoPE key), a dense first layer, then a sigmoid
+    # router with its score-correction bias over 2 groups (1 chosen) and a shared expert.
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        dict(
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            routed_scaling_factor=1.5,
+            num_key_value_heads=4,
+            tie_word_embeddings=False,
+        ),
+        ("norm.weight", "gate.weight", "e_score_correction_bias"),
+        None,
+    ),
+    # ... without the query bottleneck, with YaRN and DeepSeek's softmax scale
+    "deepseek_v3_yarn": (
+        transformers.DeepseekV3Config,
+        dict(
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=2,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=None,
+            kv_lora_rank=24,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            num_key_value_heads=4,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            tie_word_embeddings=False,
+        ),
+        ("norm.weight", "gate.weight", "e_score_correction_bias"),
+        None,
+    ),
     # Mistral3 (vision-language): its Mistral language model under language_model., beside a
     # Pixtral vision tower the engine does not load (text prompts only).
     "mistral3": (transformers.MistralConfig, dict(head_dim=32, sliding_window=None), ("norm.weight",), None),
@@ -73,12 +129,12 @@ def hf_models(tmp_path_factory) -> dict[str, tuple[str, torch.nn.Module]]:
     out = {}
     for i, (name, (cls, extra, randomise, shard)) in enumerate(_MODELS.items()):
         torch.manual_seed(i)
-        config = cls(**_COMMON, **extra)
+        config = cls(**{**_COMMON, **extra})
         model = build_model(mistral3_config(config) if name == "mistral3" else config)
         model = model.float().eval()
         # HF initialises biases to zero and norms to one, which would not exercise them.
         with torch.no_grad():
-            for n, p in model.named_parameters():
+            for n, p in [*model.named_parameters(), *model.named_buffers()]:
                 if n.endswith(randomise):
                     p.normal_(1.0 if "norm" in n else 0.0, 0.5)
         folder = tmp_path_factory.mktemp(name)
@@ -483,14 +539,24 @@ def test_mistral3_engine_is_its_language_model_named_as_in_the_files(hf_models):
 def _hf_routed(hf, ids: list[int]) -> torch.Tensor:
     """transformers' experts for every position of ``ids``: ``[T, layers, top_k]``, each
     position's experts sorted (the order within a top-k is not part of the contract)."""
-    with torch.no_grad():
-        out = hf(torch.tensor([ids]), output_router_logits=True)
-    k = hf.config.num_experts_per_tok
-    chosen = [torch.topk(logits.float().softmax(-1), k, dim=-1).indices for logits in out.router_logits]
+    chosen: list[torch.Tensor] = []
+    routers = [
+        m
+        for m in hf.modules()
+        if type(m).__name__.endswith("TopkRouter") or type(m).__name__.endswith("TopKRouter")
+    ]
+    hooks = [r.register_forward_hook(lambda _m, _i, out: chosen.append(out[-1])) for r in routers]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(chosen) == len(routers) > 0  # one call per MoE layer, in layer order
     return torch.stack(chosen, dim=1).sort(dim=-1).values
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_routed_experts_are_the_experts_transformers_routes_to(hf_models, name):
     """Every fed position's experts (prompt and generated tokens but the last), also for a
     group's sample admitted after its siblings (its prompt routing comes from the prefix kept),
@@ -508,7 +574,8 @@ def test_routed_experts_are_the_experts_transformers_routes_to(hf_models, name):
     done = _run(engine)
     assert engine.prefill_tokens == len(prompt) + 5  # the prompt once, the plain request once
     assert done["plain"].routed_experts is None  # not asked for
-    layers, k = hf.config.num_hidden_layers, hf.config.num_experts_per_tok
+    k = hf.config.num_experts_per_tok
+    layers = hf.config.num_hidden_layers - getattr(hf.config, "first_k_dense_replace", 0)  # MoE layers
     for i in range(3):
         out = done[f"s{i}"]
         routed = out.routed_experts

@@ -1,6 +1,8 @@
 """`megatron-rl train` end to end on a tiny Qwen3 (q/k norms), a tiny Qwen3-MoE and a tiny Mixtral
-(4 experts, top 2 each), and a tiny Mistral3 (a vision-language checkpoint whose language model
-trains while its vision tower is carried through): the trainer builds the family, the weight broadcast carries its names (q/k norms, router,
+(4 experts, top 2 each), a tiny Mistral3 (a vision-language checkpoint whose language model
+trains while its vision tower is carried through) and a tiny DeepSeek-V3 (multi-latent attention,
+a dense layer, then sigmoid routing with shared experts), two MoE families also with routing
+replay: the trainer builds the family, the weight broadcast carries its names (q/k norms, router,
 experts) to the built-in engine bit for bit, and the final policy exports as an HF folder that
 the engine and transformers load."""
 
@@ -18,7 +20,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "mistral3", "qwen3_moe+replay"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3", "qwen3_moe", "mixtral", "mistral3", "deepseek_v3", "qwen3_moe+replay", "deepseek_v3+replay"],
+)
 def test_a_short_run_trains_the_family_and_syncs_its_weights(tmp_path, family):
     """``+replay``: with MoE routing replay (the engine returns every position's experts, the
     trainer's routers take them)."""

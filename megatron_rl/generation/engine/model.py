@@ -29,6 +29,7 @@ output head runs on the last position only (a prefill needs no other logits).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,7 +45,10 @@ from megatron_rl.hf.arch import (
     MOE_MODEL_TYPES,
     QK_NORM_MODEL_TYPES,
     TEXT_PREFIXES,
+    MLASettings,
+    MoESettings,
     language_model_dict,
+    mla_settings,
     moe_settings,
 )
 from megatron_rl.hf.files import HFWeights
@@ -54,7 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Decoder", "DecoderConfig", "KVCache"]
 
-_SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+_SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3")
 
 
 @dataclass(kw_only=True)
@@ -88,15 +92,31 @@ class DecoderConfig:
     #: not load: it serves text prompts only
     weight_prefix: str = ""
     carried_prefixes: tuple[str, ...] = ()
+    #: DeepSeek-V3: the whole MoE settings (sigmoid router, bias, groups, shared experts, leading
+    #: dense layers), multi-latent attention, and YaRN (inverse frequencies, the rotary tables'
+    #: factor, the softmax scale); None for the other families
+    moe: MoESettings | None = None
+    mla: MLASettings | None = None
+    yarn: tuple[torch.Tensor, float, float] | None = None
+
+    @property
+    def k_head_dim(self) -> int:
+        """Width of one cached key head (MLA: the no-RoPE part plus the RoPE part)."""
+        return self.mla.qk_nope + self.mla.qk_rope if self.mla else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        """Width of one cached value head."""
+        return self.mla.v_dim if self.mla else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the rotated part of a head."""
+        return self.mla.qk_rope if self.mla else self.head_dim
 
     def __post_init__(self):
         if self.model_type not in _SUPPORTED:
-            raise ValueError(
-                f"model_type: the built-in engine runs {', '.join(_SUPPORTED)}, not {self.model_type!r} "
-                "(DeepSeek-V3's multi-latent attention: serve it with SGLang, fleet.urls)"
-                if self.model_type in ("deepseek_v3",)
-                else f"model_type: {self.model_type!r} is not one of {_SUPPORTED}"
-            )
+            raise ValueError(f"model_type: {self.model_type!r} is not one of {_SUPPORTED}")
         for name in (
             "vocab_size",
             "hidden_size",
@@ -141,7 +161,8 @@ class DecoderConfig:
         # frequencies and are not implemented: refuse rather than silently differ.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
+        mla = mla_settings(cfg)
+        if rope_type != "default" and not (mla is not None and rope_type == "yarn"):
             raise ValueError(f"rope_type: only 'default' rotary embeddings are supported, got {rope_type!r}")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         if theta is None:
@@ -180,7 +201,67 @@ class DecoderConfig:
             norm_topk_prob=moe.norm_topk_prob if moe else False,
             weight_prefix=TEXT_PREFIXES.get(whole_type, ""),
             carried_prefixes=CARRIED_PREFIXES.get(whole_type, ()),
+            moe=moe,
+            mla=mla,
+            yarn=_yarn(rope, cfg, float(theta), mla) if mla is not None and rope_type == "yarn" else None,
         )
+
+
+def _yarn(
+    rope: Mapping[str, JsonValue], cfg: Mapping[str, JsonValue], theta: float, mla: MLASettings
+) -> tuple[torch.Tensor, float, float]:
+    """YaRN as transformers computes it for DeepSeek: ``(inverse frequencies of the RoPE part,
+    the factor the rotary tables are multiplied by, the softmax scale)``."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    def number(name: str, default: float | None = None) -> float:
+        value = rope.get(name, default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"rope_parameters.{name}: a number is needed for YaRN, got {value!r}")
+        return float(value)
+
+    original = number("original_max_position_embeddings")
+    factor = (
+        float(cast(float, rope["factor"]))
+        if rope.get("factor") is not None
+        else (
+            number("max_position_embeddings", float(cast(float, cfg.get("max_position_embeddings"))))
+            / original
+        )
+    )
+    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = (
+            mscale(factor, float(cast(float, m))) / mscale(factor, float(cast(float, m_all)))
+            if m and m_all
+            else mscale(factor)
+        )
+    beta_fast, beta_slow = (
+        float(cast(float, rope.get("beta_fast") or 32)),
+        float(cast(float, rope.get("beta_slow") or 1)),
+    )
+    dim = mla.qk_rope
+
+    def correction(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction(beta_fast), correction(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
+    scale = (mla.qk_nope + mla.qk_rope) ** -0.5
+    if m_all:
+        scale *= mscale(factor, float(cast(float, m_all))) ** 2
+    return inv_freq, float(cast(float, attention)), scale
 
 
 class KVCache:
@@ -203,9 +284,9 @@ class KVCache:
     ):
         if slots < 1 or max_len < 1:
             raise ValueError(f"slots and max_len: must be >= 1, got {slots} and {max_len}")
-        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (cfg.num_layers, slots, cfg.num_kv_heads, max_len)
+        self.k = torch.zeros((*shape, cfg.k_head_dim), dtype=dtype, device=device)
+        self.v = torch.zeros((*shape, cfg.v_head_dim), dtype=dtype, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
         self.slots = slots
         self.max_len = max_len
@@ -267,6 +348,57 @@ class _Attention(nn.Module):
         self.k_norm = _RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
 
+class _MLAttention(nn.Module):
+    """DeepSeek's multi-latent attention, under transformers' names: queries through the rank
+    ``q_lora_rank`` bottleneck ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or one
+    ``q_proj``), keys and values from the latent of ``kv_a_proj_with_mqa`` (its last
+    ``qk_rope_head_dim`` columns: the RoPE key shared by every head) through ``kv_a_layernorm`` and
+    ``kv_b_proj``. The cache holds the expanded keys and values (no latent caching)."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        mla, n, h = cast("MLASettings", cfg.mla), cfg.num_heads, cfg.hidden_size
+        q_width = n * (mla.qk_nope + mla.qk_rope)
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, q_width, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = _RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_width, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, mla.kv_lora_rank + mla.qk_rope, bias=False)
+        self.kv_a_layernorm = _RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, n * (mla.qk_nope + mla.v_dim), bias=False)
+        self.o_proj = nn.Linear(n * mla.v_dim, h, bias=False)
+        self.mla = mla
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``x [B, T, hidden]`` -> rotated ``q, k [B, T, heads, nope + rope]`` and ``v [B, T,
+        heads, v]``; the RoPE parts de-interleaved first (pairs to halves), as transformers'
+        ``apply_rotary_pos_emb_interleave``."""
+        mla = self.mla
+        B, T, _ = x.shape
+        if mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, -1, mla.qk_nope + mla.qk_rope)
+        q_nope, q_rot = q.split([mla.qk_nope, mla.qk_rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, -1, mla.qk_nope + mla.v_dim)
+        k_nope, v = kv.split([mla.qk_nope, mla.v_dim], dim=-1)
+        q_rot, k_rot = (_rotate_interleaved(t, cos, sin) for t in (q_rot, k_rot[:, :, None, :]))
+        k = torch.cat([k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        return torch.cat([q_nope, q_rot], dim=-1), k, v
+
+
+def _rotate_interleaved(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs, written out as halves (DeepSeek's layout)."""
+    half = cos.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    t1, t2 = t[..., 0::2], t[..., 1::2]
+    return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s], dim=-1)
+
+
 class _MLP(nn.Module):
     def __init__(self, cfg: DecoderConfig, intermediate_size: int | None = None):
         super().__init__()
@@ -306,6 +438,12 @@ class _MoE(nn.Module):
             for _ in range(cfg.num_experts)
         )
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.moe = cfg.moe if cfg.moe is not None and cfg.moe.score_function == "sigmoid" else None
+        if self.moe is not None:  # DeepSeek-V3: the score-correction bias and the shared experts
+            self.gate.register_parameter(
+                "e_score_correction_bias", nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+            )
+            self.shared_experts = _MLP(cfg, self.moe.shared_ffn) if self.moe.shared_ffn else None
         self.routed: torch.Tensor | None = None  # [N, top_k] int32: the last forward's experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,27 +453,53 @@ class _MoE(nn.Module):
         by their sum with ``norm_topk_prob``; each expert runs once on the tokens routed to it.
         """
         flat = x.reshape(-1, x.shape[-1])
-        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.moe is not None:
+            weights, chosen = self._sigmoid_route(flat)
+        else:
+            probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         self.routed = chosen.to(torch.int32)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(flat)
         for e in chosen.unique().tolist():
             token, slot = torch.where(chosen == e)
             expert = cast("_MLP | _MixtralExpert", self.experts[e])
             out.index_add_(0, token, expert(flat[token]) * weights[token, slot, None])
+        if self.moe is not None and self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
         return out.reshape(x.shape)
+
+    def _sigmoid_route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router, as transformers: fp32 sigmoid scores; the choice on scores plus
+        the correction bias, first of the ``topk_group`` groups whose two best sum highest; the
+        chosen scores renormalised and scaled by ``routed_scaling_factor``."""
+        moe = cast("MoESettings", self.moe)
+        scores = torch.sigmoid(F.linear(flat.float(), self.gate.weight.float()))
+        choice = scores + cast(torch.Tensor, self.gate.e_score_correction_bias).float()
+        if moe.num_groups:
+            grouped = choice.view(choice.shape[0], moe.num_groups, -1)
+            best = torch.topk(grouped.topk(2, dim=-1)[0].sum(dim=-1), k=cast(int, moe.group_topk), dim=-1)[1]
+            keep = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1.0).bool()
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        chosen = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * (moe.scaling_factor or 1.0), chosen
 
 
 class _Block(nn.Module):
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = _Attention(cfg)
+        self.self_attn: _Attention | _MLAttention = (
+            _MLAttention(cfg) if cfg.mla is not None else _Attention(cfg)
+        )
         self.post_attention_layernorm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        mlp: nn.Module = _MoE(cfg) if cfg.num_experts else _MLP(cfg)
+        dense = not cfg.num_experts or (cfg.moe is not None and not cfg.moe.is_moe_layer(layer))
+        mlp: nn.Module = _MLP(cfg) if dense else _MoE(cfg)
         # Mixtral's files name its sparse block "block_sparse_moe"; the parameters follow them.
         self.mlp_name = "block_sparse_moe" if cfg.model_type == "mixtral" else "mlp"
         self.add_module(self.mlp_name, mlp)
@@ -351,7 +515,7 @@ class _Backbone(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(_Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = _RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -387,9 +551,17 @@ class Decoder(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        # HF's inv_freq: theta ** -(2i / d) for i < d/2, computed from an int64 arange in fp32.
-        exponent = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
-        self.register_buffer("inv_freq", 1.0 / (cfg.rope_theta**exponent), persistent=False)
+        # HF's inv_freq: theta ** -(2i / d) for i < d/2, computed from an int64 arange in fp32
+        # (d: the rotated width; YaRN's own frequencies for DeepSeek).
+        d = cfg.rope_dim
+        exponent = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+        inv_freq = cfg.yarn[0] if cfg.yarn is not None else 1.0 / (cfg.rope_theta**exponent)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_factor = cfg.yarn[1] if cfg.yarn is not None else 1.0  # YaRN's rotary-table factor
+        mla = cfg.mla
+        self.attn_scale = (
+            cfg.yarn[2] if cfg.yarn is not None else (mla.qk_nope + mla.qk_rope) ** -0.5 if mla else None
+        )
         self.requires_grad_(False)
         #: an MoE model's routing of the last :meth:`forward`: ``[B, T, layers, top_k]`` int32, the
         #: experts each position was sent to in each layer (None for a dense model)
@@ -463,6 +635,8 @@ class Decoder(nn.Module):
         """``positions [B, T]`` -> ``cos, sin [B, T, 1, head_dim]`` (HF's duplicated-half layout)."""
         freqs = positions.float()[..., None] * self.inv_freq  # [B, T, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        if self.rope_factor != 1.0:
+            return emb.cos() * self.rope_factor, emb.sin() * self.rope_factor
         return emb.cos(), emb.sin()
 
     def _attend(
@@ -480,13 +654,16 @@ class Decoder(nn.Module):
         """
         cfg, attn = self.cfg, block.self_attn
         B, T, _ = x.shape
-        q = attn.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
-        k = attn.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = attn.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if attn.q_norm is not None and attn.k_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * at.cos + _rotate_half(q) * at.sin
-        k = k * at.cos + _rotate_half(k) * at.sin
+        if isinstance(attn, _MLAttention):
+            q, k, v = attn.qkv(x, at.cos, at.sin)
+        else:
+            q = attn.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
+            k = attn.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+            v = attn.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+            if attn.q_norm is not None and attn.k_norm is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * at.cos + _rotate_half(q) * at.sin
+            k = k * at.cos + _rotate_half(k) * at.sin
         # Scatter the new keys/values to (slot, position): [B, T, kv_heads, head_dim] lands on
         # the cache's [slot, :, position] entries.
         ck, cv = cache.k[layer], cache.v[layer]
@@ -505,8 +682,9 @@ class Decoder(nn.Module):
             attn_mask=at.mask,
             is_causal=at.mask is None,
             enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            scale=self.attn_scale,
         )
-        return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim))
+        return attn.o_proj(out.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.v_head_dim))
 
     def forward(
         self,
