@@ -71,6 +71,11 @@ FACTS = (
         "srt/models/llava.py",
         'for part in ("language_model", "vision_tower"):',
     ),
+    (  # FUSED_IN_ONE_LOAD: the two halves wait in a dict that lives for one load_weights call
+        "deepseek_fuses_q_a_and_kv_a_within_one_load",
+        "srt/models/deepseek_common/deepseek_weight_loader.py",
+        "cached_a_proj = {} if fuse_qkv_a_proj else None",
+    ),
     (
         "sampling_seed_read_only_when_deterministic",
         "srt/sampling/sampling_batch_info.py",

@@ -88,6 +88,7 @@ __all__ = [
     "API_KEY_ENV",
     "FLAT_LOGPROBS",
     "FLAT_LOGPROBS_FIELD",
+    "FUSED_IN_ONE_LOAD",
     "MEMORY_TAGS",
     "ROUTER_VERSION",
     "ROUTES",
@@ -100,6 +101,7 @@ __all__ = [
     "bucket_layout",
     "check_api_key",
     "dtype_name",
+    "fused_partner",
     "generate_batch_payload",
     "generate_payload",
     "init_group_payload",
@@ -624,6 +626,23 @@ def server_launch_args(
     if routed_experts:
         args.append("--enable-return-routed-experts")
     return args
+
+
+#: HF tensors SGLang's loaders fuse into one parameter, and only when both come in one
+#: ``load_weights`` call -- one weight-update request: (first, partner), as name suffixes of one
+#: layer. DeepSeek's loader (``deepseek_weight_loader.py``) caches ``q_a_proj`` and
+#: ``kv_a_proj_with_mqa`` in a dict local to the call and loads ``fused_qkv_a_proj_with_mqa`` once
+#: both are in; split over two requests, neither is ever loaded (silently).
+FUSED_IN_ONE_LOAD = (("self_attn.q_a_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),)
+
+
+def fused_partner(name: str) -> str | None:
+    """The tensor ``name`` must share an update request with (see :data:`FUSED_IN_ONE_LOAD`),
+    or None."""
+    for first, partner in FUSED_IN_ONE_LOAD:
+        if name.endswith("." + first):
+            return name[: -len(first)] + partner
+    return None
 
 
 #: How much longer than the client's own ``request_timeout_s`` the router waits on a worker: the

@@ -65,16 +65,40 @@ from megatron_rl.generation.engine.weights import (
     stream_payload,
     write_trailer,
 )
-from megatron_rl.generation.protocol import pack_bucket, tensor_digest, update_weights_payload
+from megatron_rl.generation.protocol import fused_partner, pack_bucket, tensor_digest, update_weights_payload
 from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group, listen
 from megatron_rl.weight_sync.stream import BucketPacker, LayoutChanged, bucket_spec
 
 if TYPE_CHECKING:
     from megatron_rl.generation.client import FleetClient
 
-__all__ = ["WeightBroadcaster", "WeightSyncConfig", "checksums_agree"]
+__all__ = ["WeightBroadcaster", "WeightSyncConfig", "bucket_tensors", "checksums_agree"]
 
 log = logging.getLogger("megatron_rl.weight_sync")
+
+
+def bucket_tensors(
+    named: Iterable[tuple[str, torch.Tensor]], limit: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``named`` in buckets of at most ``limit`` bytes (a larger tensor gets one of its own), in
+    order; a bucket never ends between a tensor and the partner SGLang's loader fuses it with
+    (:func:`~megatron_rl.generation.protocol.fused_partner`: DeepSeek's ``q_a_proj`` and
+    ``kv_a_proj_with_mqa``), which may then exceed ``limit`` by the tensors between them."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    waiting_for: str | None = None  # the partner this bucket must still take
+    for name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > limit and waiting_for is None:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += nbytes
+        if name == waiting_for:
+            waiting_for = None
+        waiting_for = fused_partner(name) or waiting_for
+    if bucket:
+        yield bucket
 
 
 @dataclass(kw_only=True)
@@ -243,24 +267,18 @@ class WeightBroadcaster:
     # ------------------------------------------------------------------ sync
 
     def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        limit = int(self.cfg.bucket_mb * 2**20)
         cast = getattr(torch, self.cfg.cast_dtype) if self.cfg.cast_dtype else None
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, t in self.named_tensors():
-            if self.rank != 0:
-                continue
-            t = t.detach().to("cpu" if self.cfg.backend == "gloo" else t.device)
-            if cast is not None and t.is_floating_point():
-                t = t.to(cast)
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > limit:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, t.contiguous()))
-            size += nbytes
-        if bucket:
-            yield bucket
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in self.named_tensors():
+                if self.rank != 0:
+                    continue  # the other ranks take part in the gathers only
+                t = t.detach().to("cpu" if self.cfg.backend == "gloo" else t.device)
+                if cast is not None and t.is_floating_point():
+                    t = t.to(cast)
+                yield name, t.contiguous()
+
+        return bucket_tensors(tensors(), int(self.cfg.bucket_mb * 2**20))
 
     def _agree(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank that takes part in the sync."""

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_rl.generation.engine.server import GET_ROUTES, POST_ROUTES
 from megatron_rl.generation.protocol import (
@@ -191,3 +192,25 @@ def test_synced_mistral3_names_are_those_sglangs_loader_routes(pins):
     mistral = HFConverter.for_config(hf_model("mistral").config)
     assert [n.removeprefix("language_model.") for n in conv.hf_names()] == mistral.hf_names()
     assert all(n.startswith("language_model.") and not conv.is_carried(n) for n in conv.hf_names())
+
+
+def test_deepseeks_fused_projections_travel_in_one_update_request(pins):
+    """SGLang's DeepSeek loader fuses a layer's ``q_a_proj`` and ``kv_a_proj_with_mqa`` only when
+    both arrive in one ``load_weights`` call: the broadcaster never ends a bucket (one update
+    request) between them, whatever the bucket size; other tensors still split at the limit."""
+    from megatron_rl.hf.layout import HFConverter
+    from megatron_rl.weight_sync.broadcast import bucket_tensors
+    from tests.hf.test_layout import hf_model
+
+    assert pins["facts"]["deepseek_fuses_q_a_and_kv_a_within_one_load"]
+    conv = HFConverter.for_config(hf_model("deepseek_v3").config)
+    shapes = conv.expected_hf_shapes()
+    named = [(n, torch.zeros(shapes[n])) for n in conv.hf_names()]
+    buckets = list(bucket_tensors(named, limit=1))  # every tensor would get a bucket of its own
+    where = {name: i for i, bucket in enumerate(buckets) for name, _ in bucket}
+    assert [n for b in buckets for n, _ in b] == conv.hf_names()  # all, in order
+    pairs = [(n, n.replace("q_a_proj", "kv_a_proj_with_mqa")) for n in where if n.endswith("q_a_proj.weight")]
+    assert len(pairs) == 2 and all(where[a] == where[b] for a, b in pairs)
+    # Each pair holds q_a_proj, q_a_layernorm, q_b_proj, kv_a_proj_with_mqa in one bucket; every
+    # other tensor has a bucket of its own, as the limit says.
+    assert len(buckets) == len(named) - 3 * len(pairs)
