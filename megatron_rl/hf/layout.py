@@ -126,6 +126,11 @@ _LOCAL_TO_FUSED = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
 _FUSED_TO_LOCAL = {v: k for k, v in _LOCAL_TO_FUSED.items()}
+# Transformer Engine's MLA layers fuse the q / kv latent norms into the up projections.
+_TE_MLA_NORMS = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+}
 
 # Per-layer Megatron suffix -> the HF suffixes (under ``model.layers.i.``) it is made of.
 _LAYER_MAP: dict[str, tuple[str, ...]] = {
@@ -217,10 +222,14 @@ class WeightsMismatchError(ValueError):
 
 
 def canonical_name(name: str) -> str:
-    """The canonical (TE-spec, checkpoint) spelling of a Megatron parameter name."""
+    """The canonical (TE-spec, checkpoint) spelling of a Megatron parameter name. Multi-latent
+    attention's latent norms are the exception: canonical is the local spec's ``q_layernorm`` /
+    ``kv_layernorm``, which TE fuses into the up projections (``linear_q_up_proj.layer_norm_weight``)."""
     m = _LAYER.match(name)
     if m and m.group(2) in _LOCAL_TO_FUSED:
         return f"decoder.layers.{m.group(1)}.{_LOCAL_TO_FUSED[m.group(2)]}"
+    if m and m.group(2) in _TE_MLA_NORMS:
+        return f"decoder.layers.{m.group(1)}.{_TE_MLA_NORMS[m.group(2)]}"
     return name
 
 

@@ -44,8 +44,8 @@ WRITTEN_AT = {
     "mistral3": (2, 2),
     "qwen2": (1, 1),
     "qwen3": (2, 2),
-    "qwen3_moe": (2, 2),
-    "mixtral": (1, 2),
+    "qwen3_moe": (1, 2),
+    "mixtral": (2, 2),
     "deepseek_v3": (2, 2),
     "deepseek_v3_yarn": (2, 1),
 }

@@ -400,3 +400,17 @@ def test_moe_structures_we_cannot_build_are_refused_by_field(field, value):
     setattr(config, field, value)
     with pytest.raises(ValueError, match=field):
         HFConverter.for_config(config)
+
+
+def test_transformer_engines_mla_norm_names_map_to_the_canonical_ones():
+    """On a GPU, TE's MLA layers hold the latent norms inside the up projections: the same HF
+    tensors, the same TP layout (replicated)."""
+    conv = HFConverter.for_config(hf_model("deepseek_v3").config)
+    for te, local, hf in (
+        ("linear_q_up_proj.layer_norm_weight", "q_layernorm.weight", "q_a_layernorm.weight"),
+        ("linear_kv_up_proj.layer_norm_weight", "kv_layernorm.weight", "kv_a_layernorm.weight"),
+    ):
+        name = f"decoder.layers.1.self_attention.{te}"
+        assert canonical_name(name) == f"decoder.layers.1.self_attention.{local}"
+        assert conv.hf_sources(canonical_name(name)) == (f"model.layers.1.self_attn.{hf}",)
+        assert tp_split(name) is TPSplit.REPLICATED
