@@ -329,9 +329,9 @@ def _checked_moe(values: dict[str, JsonValue], *, norm_topk_prob: bool) -> MoESe
 
 
 def routed_shape(hf_config: HFConfigLike) -> tuple[int, int]:
-    """``(MoE layers, top_k)`` of a model's routed experts (what routing replay records for every
-    position: DeepSeek-V3's leading dense layers route nothing); ValueError naming
-    ``algorithm.routing_replay`` for a model without experts."""
+    """``(layers, top_k)`` of a model's routed experts (what routing replay records for every
+    position; every layer, as SGLang reports them: DeepSeek-V3's leading dense layers hold zeros);
+    ValueError naming ``algorithm.routing_replay`` for a model without experts."""
     whole = load_hf_config(hf_config)
     hf = language_model_config(whole)
     moe = moe_settings(hf)
@@ -340,7 +340,7 @@ def routed_shape(hf_config: HFConfigLike) -> tuple[int, int]:
             f"algorithm.routing_replay: rollout replays an MoE model's routing; {whole.model_type!r} "
             "has no experts (use off)"
         )
-    return int(hf.num_hidden_layers) - moe.first_dense, moe.top_k
+    return int(hf.num_hidden_layers), moe.top_k
 
 
 def padded_vocab_size(

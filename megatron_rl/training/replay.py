@@ -4,8 +4,8 @@ to, so the experts that produced a token are the ones its gradient trains.
 With ``algorithm.routing_replay: rollout`` the model is built with Megatron-Core's
 ``moe_enable_routing_replay`` (a ``RouterReplay`` per MoE layer's ``TopKRouter``), and before each
 microbatch's forward :func:`set_routing` hands every router of the chunk its layer's experts from
-the microbatch (``Microbatch.routed_experts [R, S, layers, top_k]``, from the rollout; its layers
-are the MoE layers, after DeepSeek-V3's leading dense ones). The router
+the microbatch (``Microbatch.routed_experts [R, S, layers, top_k]``, from the rollout; every
+layer, as SGLang reports them: DeepSeek-V3's leading dense layers hold zeros, read by no router). The router
 then takes those experts instead of its own top-k and weighs them by its own scores gathered at
 them -- softmax over the replayed experts' logits when the top-k is renormalised (Qwen3-MoE with
 ``norm_topk_prob``, Mixtral), the full softmax's probabilities otherwise -- so the gradient still
@@ -69,10 +69,7 @@ def set_routing(model: MegatronModule, routed: torch.Tensor | None) -> None:
 
     config = getattr(model, "config", None)
     sequence_parallel = bool(getattr(config, "sequence_parallel", False))
-    freq = getattr(config, "moe_layer_freq", 1)
-    first_moe = freq.index(1) if isinstance(freq, list) and 1 in freq else 0  # DeepSeek's dense layers
-    for global_layer, replay in routers:
-        layer = global_layer - first_moe  # the rollout's experts cover the MoE layers only
+    for layer, replay in routers:  # the rollout's experts: every layer (dense ones hold zeros)
         replay.clear_indices()  # type: ignore[attr-defined]
         if routed is None:
             replay.clear_router_replay_action()  # type: ignore[attr-defined]

@@ -574,8 +574,8 @@ def test_routed_experts_are_the_experts_transformers_routes_to(hf_models, name):
     done = _run(engine)
     assert engine.prefill_tokens == len(prompt) + 5  # the prompt once, the plain request once
     assert done["plain"].routed_experts is None  # not asked for
-    k = hf.config.num_experts_per_tok
-    layers = hf.config.num_hidden_layers - getattr(hf.config, "first_k_dense_replace", 0)  # MoE layers
+    k, layers = hf.config.num_experts_per_tok, hf.config.num_hidden_layers
+    dense = getattr(hf.config, "first_k_dense_replace", 0)  # DeepSeek's leading dense layers: zeros
     for i in range(3):
         out = done[f"s{i}"]
         routed = out.routed_experts
@@ -585,6 +585,7 @@ def test_routed_experts_are_the_experts_transformers_routes_to(hf_models, name):
             k,
         )
         reference = _hf_routed(hf, prompt + out.token_ids[:-1])
-        assert torch.equal(routed.sort(dim=-1).values.long(), reference)
+        assert torch.equal(routed[:, dense:].sort(dim=-1).values.long(), reference)
+        assert not routed[:, :dense].any()
     with pytest.raises(ValueError, match="return_routed_experts"):
         _engine(hf_models["llama"][0]).add_request("x", prompt, max_new_tokens=2, return_routed_experts=True)

@@ -34,7 +34,7 @@ version in force when it was sampled.
 **Routed experts.** A request with ``return_routed_experts`` (an MoE model) gets, in
 ``Finished.routed_experts``, the experts each position was sent to in each layer
 (``[P + n - 1, layers, top_k]``, int32: every prompt token and every generated token but the last,
-which is never fed): SGLang's ``return_routed_experts``. They are the experts actually used: a
+which is never fed; a dense layer's entries are zeros): SGLang's ``return_routed_experts``. They are the experts actually used: a
 group's shared prompt is routed once (under the weights of its prefill), and the tokens decoded
 after a weight update were routed by the new weights -- what routing replay trains on.
 

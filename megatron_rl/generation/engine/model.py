@@ -746,6 +746,10 @@ class Decoder(nn.Module):
             x = x + block.ffn(block.post_attention_layernorm(x))
             if isinstance(block.ffn, _MoE) and block.ffn.routed is not None:
                 routed.append(block.ffn.routed.view(B, T, -1))
+            elif self.cfg.num_experts:  # a dense layer of an MoE model: zeros, as SGLang reports
+                routed.append(
+                    torch.zeros(B, T, self.cfg.num_experts_per_tok, dtype=torch.int32, device=x.device)
+                )
         # Every position's experts, layer by layer (what SGLang's return_routed_experts reports).
         self.last_routed = torch.stack(routed, dim=2) if routed else None  # [B, T, layers, top_k]
         cache.lengths[index] = start + T
