@@ -10,6 +10,7 @@ import transformers
 from megatron_rl.algorithms.logprobs import token_logprobs
 from megatron_rl.generation.engine import Decoder, Engine, EngineConfig
 from tests.data.tinylm import build_model, mistral3_config
+from tests.hf.test_layout import FAMILIES as LAYOUT_FAMILIES
 
 _COMMON = dict(
     vocab_size=97,
@@ -61,62 +62,17 @@ _MODELS = {
         ("norm.weight", "gate.weight"),
         "60KB",
     ),
-    # DeepSeek-V3: MLA (q and kv latents, a shared RoPE key), a dense first layer, then a sigmoid
-    # router with its score-correction bias over 2 groups (1 chosen) and a shared expert.
-    "deepseek_v3": (
-        transformers.DeepseekV3Config,
-        dict(
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            n_group=2,
-            topk_group=1,
-            q_lora_rank=32,
-            kv_lora_rank=24,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            routed_scaling_factor=1.5,
-            num_key_value_heads=4,
-            tie_word_embeddings=False,
-        ),
-        ("norm.weight", "gate.weight", "e_score_correction_bias"),
-        None,
-    ),
-    # ... without the query bottleneck, with YaRN and DeepSeek's softmax scale
-    "deepseek_v3_yarn": (
-        transformers.DeepseekV3Config,
-        dict(
-            moe_intermediate_size=32,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=2,
-            first_k_dense_replace=0,
-            n_group=1,
-            topk_group=1,
-            q_lora_rank=None,
-            kv_lora_rank=24,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=8,
-            v_head_dim=16,
-            num_key_value_heads=4,
-            rope_parameters=dict(
-                rope_type="yarn",
-                rope_theta=10000.0,
-                factor=4.0,
-                original_max_position_embeddings=64,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-            ),
-            tie_word_embeddings=False,
-        ),
-        ("norm.weight", "gate.weight", "e_score_correction_bias"),
-        None,
-    ),
+    # DeepSeek-V3 (MLA, a dense first layer, grouped sigmoid routing with its correction bias, a
+    # shared expert), and without the query bottleneck, with YaRN: tests/hf/test_layout.py's.
+    **{
+        name: (
+            transformers.DeepseekV3Config,
+            LAYOUT_FAMILIES[name][1],
+            ("norm.weight", "gate.weight", "e_score_correction_bias"),
+            None,
+        )
+        for name in ("deepseek_v3", "deepseek_v3_yarn")
+    },
     # Mistral3 (vision-language): its Mistral language model under language_model., beside a
     # Pixtral vision tower the engine does not load (text prompts only).
     "mistral3": (transformers.MistralConfig, dict(head_dim=32, sliding_window=None), ("norm.weight",), None),
@@ -256,7 +212,7 @@ def test_named_weights_are_live(hf_models):
 
 
 @pytest.mark.parametrize(
-    "name", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral3"]
+    "name", ["llama", "llama_tied", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral3", "deepseek_v3_yarn"]
 )
 def test_greedy_matches_generate(hf_models, name):
     folder, hf = hf_models[name]
