@@ -32,6 +32,7 @@ __all__ = [
     "HFConfigLike",
     "MLASettings",
     "MoESettings",
+    "YarnSettings",
     "language_model_config",
     "language_model_dict",
     "load_hf_config",
@@ -40,6 +41,7 @@ __all__ = [
     "padded_vocab_size",
     "rope_parameters",
     "routed_shape",
+    "yarn_settings",
 ]
 
 SUPPORTED_MODEL_TYPES = (
@@ -91,12 +93,16 @@ def language_model_dict(config: Mapping[str, JsonValue]) -> dict[str, JsonValue]
         raise ValueError(
             f"text_config: a {model_type} config needs its language model's config, got {text!r}"
         )
-    if text.get("model_type") not in _TEXT_MODEL_TYPES[model_type]:
+    _check_text_type(model_type, text.get("model_type"))
+    return {**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", True))}
+
+
+def _check_text_type(model_type: str, text_type: JsonValue) -> None:
+    if text_type not in _TEXT_MODEL_TYPES[model_type]:
         raise ValueError(
             f"text_config.model_type: {model_type}'s language model must be one of "
-            f"{', '.join(_TEXT_MODEL_TYPES[model_type])}, got {text.get('model_type')!r}"
+            f"{', '.join(_TEXT_MODEL_TYPES[model_type])}, got {text_type!r}"
         )
-    return {**text, "tie_word_embeddings": bool(config.get("tie_word_embeddings", True))}
 
 
 def language_model_config(hf: PretrainedConfig) -> PretrainedConfig:
@@ -106,7 +112,7 @@ def language_model_config(hf: PretrainedConfig) -> PretrainedConfig:
         return hf
     import copy  # lazy: only vision-language configs need a copy
 
-    language_model_dict({"model_type": hf.model_type, "text_config": hf.get_text_config().to_dict()})
+    _check_text_type(hf.model_type, hf.get_text_config().model_type)
     text = copy.deepcopy(hf.get_text_config())
     text.tie_word_embeddings = bool(hf.tie_word_embeddings)
     return text
@@ -168,15 +174,23 @@ class MLASettings:
     v_dim: int  # v_head_dim
 
 
-def mla_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MLASettings | None:
-    """The multi-latent attention of a config (object or config.json dict), or None for the
-    families with grouped-query attention. ValueError naming the field for what is not built:
-    RoPE on the key/query dimensions in their original (non-interleaved) order."""
+def _reader(hf: PretrainedConfig | Mapping[str, JsonValue]) -> Callable[..., JsonValue]:
+    """``get(name, default=None)``: a field of a config object or of a config.json dict."""
 
     def get(name: str, default: JsonValue = None) -> JsonValue:
         if isinstance(hf, Mapping):
             return hf.get(name, default)
         return getattr(hf, name, default)
+
+    return get
+
+
+def mla_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MLASettings | None:
+    """The multi-latent attention of a config (object or config.json dict), or None for the
+    families with grouped-query attention. ValueError naming the field for what is not built:
+    RoPE on the key/query dimensions in their original (non-interleaved) order."""
+
+    get = _reader(hf)
 
     if get("model_type") not in MLA_MODEL_TYPES:
         return None
@@ -212,10 +226,7 @@ def moe_settings(hf: PretrainedConfig | Mapping[str, JsonValue]) -> MoESettings 
     not use).
     """
 
-    def get(name: str, default: JsonValue = None) -> JsonValue:
-        if isinstance(hf, Mapping):
-            return hf.get(name, default)
-        return getattr(hf, name, default)
+    get = _reader(hf)
 
     model_type = get("model_type")
     if model_type not in MOE_MODEL_TYPES:
@@ -358,6 +369,52 @@ def padded_vocab_size(
         raise ValueError(f"vocab_size and tensor_parallel must be >= 1, got {vocab_size}, {tensor_parallel}")
     multiple = divisible_by * math.lcm(tensor_parallel, resume_tp)
     return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class YarnSettings:
+    """YaRN RoPE scaling as DeepSeek's configs give it (transformers' field names)."""
+
+    factor: float  # how far the context is stretched (max_position / original when unset)
+    original_max_position_embeddings: float
+    beta_fast: float
+    beta_slow: float
+    mscale: float  # 0: unset
+    mscale_all_dim: float  # 0: unset (DeepSeek sets both: the softmax scale then changes too)
+    attention_factor: float | None  # an explicit factor for the rotary tables, or None
+    truncate: bool  # round the correction range to whole dimensions (transformers' default)
+
+
+def yarn_settings(rope: Mapping[str, JsonValue], max_position_embeddings: JsonValue) -> YarnSettings:
+    """The YaRN fields of RoPE settings (``rope_parameters`` / ``rope_scaling``), checked: a
+    ValueError naming the field for one that is not a positive number. Defaults as transformers':
+    ``factor`` from ``max_position_embeddings / original_max_position_embeddings``, betas 32 / 1."""
+
+    def number(name: str, value: JsonValue, *, zero: bool = False) -> float:
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or value < 0
+            or (value == 0 and not zero)
+        ):
+            raise ValueError(f"rope_parameters.{name}: must be a number > 0 for YaRN, got {value!r}")
+        return float(value)
+
+    original = number("original_max_position_embeddings", rope.get("original_max_position_embeddings"))
+    factor = rope.get("factor")
+    if factor is None:
+        factor = number("max_position_embeddings", max_position_embeddings) / original
+    attention = rope.get("attention_factor")
+    return YarnSettings(
+        factor=number("factor", factor),
+        original_max_position_embeddings=original,
+        beta_fast=number("beta_fast", rope.get("beta_fast") or 32),
+        beta_slow=number("beta_slow", rope.get("beta_slow") or 1),
+        mscale=number("mscale", rope.get("mscale") or 0, zero=True),
+        mscale_all_dim=number("mscale_all_dim", rope.get("mscale_all_dim") or 0, zero=True),
+        attention_factor=None if attention is None else number("attention_factor", attention),
+        truncate=bool(rope.get("truncate", True)),
+    )
 
 
 def rope_parameters(hf: PretrainedConfig) -> dict[str, JsonValue]:

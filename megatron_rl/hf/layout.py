@@ -47,6 +47,13 @@ g = num_key_value_heads, d = head_dim, V = vocab_size, Vp = padded vocabulary):
 - Mixtral (E = num_local_experts, m = intermediate_size): the same Megatron tensors from its
   files' ``block_sparse_moe.gate`` (router) and ``block_sparse_moe.experts.e.w1`` (gate),
   ``w3`` (up), ``w2`` (down) -- the names SGLang's Mixtral loader reads too.
+- DeepSeek-V3: multi-latent attention in the place of ``linear_qkv`` (``linear_q_down_proj`` /
+  ``q_layernorm`` / ``linear_q_up_proj`` <-> ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``, or
+  ``linear_q_proj`` <-> ``q_proj`` without the query bottleneck; ``linear_kv_down_proj`` /
+  ``kv_layernorm`` / ``linear_kv_up_proj`` <-> ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` /
+  ``kv_b_proj``, all 1:1), ``first_k_dense_replace`` dense layers, then MoE layers with
+  ``mlp.router.expert_bias`` <-> ``mlp.gate.e_score_correction_bias`` and
+  ``mlp.shared_experts.linear_fc1/fc2`` <-> ``mlp.shared_experts.{gate,up,down}_proj``.
 - Mistral3 (vision-language): its language model is a Mistral whose every HF name above carries
   the prefix ``language_model.`` (``language_model.model.layers.i...``,
   ``language_model.lm_head.weight``: the files' names, which SGLang's Mistral3 loader routes to
@@ -172,20 +179,23 @@ _MIXTRAL_MOE_MAP = {
     ),
     "mlp.experts.local_experts.E.linear_fc2.weight": ("block_sparse_moe.experts.E.w2.weight",),
 }
-# DeepSeek-V3: multi-latent attention (no linear_qkv; the q/kv latents' norms), the router's
-# expert bias (a buffer in Megatron, added to the scores for the choice only) and shared experts.
-_MLA_MAP: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
+# DeepSeek-V3: multi-latent attention in the place of the fused QKV (queries through a rank
+# q_lora_rank bottleneck, or one projection when it is null; keys and values from a latent), the
+# router's expert bias (a buffer in Megatron, added to the scores for the choice only) and
+# shared experts.
+_MLA_Q_LORA: dict[str, tuple[str, ...]] = {
     "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight",),
     "self_attention.q_layernorm.weight": ("self_attn.q_a_layernorm.weight",),
     "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight",),
+}
+_MLA_Q_PROJ: dict[str, tuple[str, ...]] = {
+    "self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight",)
+}
+_MLA_KV: dict[str, tuple[str, ...]] = {
     "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight",),
     "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight",),
     "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight",),
-    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
-    "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
 }
-_MLA_Q_PROJ = {"self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight",)}  # q_lora_rank null
 _EXPERT_BIAS = {"mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",)}
 _SHARED_EXPERTS = {
     "mlp.shared_experts.linear_fc1.weight": (
@@ -515,22 +525,12 @@ class HFConverter:
         model order."""
         out: dict[str, tuple[str, ...]] = {}
         mla = self.dims.mla
-        if mla is not None:  # multi-latent attention instead of the fused QKV
-            for suffix, sources in _MLA_MAP.items():
-                if mla.q_lora_rank is None and suffix.startswith(
-                    ("self_attention.linear_q_down_proj", "self_attention.q_layernorm")
-                ):
-                    continue  # no query bottleneck: one projection, in the up projection's place
-                if mla.q_lora_rank is None and suffix.startswith("self_attention.linear_q_up_proj"):
-                    out.update(_MLA_Q_PROJ)
-                    continue
-                out[suffix] = sources
         for suffix, sources in _LAYER_MAP.items():
-            if suffix.startswith("self_attention.") and mla is not None:
+            if suffix == "self_attention.linear_qkv.weight" and mla is not None:
+                out.update(_MLA_Q_PROJ if mla.q_lora_rank is None else _MLA_Q_LORA)
+                out.update(_MLA_KV)
                 continue
-            if suffix == "mlp.linear_fc1.layer_norm_weight" and mla is not None:
-                continue  # in _MLA_MAP, after the attention
-            if suffix.endswith("linear_qkv.bias") and not self.qkv_bias:
+            if suffix.endswith("linear_qkv.bias") and (mla is not None or not self.qkv_bias):
                 continue
             if moe_layer and suffix in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
                 continue

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 from megatron_rl.algorithms.filtering import group_drop_reason
 from megatron_rl.data.problems import Problem, reward_input
 from megatron_rl.data.sampling import completion_decoder, render_prompt
-from megatron_rl.errors import UserError
+from megatron_rl.errors import UsageError, UserError
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import ClientClosed, ServerLost
 from megatron_rl.hf.arch import routed_shape
@@ -662,6 +662,13 @@ class Rollouts:
             self._submit(rec, idx, exclude | {server})
         if resend:
             self._submit(rec, resend, exclude)
+        if self.routed_shape is not None:  # a generator without the experts stops the run, saying why
+            try:
+                for _, result in done:
+                    self._routed(result)
+            except ValueError as e:
+                self.fail(UsageError(str(e)))
+                return
         if done:
             self._generated(rec, done)
 
@@ -738,8 +745,9 @@ class Rollouts:
         self._score(rec, i, entry[2], entry[3], res)
 
     def _routed(self, r: GenResult) -> torch.Tensor | None:
-        """``r``'s experts as ``[positions, layers, top_k]`` (routing replay), None without it.
-        A generator that sent none, or another shape, stops the run with why."""
+        """``r``'s experts as ``[positions, layers, top_k]`` (routing replay), None without it;
+        ValueError saying why for a generator that sent none, or another shape (checked as the
+        results come back: :meth:`_on_results` stops the run with it)."""
         if self.routed_shape is None:
             return None
         positions = len(r.prompt_ids) + len(r.token_ids) - 1

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, TypeAlias, cast
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,7 @@ from megatron_rl.hf.arch import (
     moe_settings,
     padded_vocab_size,
     rope_parameters,
+    yarn_settings,
 )
 from megatron_rl.training.parallel import ParallelConfig, process_groups
 
@@ -313,20 +314,18 @@ def _mla_config_kwargs(hf: PretrainedConfig, mla: MLASettings) -> dict[str, obje
         raise ValueError(
             f"rope_scaling.rope_type: {kind!r} is not supported with MLA (supported: default, yarn)"
         )
-    defaults = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0, "beta_slow": 1.0}
-    values = {k: rope.get(k, d) for k, d in defaults.items()}
-    for name, value in values.items():
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"rope_scaling.{name}: must be a number > 0, got {value!r}")
+    yarn = yarn_settings(rope, hf.max_position_embeddings)
+    if yarn.attention_factor is not None:
+        raise ValueError("rope_parameters.attention_factor: not supported with MLA (Megatron derives it)")
     return {
         **out,
         "rope_type": "yarn",
-        "rotary_scaling_factor": float(cast(float, values["factor"])),
-        "original_max_position_embeddings": int(cast(float, values["original_max_position_embeddings"])),
-        "beta_fast": float(cast(float, values["beta_fast"])),
-        "beta_slow": float(cast(float, values["beta_slow"])),
-        "mscale": float(cast(float, rope.get("mscale") or 1.0)),
-        "mscale_all_dim": float(cast(float, rope.get("mscale_all_dim") or 0.0)),
+        "rotary_scaling_factor": yarn.factor,
+        "original_max_position_embeddings": int(yarn.original_max_position_embeddings),
+        "beta_fast": yarn.beta_fast,
+        "beta_slow": yarn.beta_slow,
+        "mscale": yarn.mscale or 1.0,
+        "mscale_all_dim": yarn.mscale_all_dim,
     }
 
 

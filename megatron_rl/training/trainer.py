@@ -42,6 +42,7 @@ from megatron_rl.batching.collate import Microbatch, build_microbatches, collate
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
 from megatron_rl.hf.arch import (
+    CARRIED_PREFIXES,
     language_model_config,
     load_hf_config,
     moe_settings,
@@ -383,7 +384,7 @@ class PolicyTrainer:
         (collective; see :mod:`megatron_rl.training.checkpoint`). Returns its folder. A
         vision-language model's carried tensors (vision tower, projector) are kept in it too,
         read from ``carried_from`` (the HF folder the run started from)."""
-        prefixes = self.hf_converter(self.hf_config).carried
+        prefixes = CARRIED_PREFIXES.get(self.hf_config.model_type, ())
         carried = carried_tensors(carried_from, prefixes) if carried_from is not None and prefixes else None
 
         return save_checkpoint(
@@ -444,15 +445,13 @@ class PolicyTrainer:
         like: str | os.PathLike[str],
         dtype: torch.dtype | None = None,
         max_shard: str = "2GB",
-        carried_from: str | os.PathLike[str] | None = None,
     ) -> Path | None:
         """Write the current weights as an HF folder ``out`` (config and tokenizer files from
         the HF folder ``like``), atomically; collective over the model-parallel ranks of the
         first data-parallel replica (call it on every rank). Returns ``out`` on rank 0.
 
         A vision-language model's carried tensors (vision tower, projector) are written after the
-        language model's, bit for bit (never cast to ``dtype``), from ``carried_from`` (an HF
-        folder or a safetensors file holding them; default ``like``)."""
+        language model's, bit for bit (never cast to ``dtype``), from ``like``."""
         if self.pgs.expt_dp.rank() != 0:  # = dp rank without EP; EP peers join the expert gathers
             return None
         converter = self.hf_converter(like)
@@ -468,7 +467,7 @@ class PolicyTrainer:
             side_files_from=like,
             max_shard=max_shard,
             dtype=dtype,
-            carried=carried_tensors(carried_from or like, converter.carried),
+            carried=carried_tensors(like, converter.carried),
         )
 
     def close(self) -> None:

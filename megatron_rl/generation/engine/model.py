@@ -1,12 +1,13 @@
-"""A plain-PyTorch decoder (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral) with HF parameter
-names and a per-slot KV cache.
+"""A plain-PyTorch decoder (Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral / DeepSeek-V3;
+Mistral3's language model) with HF parameter names and a per-slot KV cache.
 
 The built-in engine's model. It computes what transformers' ``LlamaForCausalLM``,
 ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM`` and
 ``MixtralForCausalLM`` compute (RMSNorm, SwiGLU MLP, rotary embeddings with the config's
 ``rope_theta`` and ``head_dim``, grouped-query attention, tied or untied embeddings, Qwen2's q/k/v
 biases, Qwen3's per-head q/k RMSNorm before RoPE, the MoE families' softmax top-k router over
-SwiGLU experts), in fp32, and its parameters carry exactly the names transformers saves
+SwiGLU experts; DeepSeek-V3's multi-latent attention, YaRN, sigmoid router and shared experts),
+in fp32, and its parameters carry exactly the names transformers saves
 (per-expert ``mlp.experts.e.gate_proj``, Mixtral's ``block_sparse_moe.experts.e.w1``, as in the
 files, not transformers 5's fused in-memory experts), so that a weight broadcast can assign
 HF-named tensors in place through :meth:`Decoder.named_weights`.
@@ -47,9 +48,11 @@ from megatron_rl.hf.arch import (
     TEXT_PREFIXES,
     MLASettings,
     MoESettings,
+    YarnSettings,
     language_model_dict,
     mla_settings,
     moe_settings,
+    yarn_settings,
 )
 from megatron_rl.hf.files import HFWeights
 
@@ -63,10 +66,10 @@ _SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "dee
 
 @dataclass(kw_only=True)
 class DecoderConfig:
-    """The shape of a Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral decoder, read from an HF
+    """The shape of a decoder of one of the supported families, read from an HF
     ``config.json``."""
 
-    model_type: str  # one of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral
+    model_type: str  # one of _SUPPORTED
     vocab_size: int  # rows of the embedding and of the output head
     hidden_size: int  # residual-stream width
     intermediate_size: int  # SwiGLU inner width
@@ -81,7 +84,7 @@ class DecoderConfig:
     o_bias: bool = False  # output projection has a bias (Llama with attention_bias only)
     mlp_bias: bool = False  # MLP projections have biases (Llama mlp_bias)
     qk_norm: bool = False  # RMSNorm over each query / key head before RoPE (Qwen3)
-    num_experts: int = 0  # experts per MoE layer (Qwen3-MoE, Mixtral); 0: a dense MLP
+    num_experts: int = 0  # experts per MoE layer; 0: a dense MLP
     num_experts_per_tok: int = 0  # experts each token goes to (top-k)
     moe_intermediate_size: int = 0  # one expert's SwiGLU inner width
     norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
@@ -92,12 +95,12 @@ class DecoderConfig:
     #: not load: it serves text prompts only
     weight_prefix: str = ""
     carried_prefixes: tuple[str, ...] = ()
-    #: DeepSeek-V3: the whole MoE settings (sigmoid router, bias, groups, shared experts, leading
-    #: dense layers), multi-latent attention, and YaRN (inverse frequencies, the rotary tables'
-    #: factor, the softmax scale); None for the other families
+    #: the MoE settings whole (DeepSeek-V3's sigmoid router, bias, groups, shared experts and
+    #: leading dense layers among them; None for a dense model), DeepSeek's multi-latent
+    #: attention and its YaRN RoPE (None for the other families)
     moe: MoESettings | None = None
     mla: MLASettings | None = None
-    yarn: tuple[torch.Tensor, float, float] | None = None
+    yarn: YarnSettings | None = None
 
     @property
     def k_head_dim(self) -> int:
@@ -157,8 +160,8 @@ class DecoderConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act: only silu is supported, got {cfg['hidden_act']!r}")
         # transformers 5 nests the rotary settings in rope_parameters; 4.x had rope_theta and
-        # rope_scaling at the top level. Scaled variants (llama3, yarn, ...) change the
-        # frequencies and are not implemented: refuse rather than silently differ.
+        # rope_scaling at the top level. Scaled variants (llama3, ...) change the frequencies and
+        # are not implemented: refuse rather than silently differ. DeepSeek's YaRN is.
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         mla = mla_settings(cfg)
@@ -203,53 +206,32 @@ class DecoderConfig:
             carried_prefixes=CARRIED_PREFIXES.get(whole_type, ()),
             moe=moe,
             mla=mla,
-            yarn=_yarn(rope, cfg, float(theta), mla) if mla is not None and rope_type == "yarn" else None,
+            yarn=yarn_settings(rope, cfg.get("max_position_embeddings")) if rope_type == "yarn" else None,
         )
 
 
-def _yarn(
-    rope: Mapping[str, JsonValue], cfg: Mapping[str, JsonValue], theta: float, mla: MLASettings
-) -> tuple[torch.Tensor, float, float]:
+def _yarn(yarn: YarnSettings, theta: float, mla: MLASettings) -> tuple[torch.Tensor, float, float]:
     """YaRN as transformers computes it for DeepSeek: ``(inverse frequencies of the RoPE part,
     the factor the rotary tables are multiplied by, the softmax scale)``."""
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    def number(name: str, default: float | None = None) -> float:
-        value = rope.get(name, default)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise ValueError(f"rope_parameters.{name}: a number is needed for YaRN, got {value!r}")
-        return float(value)
-
-    original = number("original_max_position_embeddings")
-    factor = (
-        float(cast(float, rope["factor"]))
-        if rope.get("factor") is not None
-        else (
-            number("max_position_embeddings", float(cast(float, cfg.get("max_position_embeddings"))))
-            / original
-        )
-    )
-    m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-    attention = rope.get("attention_factor")
+    factor, dim = yarn.factor, mla.qk_rope
+    attention = yarn.attention_factor
     if attention is None:
+        both = yarn.mscale and yarn.mscale_all_dim
         attention = (
-            mscale(factor, float(cast(float, m))) / mscale(factor, float(cast(float, m_all)))
-            if m and m_all
-            else mscale(factor)
+            mscale(factor, yarn.mscale) / mscale(factor, yarn.mscale_all_dim) if both else mscale(factor)
         )
-    beta_fast, beta_slow = (
-        float(cast(float, rope.get("beta_fast") or 32)),
-        float(cast(float, rope.get("beta_slow") or 1)),
-    )
-    dim = mla.qk_rope
 
     def correction(rotations: float) -> float:
-        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+        return (dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(theta)
+        )
 
-    low, high = correction(beta_fast), correction(beta_slow)
-    if rope.get("truncate", True):
+    low, high = correction(yarn.beta_fast), correction(yarn.beta_slow)
+    if yarn.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
@@ -259,9 +241,9 @@ def _yarn(
     extrapolation = 1 - ramp
     inv_freq = (1.0 / (factor * pos)) * (1 - extrapolation) + (1.0 / pos) * extrapolation
     scale = (mla.qk_nope + mla.qk_rope) ** -0.5
-    if m_all:
-        scale *= mscale(factor, float(cast(float, m_all))) ** 2
-    return inv_freq, float(cast(float, attention)), scale
+    if yarn.mscale_all_dim:
+        scale *= mscale(factor, yarn.mscale_all_dim) ** 2
+    return inv_freq, attention, scale
 
 
 class KVCache:
@@ -538,7 +520,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder(nn.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral causal LM over a :class:`KVCache`; parameters
+    """A causal LM of one of the supported families over a :class:`KVCache`; parameters
     named as in HF's files."""
 
     inv_freq: torch.Tensor  # a buffer (register_buffer below), declared for the type checker
@@ -553,15 +535,14 @@ class Decoder(nn.Module):
         )
         # HF's inv_freq: theta ** -(2i / d) for i < d/2, computed from an int64 arange in fp32
         # (d: the rotated width; YaRN's own frequencies for DeepSeek).
-        d = cfg.rope_dim
+        d, mla = cfg.rope_dim, cfg.mla
         exponent = torch.arange(0, d, 2, dtype=torch.int64).float() / d
-        inv_freq = cfg.yarn[0] if cfg.yarn is not None else 1.0 / (cfg.rope_theta**exponent)
+        inv_freq = 1.0 / (cfg.rope_theta**exponent)
+        self.rope_factor = 1.0  # YaRN's factor on the rotary tables
+        self.attn_scale = None if mla is None else (mla.qk_nope + mla.qk_rope) ** -0.5  # None: SDPA's
+        if cfg.yarn is not None and mla is not None:
+            inv_freq, self.rope_factor, self.attn_scale = _yarn(cfg.yarn, cfg.rope_theta, mla)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.rope_factor = cfg.yarn[1] if cfg.yarn is not None else 1.0  # YaRN's rotary-table factor
-        mla = cfg.mla
-        self.attn_scale = (
-            cfg.yarn[2] if cfg.yarn is not None else (mla.qk_nope + mla.qk_rope) ** -0.5 if mla else None
-        )
         self.requires_grad_(False)
         #: an MoE model's routing of the last :meth:`forward`: ``[B, T, layers, top_k]`` int32, the
         #: experts each position was sent to in each layer (None for a dense model)

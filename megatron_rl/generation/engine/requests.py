@@ -41,7 +41,6 @@ class Job:
     prompt: list[int]
     sampling: Sampling
     where: str
-    return_routed_experts: bool = False
 
 
 @dataclass
@@ -112,13 +111,7 @@ def parse_generate_body(body: dict[str, JsonValue]) -> GenerateBody:
                 f"routed_experts_start_len: {routed_start} is beyond the prompt{where} ({len(prompt)} tokens)"
             )
         jobs.append(
-            Job(
-                str(rid) if rid is not None else "",
-                prompt,
-                _sampling(sp, f"sampling_params{where}"),
-                where,
-                return_routed_experts=routed,
-            )
+            Job(str(rid) if rid is not None else "", prompt, _sampling(sp, f"sampling_params{where}"), where)
         )
     named = [j.rid for j in jobs if j.rid]
     if len(set(named)) != len(named):

@@ -201,7 +201,7 @@ class _Stream:
         parsed: GenerateBody,
     ) -> None:
         self._server, self._jobs, self._waiters, self._ready = server, jobs, waiters, ready
-        self._client_gone, self._batch, self._parsed = client_gone, parsed.batch, parsed
+        self._client_gone, self._parsed = client_gone, parsed
         self._left = len(waiters)
 
     def __iter__(self) -> _Stream:
@@ -229,7 +229,7 @@ class _Stream:
                 break
         self._left -= len(done)
         replies = [self._server._reply(self._waiters[i].finished(), self._parsed) for i in done]
-        if self._batch:
+        if self._parsed.batch:
             for i, reply in zip(done, replies):
                 reply["index"] = i
         return replies
@@ -425,9 +425,9 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
             job.rid = job.rid or self._next_rid()
         if parsed.stream:
             ready: queue.SimpleQueue[int] = queue.SimpleQueue()
-            waiting = self._enqueue(jobs, ready)
+            waiting = self._enqueue(jobs, parsed.return_routed_experts, ready)
             return _Stream(self, jobs, waiting, ready, client_gone, parsed)
-        waiters = self._enqueue(jobs)
+        waiters = self._enqueue(jobs, parsed.return_routed_experts)
         for w in waiters:
             while not w.event.wait(_POLL_S):
                 if client_gone():
@@ -436,10 +436,12 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         out = [self._reply(w.finished(), parsed) for w in waiters]
         return out if parsed.batch else out[0]
 
-    def _enqueue(self, jobs: list[Job], ready: queue.SimpleQueue[int] | None = None) -> list[_Waiter]:
+    def _enqueue(
+        self, jobs: list[Job], routed: bool, ready: queue.SimpleQueue[int] | None = None
+    ) -> list[_Waiter]:
         """Queue every job in one lock section, or none: the engine's own checks (prompt ids in
         the vocabulary, prompt + max_new_tokens within max_len) refusing one undo the others
-        before the engine loop can step them."""
+        before the engine loop can step them. ``routed``: record their routed experts."""
         waiters = []
         with self._between_steps():
             for job in jobs:
@@ -450,11 +452,11 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                 for job in jobs:
                     sp = job.sampling
                     limit = sp.max_new_tokens  # null: up to the context length, as SGLang
-                    if job.return_routed_experts and not isinstance(self.engine, Engine):
+                    if routed and not isinstance(self.engine, Engine):
                         raise ValueError("return_routed_experts: the timing engine routes no experts")
                     # The timing engine writes scripted tokens: no distribution for top_k to cut.
                     extra = (
-                        {"top_k": sp.top_k, "return_routed_experts": job.return_routed_experts}
+                        {"top_k": sp.top_k, "return_routed_experts": routed}
                         if isinstance(self.engine, Engine)
                         else {}
                     )
