@@ -153,6 +153,8 @@ def classify(exc: BaseException) -> tuple[int, str]:
         why = exc.strerror or str(exc)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             return EXIT_RESOURCE, f"{where}disk full: {why}"
+        if exc.errno == errno.EFBIG:  # past this process's file-size limit (ulimit -f)
+            return EXIT_RESOURCE, f"{where}{why} (over the file-size limit, ulimit -f)"
         if exc.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ENOMEM):
             return EXIT_RESOURCE, f"{where}{why}"
         return EXIT_INPUT, f"{where}{why}"

@@ -17,6 +17,7 @@ Layer 1: imports only :mod:`megatron_rl.errors`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -30,6 +31,7 @@ from megatron_rl.errors import InputError, OutputError
 
 __all__ = [
     "JsonValue",
+    "JsonlCut",
     "JsonlError",
     "append_jsonl",
     "atomic_output_dir",
@@ -309,18 +311,47 @@ def append_jsonl(path: PathLike, records: Iterable[object]) -> int:
     return len(lines)
 
 
-def truncate_jsonl(path: PathLike, keep: Callable[[dict[str, JsonValue]], bool]) -> int:
+@dataclasses.dataclass
+class JsonlCut:
+    """What :func:`truncate_jsonl` did to a file."""
+
+    dropped: int = 0  # records ``keep`` refused
+    torn: list[int] = dataclasses.field(default_factory=list)  # lines that did not parse (cut by a crash)
+    restored: list[JsonValue] = dataclasses.field(default_factory=list)  # ``key`` of each record put back
+
+
+def truncate_jsonl(
+    path: PathLike,
+    keep: Callable[[dict[str, JsonValue]], bool],
+    *,
+    restore: Iterable[dict[str, JsonValue]] = (),
+    key: str = "step",
+) -> JsonlCut:
     """Keep the records for which ``keep`` is true (atomic rewrite); lines that do not parse (a
-    line cut by a crash) are dropped too. Returns the number of lines dropped."""
+    line cut by a crash) are dropped too. ``restore``: records kept elsewhere (a checkpoint's
+    copy of the latest ones): each that ``keep`` accepts and whose ``key`` no kept record has
+    is put back, and the file is then ordered by ``key`` (a torn line rewritten whole)."""
     file = Path(path)
+    cut = JsonlCut()
     if not file.exists():
-        return 0
-    kept: list[bytes] = []
-    dropped = 0
-    for _lineno, value in iter_jsonl(file, skip_bad=True):
-        if isinstance(value, JsonlError) or not keep(value):
-            dropped += 1
+        return cut
+    kept: list[dict[str, JsonValue]] = []
+    for lineno, value in iter_jsonl(file, skip_bad=True):
+        if isinstance(value, JsonlError):
+            cut.torn.append(lineno)
+        elif not keep(value):
+            cut.dropped += 1
         else:
-            kept.append(json.dumps(value, ensure_ascii=False).encode("utf-8") + b"\n")
-    atomic_write_bytes(file, b"".join(kept))
-    return dropped
+            kept.append(value)
+    have = {r.get(key) for r in kept}
+    for record in restore:
+        if keep(record) and record.get(key) not in have:
+            kept.append(record)
+            have.add(record.get(key))
+            cut.restored.append(record.get(key))
+    if cut.restored:
+        kept.sort(key=lambda r: (r.get(key) is None, r.get(key) or 0))
+    atomic_write_bytes(
+        file, b"".join(json.dumps(v, ensure_ascii=False).encode("utf-8") + b"\n" for v in kept)
+    )
+    return cut

@@ -96,7 +96,21 @@ def test_append_then_truncate_back_to_a_step(tmp_path):
     append_jsonl(f, [{"step": s, "loss": s / 10} for s in range(1, 6)])
     with f.open("a") as fh:
         fh.write('{"step": 6, "lo')  # cut by a kill -9
-    assert truncate_jsonl(f, lambda r: r["step"] <= 3) == 3  # steps 4, 5 and the cut line
+    cut = truncate_jsonl(f, lambda r: r["step"] <= 3)
+    assert (cut.dropped, cut.torn, cut.restored) == (2, [6], [])  # steps 4, 5 and the cut line
     assert [r["step"] for r in read_jsonl(f)] == [1, 2, 3]
     atomic_write_text(f, "")
-    assert read_jsonl(f) == [] and truncate_jsonl(tmp_path / "none.jsonl", bool) == 0
+    assert read_jsonl(f) == [] and truncate_jsonl(tmp_path / "none.jsonl", bool).dropped == 0
+
+
+def test_truncate_puts_back_a_torn_record_from_a_copy(tmp_path):
+    """A line torn in the middle of the file (step 8 of 10) is cut and rewritten whole from the
+    copy a checkpoint kept, in its place; records the copy has and the file keeps stay as they are."""
+    f = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": s / 10} for s in range(1, 11)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    torn = text.replace(json.dumps(rows[7]), json.dumps(rows[7])[:9])  # step 8 cut mid-line
+    f.write_text(torn)
+    cut = truncate_jsonl(f, lambda r: r["step"] <= 10, restore=rows[6:])  # the checkpoint's copy: 7..10
+    assert cut.torn == [8] and cut.restored == [8] and cut.dropped == 0
+    assert read_jsonl(f) == rows

@@ -244,10 +244,17 @@ class RunDirConfig:
     # trained, its prompts re-issued on resume), an evaluation (its unscored samples counted as
     # time_limit, the record marked partial). 0: no limit.
     time_limit_min: float = 0.0
+    # Preemption (SIGTERM, SIGUSR1, or a file RUN/STOP): the step under way finishes (or, still
+    # waiting for its batch, is abandoned), then a checkpoint and summary.json are written and the
+    # run exits 0, all within this many seconds of the signal; past them it stops at once (exit
+    # 1, no new checkpoint: the previous one stays the latest). Cluster schedulers kill after
+    # their own grace (SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds): keep below it.
+    preempt_grace_s: float = 120.0
 
     def __post_init__(self) -> None:
         check_range("checkpoint_every", self.checkpoint_every, low=0)
         check_range("time_limit_min", self.time_limit_min, low=0.0)
+        check_range("preempt_grace_s", self.preempt_grace_s, low=1.0)
         check_range("keep_last", self.keep_last, low=1)
         check_range("eval_every", self.eval_every, low=0)
         check_range("eval_k", self.eval_k, low=1)

@@ -54,6 +54,7 @@ from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, rea
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
 from megatron_rl.orchestration.loop import Orchestrator, TimeLimitReached
+from megatron_rl.orchestration.preempt import STOP_FILE, Preemption
 from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
 from megatron_rl.orchestration.sampler import PromptSampler
@@ -84,6 +85,10 @@ if TYPE_CHECKING:
     from megatron_rl.orchestration.recipe import RunConfig
 
 __all__ = ["main", "read_problem_sets", "run_training"]
+
+# Records of metrics.jsonl a checkpoint keeps (those since the previous checkpoint, at most this
+# many): what a resume can rewrite of a line torn in the file.
+_METRICS_TAIL = 100
 
 _PLOTS = [
     ("reward/mean", "reward"),
@@ -243,10 +248,23 @@ def run_training(
     if not cfg.model.hf:
         raise ValueError("model.hf: required (an HF folder with config.json, weights, tokenizer)")
     problems, eval_problems = read_problem_sets(cfg.data, needs_reference=not cfg.reward.replaces_correctness)
-    with ExitStack() as stack:  # unwinds in reverse: orchestrator, broadcaster, pool, servers
-        run = _Run(cfg, stack, progress=progress, problems=problems, eval_problems=eval_problems)
-        run.train(stop_after)
-        return run.finish()
+    # SIGTERM / SIGUSR1 / RUN/STOP from here on: the run stops at its next step boundary, saved
+    # (orchestration/preempt.py). Rank 0 (torchrun's RANK) looks for the stop file.
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    preemption = Preemption(
+        cfg.run.preempt_grace_s, stop_file=Path(cfg.run.dir) / STOP_FILE if rank0 else None
+    )
+    preemption.install()
+    try:
+        with ExitStack() as stack:  # unwinds in reverse: orchestrator, broadcaster, pool, servers
+            run = _Run(cfg, stack, progress=progress, problems=problems, eval_problems=eval_problems)
+            preemption.on_request = run.preempt
+            if preemption.reason is not None:  # asked before the run existed to hear it
+                run.preempt(preemption.reason)
+            run.train(stop_after)
+            return run.finish()
+    finally:
+        preemption.uninstall()
 
 
 def read_problem_sets(
@@ -333,7 +351,8 @@ class _Run:
         self.saved_step: int | None = None  # the step of the latest checkpoint saved or resumed
         self.evals: list[dict[str, JsonValue]] = []  # eval.jsonl so far (rank 0)
         self.curriculum = _Curriculum(cfg)
-        self.stopped = "max_steps"  # or "time_limit" / "stop_after": why train() returned
+        self.stopped = "max_steps"  # or "time_limit" / "preempted" / "stop_after": why train() returned
+        self.preempted: str | None = None  # the signal or file that asked the run to stop
         # Rank 0's services and held-out problems; None on the other ranks.
         self.fleet: FleetClient | None = None
         self.pool: VerifierPool | None = None
@@ -371,6 +390,9 @@ class _Run:
             self.trainer.load_hf(cfg.model.hf)
         # Recent metrics, for metric-triggered curriculum stages.
         self.history: list[dict[str, float]] = list(self.extra.get("history", []))
+        # metrics.jsonl's records since the latest checkpoint (saved with the next one, so that
+        # a line torn by a crash or a full disk is rewritten whole on resume).
+        self.metrics_tail: list[dict[str, float]] = []
         self.curriculum.apply(int(self.extra.get("curriculum_index", 0)), None, None)
         if self.rank0:
             self._prepare_run_dir()
@@ -420,8 +442,23 @@ class _Run:
         for t in self.trackers:
             self.stack.callback(t.close)
             t.config(snapshot)
+        saved = {"metrics.jsonl": self.extra.get("metrics_tail", [])}  # kept whole by the checkpoint
         for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
-            truncate_jsonl(run_dir / name, lambda r: r.get("step") is None or r["step"] <= step0)
+            cut = truncate_jsonl(
+                run_dir / name,
+                lambda r: r.get("step") is None or r["step"] <= step0,
+                restore=saved.get(name, ()),
+            )
+            if cut.torn:
+                again = (
+                    f"; step {', '.join(f'{s:g}' for s in cut.restored)} rewritten from the checkpoint"
+                    * bool(cut.restored)
+                )
+                print(
+                    f"[resume] {run_dir / name}: line {', '.join(map(str, cut.torn))} torn (cut by a "
+                    f"crash or a full disk) and removed{again}",
+                    file=sys.stderr,
+                )
         if (run_dir / "eval.jsonl").exists():
             self.evals = read_jsonl(run_dir / "eval.jsonl")
 
@@ -511,10 +548,10 @@ class _Run:
         """Optimizer steps until ``loop.max_steps`` (or ``stop_after`` steps of this call), with
         curriculum stages, metrics, samples, checkpoints and periodic evaluation."""
 
-        cfg, trainer, rank0 = self.cfg, self.trainer, self.rank0
-        if rank0 and trainer.step == 0 and not self.evals:
+        cfg, trainer, rank0, orch = self.cfg, self.trainer, self.rank0, self.orch
+        if rank0 and trainer.step == 0 and not self.evals and self.preempted is None:
             self.evaluate("before")
-        self.orch.start()
+        orch.start()
         bar = tqdm(
             total=cfg.loop.max_steps,
             initial=trainer.step,
@@ -532,16 +569,20 @@ class _Run:
                 break
             # Training stops early enough to leave the final evaluation the time the latest took.
             stop_at = None if self.deadline is None else self.deadline - self.eval_s
-            self.orch.deadline = stop_at
-            if stop_at is not None and self.orch.broadcast_object(time.monotonic() >= stop_at):
-                self._stop_at_time_limit("")
+            orch.deadline = stop_at
+            if self.preempted is not None:
+                orch.deadline = 0.0
+            why = orch.broadcast_object(self._why_stop(stop_at))  # rank 0's view decides
+            if why is not None:
+                self._stop_early(why, "")
                 break
             self._advance_curriculum()
             before = int(trainer.step)
             try:
-                result = self.orch.step()
-            except TimeLimitReached:
-                self._stop_at_time_limit(" while waiting for its batch (not trained)")
+                result = orch.step()
+            except TimeLimitReached:  # rank 0 gave up waiting for the batch: every rank is here
+                why = orch.broadcast_object(self._why_stop(stop_at)) or "time_limit"
+                self._stop_early(why, " while waiting for its batch (not trained)")
                 break
             steps_here += 1
             if rank0:
@@ -567,30 +608,53 @@ class _Run:
             ):
                 self.evaluate(f"step {trainer.step}")
         bar.close()
-        self.orch.stop()
+        orch.stop()
 
-    def _stop_at_time_limit(self, where: str) -> None:
-        """run.time_limit_min reached at the current step: say so, and checkpoint (collective)."""
-        self.stopped = "time_limit"
+    def preempt(self, reason: str) -> None:
+        """Asked to stop (a signal, the stop file): from a signal handler or another thread, so
+        it only sets flags; the step boundary (or the wait for a batch, past its deadline)
+        acts on them. Handed to :class:`Preemption` once the run is built."""
+        self.preempted = reason
+        self.orch.deadline = 0.0  # a wait for the batch gives up at its next look
+
+    def _why_stop(self, stop_at: float | None) -> str | None:
+        """Why the loop must stop now, as rank 0 sees it: preempted, time limit, or None."""
+        if self.preempted is not None:
+            return "preempted"
+        if stop_at is not None and time.monotonic() >= stop_at:
+            return "time_limit"
+        return None
+
+    def _stop_early(self, why: str, where: str) -> None:
+        """Stop at the current step (preempted or at run.time_limit_min): say so, and checkpoint
+        (collective)."""
+        self.stopped = why
         cfg, step = self.cfg, self.trainer.step
-        if self.rank0:
+        if self.rank0 and why == "time_limit":
             print(
                 f"[time limit] {cfg.run.time_limit_min:g} min reached at step {step}{where}: "
                 "finishing here (run again to resume)",
                 file=sys.stderr,
                 flush=True,
             )
+        elif self.rank0:
+            print(f"[preempt] stopping at step {step}{where}", file=sys.stderr, flush=True)
         if self.saved_step != step:  # not saved at this step yet (step 0 of a new run included)
             self._checkpoint()
 
     def _checkpoint(self) -> None:
-        extra: dict[str, object] = {"curriculum_index": self.curriculum.index, "history": self.history[-20:]}
+        extra: dict[str, object] = {
+            "curriculum_index": self.curriculum.index,
+            "history": self.history[-20:],
+            "metrics_tail": self.metrics_tail[-_METRICS_TAIL:],
+        }
         if self.rollouts is not None:  # its sampler's cursor and the counters, read at one instant
             extra.update(self.rollouts.state_dict())
         self.trainer.save_checkpoint(
             self.ckpt_root, extra=extra, keep_last=self.cfg.run.keep_last, carried_from=self.cfg.model.hf
         )
         self.saved_step = int(self.trainer.step)
+        self.metrics_tail = []
 
     def _advance_curriculum(self) -> None:
         """Rank 0 decides whether the next stage is due; every rank applies it."""
@@ -608,6 +672,7 @@ class _Run:
         m["time/elapsed_s"] = time.monotonic() - self.t_start
         self.history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
         self.history = self.history[-50:]
+        self.metrics_tail.append(m)
         append_jsonl(self.run_dir / "metrics.jsonl", [m])
         for t in self.trackers:
             t.log(m, int(m["step"]))
@@ -640,13 +705,16 @@ class _Run:
 
     def finish(self) -> dict[str, object]:
         """The final policy as an HF folder (every rank takes part), then on rank 0 the final
-        evaluation, the plots and ``summary.json``."""
+        evaluation, the plots and ``summary.json``. A preempted run writes the summary only (the
+        checkpoint is saved; the grace is short)."""
         cfg, trainer, run_dir = self.cfg, self.trainer, self.run_dir
-        trainer.export_hf(run_dir / "hf", like=cfg.model.hf)
+        preempted = self.stopped == "preempted"
+        if not preempted:
+            trainer.export_hf(run_dir / "hf", like=cfg.model.hf)
         if not self.rank0:
             return {}
         evals = self.evals
-        finished = trainer.step >= cfg.loop.max_steps or self.stopped == "time_limit"
+        finished = not preempted and (trainer.step >= cfg.loop.max_steps or self.stopped == "time_limit")
         # A run stopped by its time limit and resumed later is evaluated again at its new end (and
         # so is one whose final evaluation the limit cut short).
         last = evals[-1] if evals else {}
@@ -670,6 +738,10 @@ class _Run:
         summary = {
             "steps": int(trainer.step),
             "stopped": self.stopped,
+            "preempted_by": self.preempted,
+            "checkpoint": str(self.ckpt_root / checkpoint_dir_name(self.saved_step))
+            if self.saved_step is not None
+            else None,
             "wall_s": time.monotonic() - self.t_start,
             "resumed_from": str(self.resume_from) if self.resume_from else None,
             "pass@1_before": latest("before").get("pass@1"),
@@ -808,6 +880,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if summary:
         print(json.dumps(summary))
+    if summary.get("stopped") == "preempted":  # the one line a scheduler's log should end with
+        print(
+            f"megatron-rl train: preempted ({summary['preempted_by']}) at step {summary['steps']}; "
+            f"saved {summary['checkpoint']}; run the same command again to resume from it",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -98,10 +98,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException as DcpCheckpointException
 
 from megatron_rl import __version__
 from megatron_rl.fileio import atomic_write_json, atomic_write_text, fsync_dir
 from megatron_rl.hf.files import CARRIED_FILE, write_carried
+from megatron_rl.training.checkpoint_io import DiskFullError, in_process_save_strategy, out_of_space
 from megatron_rl.training.model import model_sharded_state_dict, unwrap_chunks
 
 if TYPE_CHECKING:
@@ -721,14 +723,73 @@ def save_checkpoint(
     if kind == "distributed":
         sharding = "fully_reshardable" if torch.cuda.is_available() else "dp_reshardable"
     meta = _optimizer_metadata(kind, sharding)
+    state = _sharded_state_dict(chunks, optimizer, meta, is_loading=False)
+    contents = {
+        "optimizer": kind,
+        "optimizer_state": opt_state,
+        "optimizer_sharding": sharding,
+        "optimizer_metadata": meta,
+        "scheduler": scheduler is not None,
+    }
+    # This rank's share, about (the optimizer's state included): what a full disk would lack.
+    # Counted before the save, which takes the state dict apart.
+    needed = max(
+        sum(t.data.numel() * t.data.element_size() for t in _sharded_tensors(state) if t.data is not None),
+        _previous_share(root),  # the optimizer's state may be stored as objects, not tensors
+    )
+    started: list[Path] = []  # the tmp folder, once rank 0 made it
+    try:
+        return _write(
+            root, step, state, started, extra, scheduler, carried, rng, layout, contents, seed, keep_last
+        )
+    except (Exception, DcpCheckpointException) as err:  # the latter is a BaseException
+        problem = out_of_space(err, root, needed)
+        if problem is None:
+            raise
+        if rank == 0:
+            for tmp in started:  # nothing of it is kept: give the space back
+                shutil.rmtree(tmp, ignore_errors=True)
+        latest = _read_latest(root)
+        kept = f"{root / latest} is intact and stays the latest" if latest else "no earlier checkpoint"
+        raise DiskFullError(f"{root}: no room for checkpoint step {step}: {problem}; {kept}") from err
+
+
+def _previous_share(root: Path) -> int:
+    """Bytes of the latest checkpoint's tensor files, per rank (0 if there is none)."""
+    latest = _read_latest(root)
+    folder = root / latest / DIST_DIR if latest else None
+    if folder is None or not folder.is_dir():
+        return 0
+    return sum(p.stat().st_size for p in folder.iterdir() if p.is_file()) // dist.get_world_size()
+
+
+def _write(
+    root: Path,
+    step: int,
+    state: ShardedStateDict,
+    started: list[Path],
+    extra: dict[str, object] | None,
+    scheduler: OptimizerParamScheduler | None,
+    carried: Iterable[tuple[str, torch.Tensor]] | None,
+    rng: dict[str, object],
+    layout: _Layout,
+    contents: dict[str, JsonValue],
+    seed: int | None,
+    keep_last: int | None,
+) -> Path:
+    """:func:`save_checkpoint`'s writing (collective): tmp folder, tensors, RNG, scheduler,
+    carried tensors, digests, then :func:`_finalize`. ``started`` gets the tmp folder."""
+    rank = dist.get_rank()
     tmp = Path(_on_rank0(lambda: str(_start(root, step, extra))))
+    started.append(tmp)
     from megatron.core import (
         dist_checkpointing,  # lazy: megatron-core takes seconds to import; only this path needs it
     )
 
     dist_checkpointing.save(
-        _sharded_state_dict(chunks, optimizer, meta, is_loading=False),
+        state,
         str(tmp / DIST_DIR),
+        sharded_strategy=in_process_save_strategy(),
         validate_access_integrity=True,
     )
     with _all_or_none(f"writing {tmp}"):
@@ -744,7 +805,7 @@ def save_checkpoint(
     gathered: list[dict[str, dict[str, JsonValue]]] | None = [{} for _ in range(world)] if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     digests = {rel: d for part in gathered or [] for rel, d in part.items()}
-    marker = {
+    marker: dict[str, JsonValue] = {
         "format": FORMAT_VERSION,
         "step": int(step),
         "layout": asdict(layout),
@@ -753,13 +814,7 @@ def save_checkpoint(
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "unix_time": time.time(),
         "versions": _versions(),
-        "contents": {
-            "optimizer": kind,
-            "optimizer_state": opt_state,
-            "optimizer_sharding": sharding,
-            "optimizer_metadata": meta,
-            "scheduler": scheduler is not None,
-        },
+        "contents": contents,
     }
     return Path(_on_rank0(lambda: str(_finalize(root, tmp, marker, digests, keep_last))))
 

@@ -1,0 +1,250 @@
+"""The faults a cluster sends a run, on a real ``megatron-rl train`` (engine servers, verifier pool,
+Megatron trainer): preemption by SIGTERM, SIGUSR1 or the stop file (a checkpoint at that step,
+exit 0 in time, resume with no step lost or repeated), ``kill -9`` of the trainer (no process of
+the run outlives it), a full disk while checkpointing (one line naming the path, the previous
+checkpoint intact), and a metrics line torn by a crash (rewritten on resume)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from tests.orchestration.conftest import ROOT, read_jsonl, recipe, train_cmd
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+GRACE_S = 60
+
+
+def _start(cmd: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw
+    )
+
+
+class _Family:
+    """Every process the run started (children, grandchildren), seen while it ran: by PID and
+    start time, so a reused PID is not mistaken for one of them."""
+
+    def __init__(self, pid: int) -> None:
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, float] = {}
+
+    def look(self) -> None:
+        try:
+            for p in self.root.children(recursive=True):
+                try:
+                    self.seen.setdefault(p.pid, p.create_time())
+                except psutil.NoSuchProcess:
+                    pass
+        except psutil.NoSuchProcess:
+            pass
+
+    def alive(self) -> list[str]:
+        out = []
+        for pid, started in self.seen.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+
+def _watch_until(proc: subprocess.Popen, family: _Family, predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        family.look()
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the run exited ({proc.returncode}) before {what}: {proc.stderr.read()[-3000:]}"
+            )
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _no_survivors(family: _Family, within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while family.alive() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not family.alive(), f"outlived the run: {family.alive()}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.fault("crash")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1", "stop-file"])
+def test_preempted_at_a_random_step_saves_it_exits_0_in_time_and_resumes_exactly(tmp_path, policy, how):
+    steps = 8
+    path = recipe(
+        tmp_path,
+        policy,
+        loop={"max_steps": steps, "max_dropped_batches": 64},
+        run={"checkpoint_every": 100, "preempt_grace_s": GRACE_S},  # only the preemption saves
+    )
+    run = tmp_path / "run"
+    at = random.Random(how).randint(1, steps // 2)  # after this many steps were logged
+    proc = _start(train_cmd(path))
+    family = _Family(proc.pid)
+    try:
+        _watch_until(proc, family, lambda: len(read_jsonl(run / "metrics.jsonl")) >= at, 400, f"step {at}")
+        t0 = time.monotonic()
+        if how == "stop-file":
+            (run / "STOP").touch()
+        else:
+            os.kill(proc.pid, getattr(signal, how))  # the trainer only, as a scheduler's first signal
+        out, err = proc.communicate(timeout=GRACE_S + 30)
+        took = time.monotonic() - t0
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert took < GRACE_S, took
+    summary = json.loads(out.strip().splitlines()[-1])
+    stopped_at = summary["steps"]
+    assert summary["stopped"] == "preempted" and at <= stopped_at < steps, summary
+    assert summary["preempted_by"] == (how if how != "stop-file" else f"{run / 'STOP'} exists")
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"megatron-rl train: preempted ({summary['preempted_by']}) at step {stopped_at}")
+    assert "Traceback" not in err
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:08d}"
+    assert summary["checkpoint"] == str(run / "checkpoints" / f"step_{stopped_at:08d}")
+    _no_survivors(family, 5.0)
+
+    # Resume: from the preempted step to the end, no step lost or repeated.
+    done = subprocess.run(train_cmd(path), cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == list(range(1, steps + 1))
+    trained = [
+        (e["prompt_id"], e["epoch"]) for e in read_jsonl(run / "ledger.jsonl") if e["event"] == "trained"
+    ]
+    assert len(trained) == len(set(trained))
+    final = json.loads(done.stdout.strip().splitlines()[-1])
+    assert final["stopped"] == "max_steps" and final["resumed_from"].endswith(f"step_{stopped_at:08d}")
+
+
+@pytest.mark.fault("crash")
+def test_kill_9_of_the_trainer_leaves_no_process_of_the_run(tmp_path, policy):
+    """Servers, verifier workers, their forkserver and the resource tracker: none outlives a
+    trainer killed with SIGKILL (to it alone: nothing could clean up), at a random point of
+    its second step, checkpoint included."""
+    path = recipe(tmp_path, policy, loop={"max_steps": 4, "max_dropped_batches": 64})
+    run = tmp_path / "run"
+    proc = _start(train_cmd(path))
+    family = _Family(proc.pid)
+    try:
+        _watch_until(proc, family, lambda: len(read_jsonl(run / "metrics.jsonl")) >= 1, 400, "step 1")
+        deadline = time.monotonic() + random.Random(9).uniform(0.0, 2.0)
+        while time.monotonic() < deadline:
+            family.look()
+            time.sleep(0.05)
+        kinds = " ".join(family.alive())
+        assert "serve-engine" in kinds and "forkserver" in kinds, kinds  # what must not outlive it
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _no_survivors(family, 10.0)
+    finally:
+        _kill_group(proc)
+
+
+def _limit_file_size(limit: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.fault("crash")
+def test_a_full_disk_while_checkpointing_is_named_and_the_previous_checkpoint_stays(tmp_path, policy):
+    """The stand-in for a full disk is a file-size limit (ulimit -f): the checkpoint's tensors
+    do not fit in one file; everything else the run writes does."""
+    path = recipe(tmp_path, policy, loop={"max_steps": 1, "max_dropped_batches": 64})
+    run = tmp_path / "run"
+    first = subprocess.run(train_cmd(path), cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpts = run / "checkpoints"
+    before = {p.name: p.stat().st_mtime_ns for p in (ckpts / "step_00000001").rglob("*")}
+    size = sum(p.stat().st_size for p in (ckpts / "step_00000001" / "dist").rglob("*") if p.is_file())
+    full = subprocess.run(
+        train_cmd(path, "loop.max_steps=2"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        preexec_fn=_limit_file_size(size // 2),
+    )
+    assert full.returncode == 5, full.stderr[-3000:]  # a resource, not a crash (70) or a stop (1)
+    assert "Traceback" not in full.stderr
+    line = full.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"megatron-rl train: {ckpts}: no room for checkpoint step 2"), line
+    assert "ulimit -f" in line and f"{ckpts / 'step_00000001'} is intact" in line, line
+    assert (ckpts / "latest").read_text().strip() == "step_00000001"
+    assert not [p for p in ckpts.iterdir() if ".tmp-" in p.name]  # the partial save was removed
+    assert {p.name: p.stat().st_mtime_ns for p in (ckpts / "step_00000001").rglob("*")} == before
+
+    again = subprocess.run(
+        train_cmd(path, "loop.max_steps=2"), cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["resumed_from"].endswith("step_00000001")
+    assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.fault("crash")
+def test_a_metrics_line_torn_by_a_crash_is_rewritten_on_resume(tmp_path, policy):
+    path = recipe(tmp_path, policy, loop={"max_steps": 2, "max_dropped_batches": 64})
+    run = tmp_path / "run"
+    first = subprocess.run(train_cmd(path), cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert first.returncode == 0, first.stderr[-3000:]
+    metrics = run / "metrics.jsonl"
+    original = read_jsonl(metrics)
+    text = metrics.read_text()
+    metrics.write_text(text[: text.rindex("\n", 0, len(text) - 1) + 40])  # step 2's line cut after 40 bytes
+    assert [m["step"] for m in read_jsonl(metrics)] == [1]
+    resumed = subprocess.run(
+        train_cmd(path, "loop.max_steps=3"), cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        f"{metrics}: line 2 torn" in resumed.stderr
+        and "step 2 rewritten from the checkpoint" in resumed.stderr
+    )
+    got = read_jsonl(metrics)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    assert got[:2] == original
+
+
+@pytest.mark.fault("crash")
+def test_the_verifier_forkserver_and_resource_tracker_killed_mid_run_are_replaced(tmp_path, policy):
+    """The pool's machinery (the forkserver its workers come from, multiprocessing's resource
+    tracker) killed together mid-run, workers with them: replaced, and the run ends normally."""
+    path = recipe(tmp_path, policy, loop={"max_steps": 3, "max_dropped_batches": 64})
+    run = tmp_path / "run"
+    proc = _start(train_cmd(path))
+    family = _Family(proc.pid)
+    try:
+        _watch_until(proc, family, lambda: len(read_jsonl(run / "metrics.jsonl")) >= 1, 400, "step 1")
+        helpers = [
+            p
+            for p in psutil.Process(proc.pid).children()
+            if any(k in " ".join(p.cmdline()) for k in ("forkserver", "resource_tracker"))
+        ]
+        assert len(helpers) == 2, [p.cmdline() for p in helpers]
+        for p in helpers:
+            p.kill()
+        out, err = proc.communicate(timeout=400)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
