@@ -88,7 +88,7 @@ def test_train_refuses_a_problem_it_could_never_score_naming_file_and_line(tmp_p
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"model:\n  hf: {tmp_path}\ndata:\n  train: {data}\nrun:\n  dir: {tmp_path / 'run'}\n")
     proc = run("train", str(recipe), check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr  # 3: a bad input file
     assert f"{data}:3: {field}:" in proc.stderr
     assert not (tmp_path / "run").exists()
 

@@ -29,6 +29,7 @@ import torch
 from megatron_rl.errors import InputError, OutputError, UsageError, UserError
 from megatron_rl.fileio import JsonValue, check_output_apart
 from megatron_rl.hf.arch import mla_settings, moe_settings
+from megatron_rl.hf.files import nonfinite_problem  # re-exported: the convert checks' home for it
 from megatron_rl.hf.layout import WeightsMismatchError
 
 __all__ = [
@@ -194,21 +195,6 @@ def check_parallel_sizes(
             f"--pp {pipeline_parallel}: does not divide num_hidden_layers={layers} of {path}; "
             f"--pp must divide it (it can be {_sizes_dividing([layers])})"
         )
-
-
-def nonfinite_problem(name: str, tensor: torch.Tensor, where: str) -> str | None:
-    """None if ``tensor`` is finite, else the one-line refusal naming ``name`` (in ``where``)."""
-    if not tensor.is_floating_point():
-        return None
-    finite = torch.isfinite(tensor)
-    if bool(finite.all()):
-        return None
-    nan = int(torch.isnan(tensor).sum())
-    inf = tensor.numel() - int(finite.sum()) - nan
-    return (
-        f"{where}: tensor {name} holds non-finite values ({nan} NaN, {inf} Inf of "
-        f"{tensor.numel()}, dtype {str(tensor.dtype).removeprefix('torch.')})"
-    )
 
 
 def overflow_problem(name: str, source: torch.Tensor, cast: torch.Tensor, where: str) -> str | None:

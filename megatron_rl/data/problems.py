@@ -420,9 +420,15 @@ def read_problems(
     seen: dict[str, str] = {}
     wanted = {k: v if isinstance(v, list) else [v] for k, v in (where or {}).items()}
     present: set[str] = set()  # where-columns some record has
+    renamed = {ours: theirs for ours, theirs in (columns or {}).items() if ours != theirs}
+    mapped: set[str] = set()  # mapped columns some record has
+    keys: set[str] = set()  # the columns of the first record (named when a mapping finds nothing)
     records = 0
     for at, obj in read_records(path, split=split, default_split=default_split):
         records += 1
+        if renamed and isinstance(obj, dict):
+            keys = keys or set(obj)
+            mapped.update(c for c in renamed.values() if c not in mapped and _lookup(obj, c)[0])
         if wanted and isinstance(obj, dict):
             keep = True
             for column, values in wanted.items():
@@ -443,6 +449,12 @@ def read_problems(
         out.append(p)
         if limit is not None and len(out) >= limit:
             break
+    for ours, theirs in renamed.items():  # a mapping that can never apply is a mistake, not a no-op
+        if records and theirs not in mapped:
+            raise OptionError(
+                f"columns.{ours}",
+                f"no record of {path} has a column {theirs!r} (the first one has: {', '.join(sorted(keys))})",
+            )
     if wanted and records:
         for column in wanted:
             if column not in present:

@@ -276,6 +276,10 @@ def byte_level_table(backend) -> list[bytes] | None:
     return pieces
 
 
+# Files a tokenizer folder has one of (fast, SentencePiece, byte-level BPE, WordPiece, tiktoken).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
 def load_tokenizer(folder: str, *, chat_template: str = "auto"):
     """A local Hugging Face tokenizer (no downloads). ``chat_template``: "auto" keeps the
     folder's template (prompts go through it when there is one); "none" drops it, so that
@@ -288,9 +292,22 @@ def load_tokenizer(folder: str, *, chat_template: str = "auto"):
         raise UsageError(f"chat_template: must be 'auto' or 'none', got {chat_template!r}")
     if not os.path.isdir(folder):
         raise InputError(f"{folder}: no such tokenizer folder (a local Hugging Face folder is needed)")
+    names = os.listdir(folder)
+    if not any(n in _TOKENIZER_FILES or n.endswith((".tiktoken", ".model")) for n in names):
+        # transformers would go on to say "install sentencepiece or tiktoken", which is not why.
+        raise InputError(
+            f"{folder}: not a Hugging Face tokenizer folder: it holds no tokenizer files (one of "
+            f"{', '.join(_TOKENIZER_FILES)} is needed; copy them from the model's original folder)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # transformers' own words are about hub ids
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+        ImportError,
+    ) as e:  # transformers' words are about hub ids
         raise InputError(
             f"{folder}: not a Hugging Face tokenizer folder (tokenizer.json or tokenizer_config.json "
             f"with its vocabulary is needed): {type(e).__name__}"

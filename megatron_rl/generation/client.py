@@ -112,7 +112,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class ServerState:
     url: str
-    alive: bool = True
+    alive: bool = True  # routed: takes generations
+    held: bool = False  # back after a death, not routed until the trainer's weights reach it (admit)
     in_flight: int = 0
     capacity_tokens: int = 0
     max_running: int = 0
@@ -168,6 +169,7 @@ class FleetClient:
         if not self.servers:
             raise ValueError("urls: need at least one server")
         self.update_urls = [u.rstrip("/") for u in (update_urls or [s.url for s in self.servers])]
+        self.all_update_urls = list(self.update_urls)  # update_urls: the current group's members
         self.request_timeout_s = request_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -254,18 +256,21 @@ class FleetClient:
         A URL that answers but has no ``/server_info`` (a router) stays alive; its KV capacity
         is then that of the update targets behind it."""
         for s in self.servers:
+            if not s.alive and not s.held:  # dead: back only through hold() (fleet_health.py)
+                continue
             try:
                 info = self._call(s.url, "/server_info", None, method="GET", timeout=self.control_timeout_s)
             except ServerLost:
-                s.alive = False
+                s.alive = s.held = False
                 continue
             except ServerError as e:
                 if e.status == 401:  # it answers, but not to this key: no point routing to it
                     raise
-                s.alive, s.info = self._answers(s.url), None
+                answers = self._answers(s.url)
+                s.alive, s.held, s.info = s.alive and answers, s.held and answers, None
                 continue
             self._check_server(s.url, info)
-            s.alive, s.info = True, info
+            s.info = info
             s.capacity_tokens = int(info.get("max_total_num_tokens") or 0)
             s.max_running = int(info.get("max_running_requests") or 0)
             s.tp_size = update_group_ranks(info, s.url)
@@ -302,6 +307,32 @@ class FleetClient:
                 self.refresh()
                 return s.alive
         raise KeyError(f"{url}: not a server of this fleet")
+
+    def mark_dead(self, url: str) -> None:
+        """Take a server out of routing (its process was seen dead)."""
+        with self._lock:
+            for s in self.servers:
+                if s.url == url.rstrip("/"):
+                    s.alive = s.held = False
+
+    def hold(self, url: str) -> None:
+        """A dead server answers again: it joins the next weight update, not routing (it holds
+        weights of no version the trainer has now); :meth:`admit` routes it after the update."""
+        with self._lock:
+            for s in self.servers:
+                if s.url == url.rstrip("/") and not s.alive:
+                    s.held = True
+
+    def held_urls(self) -> list[str]:
+        return [s.url for s in self.servers if s.held]
+
+    def admit(self, urls: Iterable[str]) -> None:
+        """Route these held servers again: the trainer's current weights reached them."""
+        wanted = {u.rstrip("/") for u in urls}
+        with self._lock:
+            for s in self.servers:
+                if s.url in wanted and s.held:
+                    s.alive, s.held = True, False
 
     def _answers(self, url: str) -> bool:
         try:
@@ -663,13 +694,16 @@ class FleetClient:
         return self._broadcast_control("/end_weight_update", {}, self._live_update_urls())
 
     def _live_update_urls(self) -> list[str]:
-        dead = {s.url for s in self.servers if not s.alive}
+        dead = {s.url for s in self.servers if not s.alive and not s.held}
         return [u for u in self.update_urls if u not in dead]
 
     def live_update_urls(self) -> list[str]:
-        """Update targets that answer (routed servers by their state, others by ``/health``)."""
-        routed = {s.url: s.alive for s in self.servers}
-        return [u for u in self.update_urls if routed.get(u, None) or (u not in routed and self._answers(u))]
+        """Update targets that answer (routed servers by their state, held ones included; others
+        by ``/health``), out of every target the fleet was given."""
+        routed = {s.url: s.alive or s.held for s in self.servers}
+        return [
+            u for u in self.all_update_urls if routed.get(u, None) or (u not in routed and self._answers(u))
+        ]
 
     def update_ranks(self) -> dict[str, int]:
         """Rank offset of each update target in the update group (rank 0 is the trainer)."""

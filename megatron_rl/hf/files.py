@@ -39,6 +39,7 @@ __all__ = [
     "carried_tensors",
     "copy_side_files",
     "dtype_name",
+    "nonfinite_problem",
     "parse_dtype",
     "parse_size",
     "write_carried",
@@ -362,3 +363,18 @@ def write_hf_folder(
         (tmp / "config.json").write_text(json.dumps(dict(config), indent=2, sort_keys=True) + "\n")
         copy_side_files(side_files_from, tmp)
     return Path(out)
+
+
+def nonfinite_problem(name: str, tensor: torch.Tensor, where: str) -> str | None:
+    """None if ``tensor`` is finite, else the one-line refusal naming ``name`` (in ``where``)."""
+    if not tensor.is_floating_point():
+        return None
+    finite = torch.isfinite(tensor)
+    if bool(finite.all()):
+        return None
+    nan = int(torch.isnan(tensor).sum())
+    inf = tensor.numel() - int(finite.sum()) - nan
+    return (
+        f"{where}: tensor {name} holds non-finite values ({nan} NaN, {inf} Inf of "
+        f"{tensor.numel()}, dtype {str(tensor.dtype).removeprefix('torch.')})"
+    )

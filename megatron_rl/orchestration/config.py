@@ -5,6 +5,7 @@ curriculum. These are sections of :class:`megatron_rl.config.RunConfig` (``loop:
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -190,8 +191,17 @@ class FleetConfig:
     # ends and at equal n_async fewer sequences decode. auto: per group where every server
     # streams (the built-in engine), per sample elsewhere (README "Scale").
     group_requests: bool | Literal["auto"] = "auto"
+    # A fleet that heals (orchestration/fleet_health.py): a local server that dies is started
+    # again on its port, at most this many times each; an external one is asked /health with
+    # back-off. Either takes work again only once the trainer's weights reached it.
+    max_restarts: int = 3
+    # The run stops (exit 1, one line) when no server has been reachable for this long; until
+    # then, generations that find no server wait for one.
+    dead_fleet_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
+        check_range("max_restarts", self.max_restarts, low=0)
+        check_range("dead_fleet_timeout_s", self.dead_fleet_timeout_s, low=0.0, low_open=True)
         try:
             check_api_key(self.api_key)
         except ValueError as e:
@@ -263,6 +273,36 @@ class RunDirConfig:
             check_choice("trackers", name, ("jsonl", "tensorboard", "wandb", "mlflow"))
 
 
+# What metrics.jsonl's records hold (the loop's Orchestrator._metrics, the trainer's step stats,
+# the weight update's, the run's own): names, and families whose members depend on the run (a
+# reward part, a drop reason, the trainer's statistics). A curriculum stage on any other metric
+# could never trigger; tests/orchestration/test_loop.py checks every key a real run logs is here.
+LOGGED_METRICS = ("step", "pass_rate", "format_rate", "sequences", "in_flight", "async_cap")
+LOGGED_FAMILIES = (
+    "reward/",
+    "length/",
+    "groups/",
+    "train/",
+    "staleness/",
+    "queue/",
+    "generator/",
+    "throughput/",
+    "time/",
+    "requests/",
+    "samples/reason/",
+    "weight_sync/",
+    "colocate/",
+    "version/",
+    "curriculum/",
+    "fleet/",
+)
+
+
+def is_logged_metric(name: str) -> bool:
+    """Whether the loop can log a metric of this name (see ``LOGGED_METRICS``)."""
+    return name in LOGGED_METRICS or any(name.startswith(f) and len(name) > len(f) for f in LOGGED_FAMILIES)
+
+
 @dataclass(kw_only=True)
 class StageConfig:
     """A curriculum stage: starts at ``at_step``, or once ``metric`` crosses ``threshold``
@@ -291,5 +331,15 @@ class StageConfig:
             )
         if self.metric is not None and self.threshold is None:
             raise ConfigFieldError("threshold", f"required with metric {self.metric!r}")
+        if self.metric is not None and not is_logged_metric(self.metric):
+            close = difflib.get_close_matches(
+                self.metric, [*LOGGED_METRICS, "reward/mean", "length/mean"], n=1
+            )
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigFieldError(
+                "metric",
+                f"{self.metric!r} is not a metric the loop logs{hint} (a key of metrics.jsonl: "
+                f"{', '.join(LOGGED_METRICS)}, or {', '.join(f + '...' for f in LOGGED_FAMILIES)})",
+            )
         check_range("window", self.window, low=1)
         check_choice("above", self.above, (True, False))

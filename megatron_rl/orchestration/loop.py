@@ -44,6 +44,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -69,6 +70,9 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
+# What rank 0 broadcasts in place of a step's minibatch count while it waits for its batch and
+# the fleet needs the trainer's weights first (-1: the time limit or a preemption stopped it).
+_RESYNC = -2
 
 
 class Trainer(Protocol):
@@ -203,6 +207,10 @@ class Orchestrator:
         # time.monotonic() past which a step waiting for its batch is abandoned (rank 0; the run
         # sets it from run.time_limit_min); None: no limit.
         self.deadline: float | None = None
+        # Rank 0: whether the fleet's servers are all held, waiting for the trainer's weights
+        # (orchestration/fleet_health.py): a step waiting for its batch then runs a weight update
+        # (with every rank) so that they generate again. None: never.
+        self.resync_due: Callable[[], bool] | None = None
 
     def _rank0_rollouts(self) -> Rollouts:
         """The rollouts, for the methods only rank 0 runs (generation, batches, metrics): the
@@ -260,6 +268,15 @@ class Orchestrator:
     def _check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise TimeLimitReached
+        if self.resync_due is not None and self.resync_due():
+            self._resync()
+
+    def _resync(self) -> None:
+        """Rank 0, waiting for its batch: every rank runs the weight update of the current
+        version now (the others wait in :meth:`step` for rank 0's word)."""
+        self.broadcast_object(_RESYNC)
+        if self.sync_weights and self.broadcaster is not None:
+            self.broadcaster.sync(int(self.trainer.step))
 
     def busy_seconds(self) -> float:
         """Wall time the generators had work (a sequence in flight), as Rollouts counts it."""
@@ -375,6 +392,10 @@ class Orchestrator:
         per_mini = n_mini // self.loop.group_size
         chunks = [groups[i : i + per_mini] for i in range(0, len(groups), per_mini)]
         n_chunks = self.broadcast_object(-1 if timed_out else len(chunks))  # -1: every rank stops
+        while n_chunks == _RESYNC:  # not rank 0: rank 0 waits for a fleet that needs the weights
+            if self.sync_weights and self.broadcaster is not None:
+                self.broadcaster.sync(version)
+            n_chunks = self.broadcast_object(-1)
         if n_chunks < 0:
             raise TimeLimitReached
         release_stats = self._release_fleet()

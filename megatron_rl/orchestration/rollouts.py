@@ -288,6 +288,9 @@ class Rollouts:
         self._busy_since: float | None = None  # when the current busy stretch began
         self._index = itertools.count()
         self._errors: list[BaseException] = []
+        # Samples that found no live server, (record, samples, servers to avoid): sent again by
+        # check() once one is back (orchestration/fleet_health.py restarts or waits for them).
+        self._parked: list[tuple[GroupRecord, list[int], frozenset[str]]] = []
         self._stats: Counter[str] = Counter()  # issued/lost/generated_tokens/scored/verifier reasons
         self._length_ema = 0.0
         # Rendered prompts, packed (4 bytes a token, not a pointer and an int object: ~40 at a
@@ -431,7 +434,12 @@ class Rollouts:
 
     def check(self) -> None:
         """Score samples whose scoring passed its deadline (:meth:`expire_overdue`), then raise
-        the first error a callback met (a refused request, no live server, a broken pool)."""
+        the first error a callback met (a refused request, a dead fleet, a broken pool). Samples
+        that found no live server are sent again first (parked again if there is still none)."""
+        with self._lock:
+            parked, self._parked = self._parked, []
+        for rec, samples, exclude in parked:
+            self._submit(rec, samples, exclude)
         self.expire_overdue()
         with self._lock:
             first = self._errors[0] if self._errors else None
@@ -604,7 +612,11 @@ class Rollouts:
                     exclude=set(exclude),
                     on_results=functools.partial(self._on_results, rec, index, handed, exclude),
                 )
-            except (ServerLost, ClientClosed) as e:  # no live server at all, or the run is stopping
+            except ServerLost:  # no live server at all: wait for one (check() sends it again)
+                with self._lock:
+                    self._parked.append((rec, batch, exclude))
+                continue
+            except ClientClosed as e:  # the run is stopping
                 self.fail(e)
                 return
             fut.add_done_callback(functools.partial(self._on_request_done, rec, batch, handed, exclude))

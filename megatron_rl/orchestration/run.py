@@ -48,11 +48,12 @@ from tqdm import tqdm
 from megatron_rl.config import ConfigError, config_to_dict
 from megatron_rl.data.problems import DataError, OptionError, hold_out, read_problems
 from megatron_rl.data.sampling import SamplingConfig, check_think_tags_in, has_chat_template, load_tokenizer
-from megatron_rl.errors import ArgumentParser, run_cli
+from megatron_rl.errors import ArgumentParser, UsageError, UserError, run_cli
 from megatron_rl.evaluation.heldout import describe, held_out_pass_at_1
 from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
+from megatron_rl.orchestration.fleet_health import FleetDoctor
 from megatron_rl.orchestration.loop import Orchestrator, TimeLimitReached
 from megatron_rl.orchestration.preempt import STOP_FILE, Preemption
 from megatron_rl.orchestration.recipe import load_config
@@ -280,9 +281,9 @@ def read_problem_sets(
     if not data.train:
         raise ValueError("data.train: required (a file, a datasets folder or hf:NAME of problems)")
 
-    def option(e: OptionError, split_field: str) -> DataError:
+    def option(e: OptionError, split_field: str) -> UsageError:  # a recipe field the data cannot satisfy
         name = split_field if e.option == "split" else f"data.{e.option}"
-        return DataError(f"{name}: {e.message}")
+        return UsageError(f"{name}: {e.message}")
 
     try:
         problems = read_problems(
@@ -315,7 +316,7 @@ def read_problem_sets(
         try:
             problems, eval_problems = hold_out(problems, data.eval_fraction, seed=data.holdout_seed)
         except ValueError as e:
-            raise DataError(f"data.eval_fraction: {e}") from None
+            raise UsageError(f"data.eval_fraction: {e}") from None
     return problems, eval_problems
 
 
@@ -360,6 +361,8 @@ class _Run:
         self.rollouts: Rollouts | None = None
         self.eval_problems: list[Problem] | None = None
         self.trackers: list[Tracker] = []  # rank 0's (run.trackers), opened with the run directory
+        self.engines: dict[str, EngineProcess] = {}  # rank 0's local servers, by URL
+        self.doctor: FleetDoctor | None = None  # rank 0: restarts or waits for dead servers
 
         self.tok: PreTrainedTokenizerBase = load_tokenizer(
             cfg.model.tokenizer or cfg.model.hf, chat_template=cfg.data.chat_template
@@ -400,6 +403,7 @@ class _Run:
         self.broadcaster = self._connect_broadcaster()
         if self.rank0:
             self.rollouts = self._make_rollouts()
+            self.doctor = self._watch_fleet(self.rollouts)
         self.orch = Orchestrator(
             cfg,
             trainer=self.trainer,
@@ -409,6 +413,9 @@ class _Run:
             world_size=self.world,
         )
         stack.callback(self.orch.stop)
+        fleet = self.fleet
+        if fleet is not None and cfg.loop.mode != "colocated":  # a fleet all held: update it now
+            self.orch.resync_due = lambda: not fleet.alive and bool(fleet.held_urls())
         self.curriculum.apply(self.curriculum.index, self.orch, self.sampler)  # re-bind to orch
         if self.rank0 and eval_problems is not None:
             self.eval_problems = eval_problems
@@ -484,6 +491,7 @@ class _Run:
                 )
                 stack.callback(srv.stop)
                 urls.append(srv.start().url)
+                self.engines[srv.url] = srv
                 engines.append({"url": srv.url, "pid": srv.pid})
         atomic_write_text(
             self.run_dir / "logs" / "pids.json",
@@ -526,6 +534,22 @@ class _Run:
         self.stack.callback(broadcaster.close)
         broadcaster.sync(self.trainer.step)
         return broadcaster
+
+    def _watch_fleet(self, rollouts: Rollouts) -> FleetDoctor:
+        """Rank 0: the doctor that restarts dead local servers and waits for external ones; a
+        fleet dead for ``fleet.dead_fleet_timeout_s`` stops the run through the rollouts."""
+        fleet, f = self.fleet, self.cfg.fleet
+        if fleet is None:
+            raise RuntimeError(f"rank {self.rank}: only rank 0 holds the fleet")
+        doctor = FleetDoctor(
+            fleet,
+            self.engines,
+            max_restarts=f.max_restarts,
+            dead_fleet_timeout_s=f.dead_fleet_timeout_s,
+            on_dead=rollouts.fail,
+        ).start()
+        self.stack.callback(doctor.close)
+        return doctor
 
     def _make_rollouts(self) -> Rollouts:
         """Rank 0: generation and scoring over the services :meth:`_start_services` started."""
@@ -670,6 +694,8 @@ class _Run:
         m = result.metrics
         m["curriculum/stage"] = float(self.curriculum.index)
         m["time/elapsed_s"] = time.monotonic() - self.t_start
+        if self.doctor is not None:
+            m["fleet/restarts"] = float(self.doctor.total_restarts)
         self.history.append({k: v for k, v in m.items() if not k.startswith("staleness/hist")})
         self.history = self.history[-50:]
         self.metrics_tail.append(m)
@@ -866,6 +892,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = run_training(cfg, progress=not args.no_progress)
+    except UserError:  # one line with the exit code of its kind (run_cli prints it)
+        raise
     except (ValueError, FileNotFoundError) as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 2

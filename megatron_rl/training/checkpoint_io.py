@@ -50,7 +50,9 @@ def _write_buckets(
     """Megatron's ``write_preloaded_data_multiproc`` without the processes: each file written in
     turn by its per-file function, results (or the first error) put where the finalisation
     reads them."""
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync,  # lazy: megatron-core takes seconds to import; only a save needs it
+    )
 
     written: dict[int, object] = {}
     for i, bucket in enumerate(write_buckets):
@@ -69,8 +71,12 @@ def _write_buckets(
 def in_process_save_strategy() -> TorchDistSaveShardedStrategy:
     """Megatron's ``torch_dist`` save strategy (format 1, as ``dist_checkpointing.save``
     picks by default) whose files are written by this process, one file per rank."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies import (
+        filesystem_async,  # lazy: megatron-core takes seconds to import; only a save needs it
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        TorchDistSaveShardedStrategy,  # lazy: megatron-core takes seconds to import; only a save needs it
+    )
 
     # The writer takes its results queue from this module global, creating a Manager process
     # on first use; an in-process queue serves a write that stays in the process.

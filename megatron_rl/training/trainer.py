@@ -41,6 +41,7 @@ from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metri
 from megatron_rl.batching.collate import Microbatch, build_microbatches, collate, filler_routing
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
+from megatron_rl.errors import InputError
 from megatron_rl.hf.arch import (
     CARRIED_PREFIXES,
     language_model_config,
@@ -49,7 +50,7 @@ from megatron_rl.hf.arch import (
     padded_vocab_size,
     routed_shape,
 )
-from megatron_rl.hf.files import HFWeights, carried_tensors, write_hf_folder
+from megatron_rl.hf.files import HFWeights, carried_tensors, nonfinite_problem, write_hf_folder
 from megatron_rl.hf.layout import HFConverter
 from megatron_rl.training.checkpoint import NonFiniteError, load_checkpoint, save_checkpoint
 from megatron_rl.training.chunks import iter_model_hf, load_hf_into_chunk
@@ -423,6 +424,22 @@ class PolicyTrainer:
                 )
         finally:
             weights.close()
+        # A policy holding NaN or Inf could never generate or train: refused here, naming the
+        # tensor, on every rank (the rank that holds it says which), before any server starts.
+        mine = next(
+            (
+                problem
+                for chunk in self.chunks
+                for name, param in chunk.named_parameters()
+                if (problem := nonfinite_problem(name, param.detach(), str(folder))) is not None
+            ),
+            None,
+        )
+        found: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        problem = next((p for p in found if p), None)
+        if problem is not None:
+            raise InputError(f"model.hf: {problem}")
         self.optimizer.reload_model_params()
 
     def hf_converter(self, hf_config: HFConfigLike) -> HFConverter:

@@ -259,7 +259,7 @@ class WeightBroadcaster:
 
     def _rebuild_if_membership_changed(self) -> None:
         live = set(self.fleet.live_update_urls())
-        if self.group is not None and all(u in live for u in self._members):
+        if self.group is not None and live == set(self._members):  # none gone, none back
             return
         self.close()
         self.connect()
@@ -293,13 +293,21 @@ class WeightBroadcaster:
         """Send the current weights as policy ``version``; returns timings (on rank 0).
 
         If a server dies during the update (its broadcast fails), the group is rebuilt with the
-        servers still alive and the update is sent again, once.
+        servers still alive and the update is sent again, once. With no server to update at all,
+        nothing is sent (``weight_sync/skipped``).
         """
         t0 = time.perf_counter()
         times = {"control_s": 0.0, "pack_s": 0.0, "pack_wait_s": 0.0, "broadcast_s": 0.0, "apply_s": 0.0}
+        nobody = False  # no server to update: all dead, the fleet doctor restarting them
         if self.rank == 0:
             self.fleet.refresh()
-            self._rebuild_if_membership_changed()
+            nobody = not self.fleet.live_update_urls()
+            if nobody:
+                self.close()  # its members are gone; a server back later joins a new group
+            else:
+                self._rebuild_if_membership_changed()
+        if self._agree(nobody):  # they get this version when they are back (fleet_health.py)
+            return {"weight_sync/skipped": 1.0, "weight_sync/version": float(version)}
         streaming = self._agree(self.streaming)
         if streaming and self._agree(self._specs is None):
             self._read_layout()
@@ -330,6 +338,8 @@ class WeightBroadcaster:
         }
         if self.rank == 0 and self.cfg.verify:
             stats["weight_sync/verified"] = float(self.verify(digests))
+        if self.rank == 0:  # servers back from a death hold this version now: route them again
+            self.fleet.admit(set(self.fleet.held_urls()) & set(self._members))
         return stats
 
     def _read_layout(self) -> None:

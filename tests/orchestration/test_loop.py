@@ -40,6 +40,10 @@ def test_async_run_bounds_staleness_trains_each_group_once_and_syncs_weights(tmp
     run = tmp_path / "run"
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    # Every key the loop logged is one a curriculum stage may name (the recipe check's list).
+    from megatron_rl.orchestration.config import is_logged_metric
+
+    assert not [k for m in metrics for k in m if not is_logged_metric(k)]
     bound = 4  # loop.max_staleness (the default, -1, sets no bound)
     for m in metrics:
         assert m["staleness/max"] <= bound

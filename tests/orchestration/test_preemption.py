@@ -13,13 +13,12 @@ import resource
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.orchestration.conftest import ROOT, read_jsonl, recipe, train_cmd
-
-pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 GRACE_S = 60
 
@@ -87,8 +86,10 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.fault("crash")
-@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1", "stop-file"])
+@pytest.mark.parametrize("how", ["SIGTERM", "stop-file"])  # SIGUSR1: the watchdog test
 def test_preempted_at_a_random_step_saves_it_exits_0_in_time_and_resumes_exactly(tmp_path, policy, how):
     steps = 8
     path = recipe(
@@ -137,6 +138,8 @@ def test_preempted_at_a_random_step_saves_it_exits_0_in_time_and_resumes_exactly
     assert final["stopped"] == "max_steps" and final["resumed_from"].endswith(f"step_{stopped_at:08d}")
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.fault("crash")
 def test_kill_9_of_the_trainer_leaves_no_process_of_the_run(tmp_path, policy):
     """Servers, verifier workers, their forkserver and the resource tracker: none outlives a
@@ -165,6 +168,8 @@ def _limit_file_size(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.fault("crash")
 def test_a_full_disk_while_checkpointing_is_named_and_the_previous_checkpoint_stays(tmp_path, policy):
     """The stand-in for a full disk is a file-size limit (ulimit -f): the checkpoint's tensors
@@ -201,6 +206,8 @@ def test_a_full_disk_while_checkpointing_is_named_and_the_previous_checkpoint_st
     assert [m["step"] for m in read_jsonl(run / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.fault("crash")
 def test_a_metrics_line_torn_by_a_crash_is_rewritten_on_resume(tmp_path, policy):
     path = recipe(tmp_path, policy, loop={"max_steps": 2, "max_dropped_batches": 64})
@@ -225,6 +232,8 @@ def test_a_metrics_line_torn_by_a_crash_is_rewritten_on_resume(tmp_path, policy)
     assert got[:2] == original
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.fault("crash")
 def test_the_verifier_forkserver_and_resource_tracker_killed_mid_run_are_replaced(tmp_path, policy):
     """The pool's machinery (the forkserver its workers come from, multiprocessing's resource
@@ -248,3 +257,136 @@ def test_the_verifier_forkserver_and_resource_tracker_killed_mid_run_are_replace
         _kill_group(proc)
     assert proc.returncode == 0, err[-3000:]
     assert json.loads(out.strip().splitlines()[-1])["steps"] == 3
+
+
+def test_past_the_grace_the_watchdog_ends_the_process_and_says_why(tmp_path, capsys):
+    """A run that does not reach its step boundary in time (a hung collective, a slow save) is
+    ended by the watchdog with exit 1; one that stops in time (uninstall) is not."""
+    from megatron_rl.orchestration.preempt import Preemption
+
+    exits: list[int] = []
+    heard: list[str] = []
+    p = Preemption(0.3, stop_file=tmp_path / "STOP", on_request=heard.append, exit=exits.append)
+    (tmp_path / "STOP").touch()  # left by an earlier invocation: not a request to this one
+    p.install()
+    try:
+        assert not (tmp_path / "STOP").exists()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        assert p.reason == "SIGUSR1" and heard == ["SIGUSR1"]
+        os.kill(os.getpid(), signal.SIGTERM)  # a second request changes nothing
+        deadline = time.monotonic() + 5
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        p.uninstall()
+    assert exits == [1] and heard == ["SIGUSR1"]
+    err = capsys.readouterr().err
+    assert "not stopped within run.preempt_grace_s=0.3 s" in err
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    exits.clear()
+    q = Preemption(0.3, stop_file=tmp_path / "STOP", exit=exits.append)
+    q.install()
+    (tmp_path / "STOP").touch()
+    deadline = time.monotonic() + 5
+    while q.reason is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    q.uninstall()  # stopped in time
+    time.sleep(0.5)
+    assert q.reason == f"{tmp_path / 'STOP'} exists" and exits == []
+
+
+def _engine_pid(run: Path) -> int:
+    return json.loads((run / "logs" / "pids.json").read_text())["engines"][0]["pid"]
+
+
+def _server_pids(proc: subprocess.Popen) -> list[int]:
+    """The run's live engine servers (a killed one not yet reaped is a zombie: not counted)."""
+    out = []
+    for p in psutil.Process(proc.pid).children():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "serve-engine" in " ".join(p.cmdline()):
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.fault("crash")
+def test_the_only_local_server_killed_twice_comes_back_with_the_trainers_weights(tmp_path, policy):
+    """One engine server, killed (SIGKILL) at two points of the run: each time it is started
+    again on its port, gets the trainer's current weights before it generates (verified
+    digests), and the run finishes every step."""
+    path = recipe(
+        tmp_path,
+        policy,
+        loop={"max_steps": 5, "max_dropped_batches": 64},
+        fleet={"local_servers": 1, "max_slots": 16, "max_len": 160},
+    )
+    run = tmp_path / "run"
+    proc = _start(train_cmd(path))
+    family = _Family(proc.pid)
+    killed = []
+    try:
+        for at in (1, 3):
+            _watch_until(
+                proc, family, lambda at=at: len(read_jsonl(run / "metrics.jsonl")) >= at, 400, f"step {at}"
+            )
+            _watch_until(proc, family, lambda: len(_server_pids(proc)) == 1, 200, "a live server")
+            (pid,) = _server_pids(proc)
+            os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+            _watch_until(
+                proc,
+                family,
+                lambda pid=pid: _server_pids(proc) and _server_pids(proc) != [pid],
+                200,
+                "a restart",
+            )
+        out, err = proc.communicate(timeout=400)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, err[-3000:]
+    assert err.count("died (exit") == 2 and "starting it again (2/3)" in err, err[-3000:]
+    metrics = read_jsonl(run / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert metrics[-1]["fleet/restarts"] == 2.0
+    # Every update that found the server (not mid-restart) left it with the trainer's weights.
+    assert all(m["weight_sync/verified"] == 1.0 for m in metrics if not m.get("weight_sync/skipped"))
+    assert metrics[-1]["weight_sync/verified"] == 1.0
+    assert json.loads(out.strip().splitlines()[-1])["steps"] == 5
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.fault("crash")
+def test_a_fleet_dead_past_its_timeout_stops_the_run_in_one_line(tmp_path, policy):
+    path = recipe(
+        tmp_path,
+        policy,
+        loop={"max_steps": 50, "max_dropped_batches": 64},
+        fleet={
+            "local_servers": 1,
+            "max_slots": 16,
+            "max_len": 160,
+            "max_restarts": 0,
+            "dead_fleet_timeout_s": 3,
+        },
+    )
+    run = tmp_path / "run"
+    proc = _start(train_cmd(path))
+    family = _Family(proc.pid)
+    try:
+        _watch_until(proc, family, lambda: len(read_jsonl(run / "metrics.jsonl")) >= 1, 400, "step 1")
+        (pid,) = _server_pids(proc)
+        os.killpg(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("megatron-rl train: no generation server reachable for 3 s"), last

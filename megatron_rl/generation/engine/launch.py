@@ -93,9 +93,16 @@ class EngineProcess:
         """Start the server and wait until it answers ``/health``."""
         return self.launch().wait_ready(timeout_s)
 
-    def launch(self) -> EngineProcess:
+    def restart(self, timeout_s: float = 120.0) -> EngineProcess:
+        """Start it again (after it died) on the port it had, so its URL stays what the fleet
+        knows; wait until it answers. It loads the model folder's weights again."""
+        self.stop()
+        return self.launch(port=self.port or 0).wait_ready(timeout_s)
+
+    def launch(self, port: int = 0) -> EngineProcess:
         """Start the server process without waiting for it (:meth:`wait_ready` waits): a fleet's
-        servers then import and load side by side instead of one after another."""
+        servers then import and load side by side instead of one after another. ``port``: 0 (a
+        free one, reported back) or the one to bind."""
         tmp = tempfile.mkdtemp(prefix="megatron-rl-engine-")
         self._port_file = Path(tmp) / "port"
         port_file = self._port_file
@@ -111,7 +118,7 @@ class EngineProcess:
                 "--model",
                 self.model,
                 "--port",
-                "0",
+                str(port),
                 "--port-file",
                 str(port_file),
                 *self.args,

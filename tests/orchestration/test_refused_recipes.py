@@ -1,0 +1,89 @@
+"""Recipes that can never apply are refused before anything starts, in one line naming the field
+or file: a column mapping to a column no record has, a curriculum stage on a metric the loop never
+logs, a tokenizer folder without tokenizer files, a policy holding a NaN weight."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    from tests.data.tinylm import answering_model
+
+    folder = tmp_path_factory.mktemp("refused") / "model"
+    answering_model(folder)
+    return folder
+
+
+def _train(tmp_path: Path, model: Path, *overrides: str) -> subprocess.CompletedProcess:
+    from tests.data.tinylm import tiny_train_command
+
+    problems = tmp_path / "train.jsonl"
+    problems.write_text(
+        "".join(json.dumps({"id": f"p{i}", "question": "1+1?", "answer": "2"}) + "\n" for i in range(8))
+    )
+    cmd = tiny_train_command(
+        model, tmp_path / "run", 1, f"data.train={problems}", "data.columns={problem: question}", *overrides
+    )
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _one_line(proc: subprocess.CompletedProcess, code: int) -> str:
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.fault("input")
+def test_a_column_mapping_no_record_can_use_is_refused(tmp_path, model):
+    line = _one_line(_train(tmp_path, model, "data.columns={problem: question, answer: solution}"), 2)
+    assert (
+        "data.columns.answer: no record of" in line
+        and "'solution'" in line
+        and "answer, id, question" in line
+    )
+
+
+@pytest.mark.fault("input")
+def test_a_curriculum_stage_on_a_metric_the_loop_never_logs_is_refused(tmp_path, model):
+    line = _one_line(_train(tmp_path, model, "curriculum=[{metric: pass_rat, threshold: 0.5}]"), 2)
+    assert "curriculum.0.metric: 'pass_rat' is not a metric the loop logs; did you mean 'pass_rate'?" in line
+
+
+@pytest.mark.fault("input")
+def test_a_tokenizer_folder_without_tokenizer_files_is_named(tmp_path, model):
+    empty = tmp_path / "tok"
+    empty.mkdir()
+    shutil.copy(model / "config.json", empty / "config.json")
+    line = _one_line(_train(tmp_path, model, f"model.tokenizer={empty}"), 3)
+    assert (
+        f"{empty}: not a Hugging Face tokenizer folder: it holds no tokenizer files" in line
+        and "tokenizer.json" in line
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.fault("numeric")
+def test_a_policy_holding_a_nan_weight_is_refused_before_any_server_starts(tmp_path, model):
+    bad = tmp_path / "bad"
+    shutil.copytree(model, bad)
+    (file,) = bad.glob("*.safetensors")
+    tensors = load_file(file)
+    name = sorted(k for k in tensors if "layers.0.mlp" in k)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[3] = torch.nan
+    save_file(tensors, file, metadata={"format": "pt"})
+    proc = _train(tmp_path, bad)
+    line = _one_line(proc, 3)
+    assert line.startswith(f"megatron-rl train: model.hf: {bad}: tensor ") and "1 NaN" in line, line
+    assert not (tmp_path / "run" / "logs" / "pids.json").exists()  # no server was started
