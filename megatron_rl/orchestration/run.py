@@ -414,7 +414,7 @@ class _Run:
         )
         stack.callback(self.orch.stop)
         fleet = self.fleet
-        if fleet is not None and cfg.loop.mode != "colocated":  # a fleet all held: update it now
+        if fleet is not None:  # a fleet all held (back from deaths, old weights): update it now
             self.orch.resync_due = lambda: not fleet.alive and bool(fleet.held_urls())
         self.curriculum.apply(self.curriculum.index, self.orch, self.sampler)  # re-bind to orch
         if self.rank0 and eval_problems is not None:
