@@ -48,7 +48,7 @@ from tqdm import tqdm
 from megatron_rl.config import ConfigError, config_to_dict
 from megatron_rl.data.problems import DataError, OptionError, hold_out, read_problems
 from megatron_rl.data.sampling import SamplingConfig, check_think_tags_in, has_chat_template, load_tokenizer
-from megatron_rl.errors import ArgumentParser, UsageError, UserError, run_cli
+from megatron_rl.errors import ArgumentParser, UserError, run_cli
 from megatron_rl.evaluation.heldout import describe, held_out_pass_at_1
 from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
 from megatron_rl.generation.client import FleetClient
@@ -281,9 +281,9 @@ def read_problem_sets(
     if not data.train:
         raise ValueError("data.train: required (a file, a datasets folder or hf:NAME of problems)")
 
-    def option(e: OptionError, split_field: str) -> UsageError:  # a recipe field the data cannot satisfy
+    def option(e: OptionError, split_field: str) -> DataError:  # a recipe field the data cannot satisfy
         name = split_field if e.option == "split" else f"data.{e.option}"
-        return UsageError(f"{name}: {e.message}")
+        return DataError(f"{name}: {e.message}")
 
     try:
         problems = read_problems(
@@ -316,7 +316,7 @@ def read_problem_sets(
         try:
             problems, eval_problems = hold_out(problems, data.eval_fraction, seed=data.holdout_seed)
         except ValueError as e:
-            raise UsageError(f"data.eval_fraction: {e}") from None
+            raise DataError(f"data.eval_fraction: {e}") from None
     return problems, eval_problems
 
 

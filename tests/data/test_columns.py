@@ -163,7 +163,7 @@ def test_where_limit_and_splits(tmp_path):
     train, held = read_problem_sets(_cfg(train=str(parquet), where={"source": ["gsm8k", "math"]}))
     assert ids(train) == ["0", "1", "3", "4"] and held is None
     # Two columns: both must match; a value of another type matches by its text (CSV cells).
-    (tmp_path / "t.csv").write_text("uid,question,final_answer,source\n1,a?,1,web\n2,b?,2,math\n")
+    (tmp_path / "t.csv").write_text("uid,question,final_answer,source,level\n1,a?,1,web,0\n2,b?,2,math,1\n")
     train, _ = read_problem_sets(_cfg(train=str(tmp_path / "t.csv"), where={"uid": 2, "source": "math"}))
     assert ids(train) == ["2"]
     train, _ = read_problem_sets(_cfg(train=str(parquet), where={"level": 0}, limit=1))
@@ -191,7 +191,9 @@ def test_where_limit_and_splits(tmp_path):
 
 
 def test_eval_fraction_holds_out_a_seeded_set_independent_of_the_file_order(tmp_path):
-    records = [{"uid": f"p{i}", "question": f"{i} + 1?", "final_answer": i + 1} for i in range(40)]
+    records = [
+        {"uid": f"p{i}", "question": f"{i} + 1?", "final_answer": i + 1, "level": 0} for i in range(40)
+    ]
     forward = _jsonl(tmp_path / "f.jsonl", records)
     backward = _jsonl(tmp_path / "b.jsonl", records[::-1])
     train, held = read_problem_sets(_cfg(train=str(forward), eval_fraction=0.1))

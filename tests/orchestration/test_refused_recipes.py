@@ -46,7 +46,7 @@ def _one_line(proc: subprocess.CompletedProcess, code: int) -> str:
 
 @pytest.mark.fault("input")
 def test_a_column_mapping_no_record_can_use_is_refused(tmp_path, model):
-    line = _one_line(_train(tmp_path, model, "data.columns={problem: question, answer: solution}"), 2)
+    line = _one_line(_train(tmp_path, model, "data.columns={problem: question, answer: solution}"), 3)
     assert (
         "data.columns.answer: no record of" in line
         and "'solution'" in line
