@@ -59,6 +59,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ class ServerState:
     url: str
     alive: bool = True  # routed: takes generations
     held: bool = False  # back after a death, not routed until the trainer's weights reach it (admit)
+    held_since: float = 0.0  # time.monotonic() of the latest hold(): an update begun before it missed it
     in_flight: int = 0
     capacity_tokens: int = 0
     max_running: int = 0
@@ -321,17 +323,19 @@ class FleetClient:
         with self._lock:
             for s in self.servers:
                 if s.url == url.rstrip("/") and not s.alive:
-                    s.held = True
+                    s.held, s.held_since = True, time.monotonic()
 
     def held_urls(self) -> list[str]:
         return [s.url for s in self.servers if s.held]
 
-    def admit(self, urls: Iterable[str]) -> None:
-        """Route these held servers again: the trainer's current weights reached them."""
+    def admit(self, urls: Iterable[str], *, held_before: float) -> None:
+        """Route these held servers again: the trainer's current weights reached them. Only
+        those held before ``held_before`` (``time.monotonic()`` when the update that reached them
+        began): one that died and came back during it has the old weights again."""
         wanted = {u.rstrip("/") for u in urls}
         with self._lock:
             for s in self.servers:
-                if s.url in wanted and s.held:
+                if s.url in wanted and s.held and s.held_since <= held_before:
                     s.alive, s.held = True, False
 
     def _answers(self, url: str) -> bool:

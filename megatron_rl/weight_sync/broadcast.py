@@ -170,6 +170,7 @@ class WeightBroadcaster:
         self.cfg = cfg
         self.group: dist.ProcessGroup | None = None  # the update group (rank 0, once connected)
         self._members: tuple[str, ...] = ()
+        self._built_at = 0.0  # time.monotonic() when connect() built the current group
         self._port = cfg.master_port
         self.streaming = False  # rank 0: whether this group's updates are streamed (connect)
         self._specs: list[BucketSpec] | None = None  # the model's bucket layout, once read
@@ -201,6 +202,7 @@ class WeightBroadcaster:
         self.fleet.update_urls = self.fleet.live_update_urls()
         if not self.fleet.update_urls:
             raise RuntimeError("weight sync: no live server to update")
+        self._built_at = time.monotonic()  # servers held before this are in the group built here
         # Listen first, then tell the servers the port: nothing else can take it in between.
         fd, self._port = listen(self.cfg.master_address, self._rendezvous_port())
         try:
@@ -259,7 +261,12 @@ class WeightBroadcaster:
 
     def _rebuild_if_membership_changed(self) -> None:
         live = set(self.fleet.live_update_urls())
-        if self.group is not None and live == set(self._members):  # none gone, none back
+        restarted = [  # held since the group was built: a new process, not in the group
+            s
+            for s in self.fleet.servers
+            if s.held and s.url in self._members and s.held_since > self._built_at
+        ]
+        if self.group is not None and live == set(self._members) and not restarted:  # none gone, none back
             return
         self.close()
         self.connect()
@@ -338,8 +345,8 @@ class WeightBroadcaster:
         }
         if self.rank == 0 and self.cfg.verify:
             stats["weight_sync/verified"] = float(self.verify(digests))
-        if self.rank == 0:  # servers back from a death hold this version now: route them again
-            self.fleet.admit(set(self.fleet.held_urls()) & set(self._members))
+        if self.rank == 0:  # servers back from a death that joined this group hold this version now
+            self.fleet.admit(set(self.fleet.held_urls()) & set(self._members), held_before=self._built_at)
         return stats
 
     def _read_layout(self) -> None:

@@ -120,5 +120,5 @@ class TensorPusher(WeightBroadcaster):
         if self.rank == 0 and self.cfg.verify:
             stats["weight_sync/verified"] = float(self.verify(digests))
         if self.rank == 0:  # servers back from a death got these weights too: route them again
-            self.fleet.admit(self.fleet.held_urls())
+            self.fleet.admit(self.fleet.held_urls(), held_before=t0)  # held after t0: may have missed some
         return stats
