@@ -140,6 +140,9 @@ class TrainSequence:
     group_id: int
     reward: float = 0.0
     routed_experts: torch.Tensor | None = None  # [P + C - 1, layers, top_k] int32 (routing replay)
+    # [C] float32: log-probs under the weights at the start of the step (decoupled objective);
+    # None = the weights being trained are still those (the step's first minibatch)
+    proximal_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         c = self.completion_length
@@ -152,6 +155,10 @@ class TrainSequence:
             raise ValueError(
                 f"per-token fields must be [{c}], got behaviour_logprobs "
                 f"{tuple(self.behaviour_logprobs.shape)}, versions {tuple(self.versions.shape)}"
+            )
+        if self.proximal_logprobs is not None and self.proximal_logprobs.shape != (c,):
+            raise ValueError(
+                f"proximal_logprobs must be [{c}] like behaviour_logprobs, got {tuple(self.proximal_logprobs.shape)}"
             )
         routed = self.routed_experts
         if routed is not None and (routed.dim() != 3 or routed.shape[0] != self.length - 1):

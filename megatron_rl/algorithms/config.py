@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_rl.config import ConfigFieldError, check_range
+from megatron_rl.config import ConfigFieldError, check_choice, check_range
 
 
 @dataclass(kw_only=True)
@@ -26,6 +26,15 @@ class GRPOConfig:
     # trainer's routers take them in forward and backward, so the experts that produced a token
     # are the ones trained; "off" -- the trainer routes by its own router.
     routing_replay: Literal["off", "rollout"] = "off"
+    # The policy objective. "magistral": the paper's, the ratio taken against the behaviour policy
+    # (the generator's log-prob of each token). "decoupled": AReaL's decoupled PPO, the ratio
+    # clipped against a proximal policy (the weights at the start of the step) and each token
+    # weighted by proximal / behaviour (algorithms/loss.py decoupled_loss): a stale token moves the
+    # policy no further than the trust region around the current weights allows.
+    objective: Literal["magistral", "decoupled"] = "magistral"
+    # decoupled only: tokens whose weight proximal / behaviour exceeds this are left out of the
+    # loss (AReaL's behav_imp_weight_cap); 0 = keep every token.
+    behaviour_weight_cap: float = 5.0
 
     def __post_init__(self) -> None:
         check_range("adv_eps", self.adv_eps, low=0.0, low_open=True)
@@ -39,3 +48,11 @@ class GRPOConfig:
         check_range("kl_coef", self.kl_coef, low=0.0)
         check_range("temperature", self.temperature, low=0.0, low_open=True)
         check_range("logprob_chunk_size", self.logprob_chunk_size, low=0)
+        check_choice("objective", self.objective, ("magistral", "decoupled"))
+        check_range("behaviour_weight_cap", self.behaviour_weight_cap, low=0.0)
+        if self.behaviour_weight_cap and self.behaviour_weight_cap <= 1.0:
+            raise ConfigFieldError(
+                "behaviour_weight_cap",
+                f"must be 0 (no cap) or above 1 (a cap of 1 or less drops on-policy tokens), "
+                f"got {self.behaviour_weight_cap}",
+            )

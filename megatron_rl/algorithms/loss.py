@@ -14,6 +14,19 @@ computed once per minibatch by :func:`megatron_rl.batching.weights.loss_token_we
 split. The loss of a minibatch is therefore the plain sum of its microbatches' losses, whatever
 the split into microbatches, pipeline stages or data-parallel ranks.
 
+**Decoupled PPO** (AReaL, Fu et al. 2025; ``algorithm.objective: decoupled``) separates the two
+jobs the behaviour log-prob does above -- the trust region and the off-policy correction::
+
+    w_t    = exp(logp_proximal_t - logp_behaviour_t)      (no gradient; tokens with w_t > cap dropped)
+    rho_t  = exp(logp_new_t - logp_proximal_t)
+    loss_t = -w_t * min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
+
+where the proximal policy is the trainer's weights at the start of the step. The clip then bounds
+how far one step moves the policy from where it *is*, however old the generator's weights were,
+and ``w_t`` corrects for sampling from the old ones. When proximal and behaviour coincide
+(``w_t = 1``) it is :func:`grpo_loss` exactly: :func:`decoupled_loss` is that function with the
+proximal log-probs as the reference and the weights multiplied by ``w_t``.
+
 Metrics come back as sums (``*_sum``), maxima (``*_max``) and a token count, so microbatches and
 ranks can be reduced with one sum / max each; :func:`finalize_loss_metrics` turns them into means.
 """
@@ -22,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["finalize_loss_metrics", "grpo_loss", "reduce_loss_metrics"]
+__all__ = ["DECOUPLED_METRICS", "decoupled_loss", "finalize_loss_metrics", "grpo_loss", "reduce_loss_metrics"]
 
 # exp() of a log-ratio above ~88 overflows fp32. A ratio of e^20 is already far outside any clip
 # range, so clamping the log-ratio there changes no clipped term and keeps gradients finite.
@@ -102,6 +115,53 @@ def grpo_loss(
         }
         if entropy is not None:
             metrics["entropy_sum"] = (entropy.detach().float() * m).sum()
+    return loss, metrics
+
+
+#: The metric sums :func:`decoupled_loss` adds to :func:`grpo_loss`'s.
+DECOUPLED_METRICS = ("behaviour_weight_sum", "behaviour_capped_sum")
+
+
+def decoupled_loss(
+    logp: torch.Tensor,
+    proximal_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    weight_cap: float = 0.0,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (see the module docstring): :func:`grpo_loss` against ``proximal_logp`` with
+    each token's weight multiplied by ``proximal / behaviour`` (detached), tokens whose factor
+    exceeds ``weight_cap`` (when > 0) left out. Metrics: :func:`grpo_loss`'s (``ratio_*`` and
+    ``clip_*`` then against the proximal policy, counted over the tokens kept) plus
+    ``behaviour_weight_sum`` (the factors of the tokens kept) and ``behaviour_capped_sum`` (tokens
+    left out by the cap), both over the tokens of nonzero weight."""
+    if proximal_logp.shape != logp.shape:
+        raise ValueError(
+            f"proximal_logp shape {tuple(proximal_logp.shape)} differs from logp {tuple(logp.shape)}"
+        )
+    if behaviour_logp.shape != logp.shape:
+        raise ValueError(
+            f"behaviour_logp shape {tuple(behaviour_logp.shape)} differs from logp {tuple(logp.shape)}"
+        )
+    with torch.no_grad():
+        prox = proximal_logp.detach()
+        factor = torch.exp((prox - behaviour_logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        mask = weights != 0
+        capped = mask & (factor > weight_cap) if weight_cap > 0 else torch.zeros_like(mask)
+        kept = mask & ~capped
+        # Exactly ``weights`` where the factor is 1 (proximal == behaviour): x * 1.0 == x.
+        token_weights = torch.where(kept, weights * factor, torch.zeros_like(weights))
+    loss, metrics = grpo_loss(
+        logp, prox, advantages, token_weights, eps_low=eps_low, eps_high=eps_high, entropy=entropy
+    )
+    with torch.no_grad():
+        metrics["behaviour_weight_sum"] = torch.where(kept, factor, torch.zeros_like(factor)).float().sum()
+        metrics["behaviour_capped_sum"] = capped.float().sum()
     return loss, metrics
 
 

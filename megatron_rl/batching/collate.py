@@ -180,6 +180,7 @@ class Microbatch:
     seq_lengths: list[int]
     cu_seqlens: torch.Tensor | None = None  # [n + 1] int32 segment starts in the packed row
     routed_experts: torch.Tensor | None = None  # [R, S, layers, top_k] int64 (routing replay)
+    proximal_logprobs: torch.Tensor | None = None  # [R, S] float32 (decoupled objective), or None
 
     @property
     def num_tokens(self) -> int:
@@ -269,6 +270,7 @@ def collate(
     for k, seq in enumerate(sequences):
         _place(seq, f, 0 if layout == "packed" else k, starts[k])
     routed = _routing(sequences, rows, width, starts, layout)
+    proximal = _proximal(sequences, rows, width, starts, layout)
     cu = None
     if layout == "packed":
         bounds = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
@@ -290,7 +292,25 @@ def collate(
         seq_lengths=lengths,
         cu_seqlens=cu,
         routed_experts=routed,
+        proximal_logprobs=proximal,
     )
+
+
+def _proximal(
+    sequences: list[TrainSequence], rows: int, width: int, starts: list[int], layout: Layout
+) -> torch.Tensor | None:
+    """The microbatch's proximal log-probs at the label positions of the completion tokens (0
+    elsewhere), or None when no sequence carries them; ValueError when only some do."""
+    given = [s.proximal_logprobs for s in sequences if s.proximal_logprobs is not None]
+    if not given:
+        return None
+    if len(given) != len(sequences):
+        raise ValueError("proximal_logprobs: some sequences carry them and others do not")
+    out = torch.zeros(rows, width, dtype=torch.float32)
+    for k, (seq, values) in enumerate(zip(sequences, given)):
+        row, start = (0, starts[k]) if layout == "packed" else (k, 0)
+        out[row, start + seq.prompt_length - 1 : start + seq.length - 1] = values
+    return out
 
 
 def filler_routing(rows: int, width: int, layers: int, top_k: int) -> torch.Tensor:

@@ -3,6 +3,7 @@
     megatron-rl bench collation            # benchmark programs under tools/ (bench_NAME.py)
     megatron-rl config RECIPE.yaml [k=v]   # resolve and check a recipe, print it as YAML
     megatron-rl train RECIPE.yaml          # the RL loop (see README for what is available)
+    megatron-rl ablate async --out DIR     # what asynchrony costs: sync vs async arms over seeds
     megatron-rl sglang-args server|router RECIPE.yaml   # SGLang launch flags the recipe implies
     megatron-rl verifier-server --workers 64 --host 0.0.0.0   # score for orchestrators elsewhere
 
@@ -36,6 +37,10 @@ _PASSTHROUGH = {
         "curate problem sets: math format, difficulty, code tests, SFT traces, translation marks",
     ),
     "eval": ("megatron_rl.cli.evaluate", "pass@k / maj@k evaluation with a JSON + Markdown report and plots"),
+    "ablate": (
+        "megatron_rl.cli.ablate",
+        "what asynchrony costs: sync vs async arms, Figure 6b, decoupled PPO, over seeds (ablate async)",
+    ),
     "serve-engine": (
         "megatron_rl.generation.engine.server",
         "serve an HF model with the built-in engine (SGLang API subset)",

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from megatron_rl.fileio import atomic_path
 
 __all__ = [
+    "ablation_plot",
     "language_bars",
     "length_histogram",
     "pass_at_k_curve",
@@ -168,4 +169,72 @@ def trajectory_plot(
     ax.set_ylabel(f"PC2 ({100 * explained[1]:.1f}% of variance)" if len(explained) > 1 else "PC2")
     ax.set_title("Weight trajectory across checkpoints")
     fig.colorbar(sc, ax=ax, label="checkpoint order")
+    _save(fig, path)
+
+
+def ablation_plot(arms: Mapping[str, Sequence[Mapping[str, object]]], path, *, title: str = "") -> None:
+    """What asynchrony costs, per arm: held-out pass@1 against the samples trained and against
+    the training wall time (mean over seeds at each evaluation, with its standard error as a band
+    when there are several), and the staleness histogram (fraction of trained tokens per lag).
+
+    ``arms``: arm name -> its seeds' records, each with ``curve`` (``[{"samples", "wall_s",
+    "pass1"}]``, evaluations at the same steps in every seed) and ``staleness_hist`` (``{lag:
+    tokens}``, keys as strings or ints)."""
+    plt = _pyplot()
+    fig, (ax_s, ax_t, ax_h) = plt.subplots(1, 3, figsize=(17, 4.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    n_arms = max(1, len(arms))
+    width = 0.8 / n_arms
+    for i, (arm, recs) in enumerate(arms.items()):
+        color = colors[i % len(colors)]
+        curves = [list(r["curve"]) for r in recs]  # type: ignore[call-overload]
+        n = min(len(c) for c in curves) if curves else 0
+        xs_s = [float(curves[0][j]["samples"]) for j in range(n)]
+        xs_t = [sum(float(c[j]["wall_s"]) for c in curves) / len(curves) for j in range(n)]
+        ys, ses = [], []
+        for j in range(n):
+            vals = [float(c[j]["pass1"]) for c in curves]
+            mean = sum(vals) / len(vals)
+            ys.append(mean)
+            var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1) if len(vals) > 1 else 0.0
+            ses.append(math.sqrt(var / len(vals)))
+        label = f"{arm} ({len(recs)} seed{'s' if len(recs) != 1 else ''})"
+        for ax, xs in ((ax_s, xs_s), (ax_t, xs_t)):
+            ax.plot(xs, ys, marker="o", ms=3, color=color, label=label)
+            if len(recs) > 1:
+                ax.fill_between(
+                    xs,
+                    [y - e for y, e in zip(ys, ses)],
+                    [y + e for y, e in zip(ys, ses)],
+                    color=color,
+                    alpha=0.15,
+                )
+        hist: dict[int, float] = {}
+        for r in recs:
+            for k, v in dict(r["staleness_hist"]).items():  # type: ignore[call-overload]
+                hist[int(k)] = hist.get(int(k), 0.0) + float(v)
+        total = sum(hist.values()) or 1.0
+        lags = sorted(hist)
+        ax_h.bar(
+            [k - 0.4 + width * (i + 0.5) for k in lags],
+            [hist[k] / total for k in lags],
+            width=width,
+            color=color,
+            label=arm,
+        )
+    ax_s.set_xlabel("samples trained")
+    ax_t.set_xlabel("training wall time (s)")
+    for ax in (ax_s, ax_t):
+        ax.set_ylabel("held-out pass@1")
+        ax.grid(alpha=0.3)
+    ax_s.legend(fontsize=8)
+    ax_h.set_xlabel("policy versions behind, per trained token")
+    ax_h.set_ylabel("fraction of trained tokens")
+    ax_h.set_yscale("log")
+    ax_h.legend(fontsize=8)
+    ax_s.set_title("at equal samples")
+    ax_t.set_title("at equal wall time")
+    ax_h.set_title("staleness")
+    if title:
+        fig.suptitle(title, fontsize=10)
     _save(fig, path)

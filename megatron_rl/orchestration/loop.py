@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import math
 import queue
 import threading
 import time
@@ -100,16 +101,25 @@ class Broadcaster(Protocol):
         ...
 
 
-def staleness_stats(versions: list[list[int]], current: int) -> dict[str, float]:
-    """Per-token staleness (versions behind ``current``; ``versions``: each completion's policy
-    version per token): mean, max and a histogram."""
+def staleness_stats(versions: list[tuple[int, list[int]]]) -> dict[str, float]:
+    """Per trained token, how many policy versions behind the weights that trained it it was
+    generated (``versions``: per completion, the version of the weights that train it and its
+    tokens' versions): mean, p95, max, the token count and a histogram (fractions)."""
     if not versions:
         return {}
     # One tensor from all the lists at once: a tensor per completion cost more than the tokens.
-    lag = (current - torch.tensor(list(itertools.chain.from_iterable(versions)), dtype=torch.long)).clamp(
-        min=0
-    )
-    out = {"staleness/mean": float(lag.float().mean()), "staleness/max": float(lag.max())}
+    current = torch.tensor([v for v, toks in versions for _ in range(len(toks))], dtype=torch.long)
+    made = torch.tensor(list(itertools.chain.from_iterable(toks for _, toks in versions)), dtype=torch.long)
+    lag = (current - made).clamp(min=0)
+    if not lag.numel():
+        return {}
+    out = {
+        "staleness/mean": float(lag.float().mean()),
+        # The smallest lag at or above 95% of the tokens (kthvalue: no size limit, unlike quantile).
+        "staleness/p95": float(torch.kthvalue(lag, max(1, math.ceil(0.95 * lag.numel()))).values),
+        "staleness/max": float(lag.max()),
+        "staleness/tokens": float(lag.numel()),
+    }
     for k, n in zip(*torch.unique(lag, return_counts=True)):
         out[f"staleness/hist/{int(k)}"] = float(n) / lag.numel()
     return out
@@ -127,6 +137,8 @@ _TRAIN_STATS = (
     "ratio_mean",
     "ratio_max",
     "approx_kl_mean",
+    "behaviour_weight_mean",  # decoupled objective: proximal / behaviour of the tokens kept
+    "behaviour_capped_mean",  # decoupled objective: tokens left out by the cap, per token kept
     "tokens_per_s",
     "step_time_s",
 )
@@ -400,15 +412,27 @@ class Orchestrator:
             raise TimeLimitReached
         release_stats = self._release_fleet()
         stats_list: list[dict[str, float]] = []
-        versions = [s.completion.versions for rec in groups for s in rec.all_scored()]
-        for i in range(n_chunks):
-            batch = self.broadcast_object(  # built on rank 0, sent to the others
+        # Minibatch i is trained by the weights of version + i: its tokens' lag counts from there.
+        versions = [
+            (version + i, s.completion.versions)
+            for i, c in enumerate(chunks)
+            for rec in c
+            for s in rec.all_scored()
+        ]
+        batches = [
+            self.broadcast_object(  # built on rank 0, sent to the others
                 build_train_batch([g.to_group() for g in chunks[i]], self.cfg.algorithm)
                 if self.rank == 0
                 else None
             )
-            if batch is None:
-                raise RuntimeError(f"Orchestrator: rank {self.rank} got no minibatch {i} from rank 0")
+            for i in range(n_chunks)
+        ]
+        if any(b is None for b in batches):
+            raise RuntimeError(f"Orchestrator: rank {self.rank} got no minibatch from rank 0")
+        if self.cfg.algorithm.objective == "decoupled":
+            self._attach_proximal(batches[1:])  # the first is trained by the proximal weights themselves
+        for batch in batches:
+            assert batch is not None  # checked above
             stats_list.append(self.trainer.rl_step(batch))
         t_train = time.monotonic() - t0 - t_wait
         new_version = int(self.trainer.step)
@@ -423,6 +447,21 @@ class Orchestrator:
             groups, stale, stats_list, versions, version, new_version, t_wait, t_train, sync_stats
         )
         return StepResult(new_version, metrics, groups)
+
+    def _attach_proximal(self, batches: list[TrainBatch | None]) -> None:
+        """Decoupled objective, several minibatches a step: each later minibatch's log-probs under
+        the step's starting weights, computed before its first optimizer step (collective)."""
+        compute = getattr(self.trainer, "compute_logprobs", None)
+        for batch in batches:
+            if batch is None or not len(batch):
+                continue
+            if compute is None:
+                raise TypeError(
+                    f"algorithm.objective: decoupled with several minibatches a step needs a trainer that "
+                    f"computes log-probs, got {type(self.trainer).__name__}"
+                )
+            for seq, logp in zip(batch.sequences, compute(batch)):
+                seq.proximal_logprobs = logp
 
     def _release_fleet(self) -> dict[str, float]:
         """Colocated mode: the fleet frees its memory before the trainer runs (the broadcaster's
@@ -453,7 +492,7 @@ class Orchestrator:
         groups: list[GroupRecord],
         stale: list[GroupRecord],
         stats_list: list[dict[str, float]],
-        versions: list[list[int]],
+        versions: list[tuple[int, list[int]]],
         version: int,
         new_version: int,
         t_wait: float,
@@ -485,7 +524,7 @@ class Orchestrator:
                     continue
                 m[f"reward/{part}"] = sum(s.parts.get(part, 0.0) for s in scored) / len(scored)
         m.update(train_stats(stats_list))
-        m.update(staleness_stats(versions, version))
+        m.update(staleness_stats(versions))
         dropped = r.drain_dropped()
         self.last_dropped = dropped
         reasons = Counter(rec.drop_reason for rec in dropped)

@@ -24,13 +24,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.errors import ArgumentParser, OutputError, run_cli
 from megatron_rl.fileio import atomic_write_json, check_output_apart
 from megatron_rl.orchestration.recipe import RunConfig, load_config
 from megatron_rl.rewards.template import DEFAULT_THINK_TAGS
 
-__all__ = ["main"]
+__all__ = ["ensure_warmup", "main"]
 
 DEFAULT_RECIPE = Path(__file__).resolve().with_name("recipe.yaml")  # examples/quickstart.yaml links to it
 
@@ -54,20 +55,13 @@ def _stage(title: str, cmd: list[str]) -> None:
         raise SystemExit(f"quickstart: {title} failed (exit {proc.returncode})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(prog="megatron-rl quickstart", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="runs/quickstart", help="output folder (reused to resume)")
-    p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the RL recipe")
-    p.add_argument("overrides", nargs="*", help="overrides for the RL recipe, e.g. loop.max_steps=20")
-    args = p.parse_intermixed_args(argv)
-    out = Path(args.out).absolute()
-    cfg = _check_inputs(out, args.recipe, args.overrides)
-    warm = out / "warmup"
-    tags = list(cfg.reward.think_tags)
-    t0 = time.monotonic()
+def ensure_warmup(warm: Path, tags: list[str]) -> dict[str, Any]:
+    """The warm-up in ``warm`` (run in a process of its own unless ``warm/warmup.json`` exists):
+    its record, with ``paths`` (``sft``, ``train``, ``held_out``) and ``seconds``. OutputError
+    when the folder's warm-up taught other think tags than ``tags``."""
     if not (warm / "warmup.json").exists():
         _stage(
-            "1/2 warm-up: data, tokenizer, tiny model, SFT",
+            "warm-up: data, tokenizer, tiny model, SFT",
             [
                 sys.executable,
                 "-m",
@@ -79,18 +73,32 @@ def main(argv: list[str] | None = None) -> int:
             ],
         )
     else:
-        print(f"== 1/2 warm-up: reusing {warm}", file=sys.stderr)
-    warmup = json.loads((warm / "warmup.json").read_text())
+        print(f"== warm-up: reusing {warm}", file=sys.stderr)
+    warmup: dict[str, Any] = json.loads((warm / "warmup.json").read_text())
     built = warmup.get("think_tags", list(DEFAULT_THINK_TAGS))  # before the field: the default
     if built != tags:
         raise OutputError(
-            f"--out {out}: its warm-up taught the tags {built}, this run's reward.think_tags are "
-            f"{tags}; use another --out (or remove {warm}) to warm up with them"
+            f"{warm}: this warm-up taught the tags {built}, this run's reward.think_tags are "
+            f"{tags}; use another output folder (or remove {warm}) to warm up with them"
         )
+    return warmup
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ArgumentParser(prog="megatron-rl quickstart", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/quickstart", help="output folder (reused to resume)")
+    p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the RL recipe")
+    p.add_argument("overrides", nargs="*", help="overrides for the RL recipe, e.g. loop.max_steps=20")
+    args = p.parse_intermixed_args(argv)
+    out = Path(args.out).absolute()
+    cfg = _check_inputs(out, args.recipe, args.overrides)
+    warm = out / "warmup"
+    t0 = time.monotonic()
+    warmup = ensure_warmup(warm, list(cfg.reward.think_tags))
     paths = warmup["paths"]
     rl = out / "rl"
     _stage(
-        f"2/2 GRPO ({cfg.loop.mode} loop, full reward)",
+        f"GRPO ({cfg.loop.mode} loop, full reward)",
         [
             sys.executable,
             "-m",

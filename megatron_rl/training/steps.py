@@ -74,7 +74,7 @@ from typing import TYPE_CHECKING, Literal, TypeAlias, TypedDict
 import torch
 
 from megatron_rl.algorithms.logprobs import token_logprobs
-from megatron_rl.algorithms.loss import grpo_loss
+from megatron_rl.algorithms.loss import decoupled_loss, grpo_loss
 from megatron_rl.batching.collate import Microbatch
 from megatron_rl.training.replay import set_routing
 
@@ -130,6 +130,7 @@ _TENSOR_FIELDS = (
     "loss_mask",
     "cu_seqlens",
     "routed_experts",
+    "proximal_logprobs",
 )
 
 
@@ -144,6 +145,8 @@ class StepContext:
     chunk_size: int | None = None  # tokens per log-prob chunk; None = automatic
     eps_low: float = 0.2  # GRPO clip range [1 - eps_low, 1 + eps_high]
     eps_high: float = 0.28
+    objective: Literal["magistral", "decoupled"] = "magistral"  # GRPO policy objective (algorithms/loss.py)
+    behaviour_weight_cap: float = 0.0  # decoupled: tokens with proximal / behaviour above this are left out
     fp32_output: bool | None = None  # Float16Module's fp32_output (False: keep bf16 logits)
     select_positions: bool = True  # logits only at LogitPositions (see the module docstring)
 
@@ -276,17 +279,35 @@ def _num_tokens(mb: Microbatch) -> torch.Tensor:
 def grpo_loss_fn(
     ctx: StepContext, mb: Microbatch, positions: LogitPositions | None, logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss of one microbatch: ``(sum_t w_t loss_t, loss tokens, metric sums + "loss")``."""
+    """GRPO loss of one microbatch: ``(sum_t w_t loss_t, loss tokens, metric sums + "loss")``.
+
+    The decoupled objective takes the proximal log-probs the microbatch carries (computed before
+    the step's first optimizer step) or, when it carries none, the ones of this very forward: the
+    weights being trained are then still the step's starting weights (its first minibatch)."""
     logp, entropy = _full_logprobs(ctx, mb, positions, logits, ctx.temperature)
-    loss, metrics = grpo_loss(
-        logp,
-        mb.behaviour_logprobs,
-        mb.advantages,
-        mb.loss_weights,
-        eps_low=ctx.eps_low,
-        eps_high=ctx.eps_high,
-        entropy=entropy,
-    )
+    if ctx.objective == "decoupled":
+        proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logp.detach()
+        loss, metrics = decoupled_loss(
+            logp,
+            proximal,
+            mb.behaviour_logprobs,
+            mb.advantages,
+            mb.loss_weights,
+            eps_low=ctx.eps_low,
+            eps_high=ctx.eps_high,
+            weight_cap=ctx.behaviour_weight_cap,
+            entropy=entropy,
+        )
+    else:
+        loss, metrics = grpo_loss(
+            logp,
+            mb.behaviour_logprobs,
+            mb.advantages,
+            mb.loss_weights,
+            eps_low=ctx.eps_low,
+            eps_high=ctx.eps_high,
+            entropy=entropy,
+        )
     metrics["loss"] = loss.detach().float()
     return loss, _num_tokens(mb), metrics
 
@@ -331,11 +352,13 @@ def logprobs_fn(
 _LOSS_FNS: dict[str, LossFn] = {"grpo": grpo_loss_fn, "sft": sft_loss_fn, "logprobs": logprobs_fn}
 
 
-def metric_keys(mode: LossMode) -> list[str]:
+def metric_keys(mode: LossMode, objective: str = "magistral") -> list[str]:
     """The metric names a mode's closure returns, known on every rank (also on pipeline stages
     that never run the loss): read off the loss functions applied to empty tensors."""
     empty = torch.zeros(0)
-    if mode == "grpo":
+    if mode == "grpo" and objective == "decoupled":
+        metrics = decoupled_loss(empty, empty, empty, empty, empty, entropy=empty)[1]
+    elif mode == "grpo":
         metrics = grpo_loss(empty, empty, empty, empty, entropy=empty)[1]
     elif mode == "sft":
         metrics = _sft_loss(empty, empty, empty)[1]

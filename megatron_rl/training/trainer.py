@@ -157,6 +157,7 @@ def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
         loss_mask=grow(mb.loss_mask),
         cu_seqlens=cu_seqlens,
         routed_experts=None if mb.routed_experts is None else _grow_routing(mb.routed_experts, rows, width),
+        proximal_logprobs=None if mb.proximal_logprobs is None else grow(mb.proximal_logprobs),
     )
 
 
@@ -644,7 +645,7 @@ class PolicyTrainer:
         self.optimizer.zero_grad()
         mbs, stats = self._local_microbatches(batch, batching or self.batching)
         parts = self._run(mbs, mode, forward_only=False)
-        summed = self._reduce_metrics(parts, metric_keys(mode), stats)
+        summed = self._reduce_metrics(parts, metric_keys(mode, self.grpo.objective), stats)
         out = {"loss": float(summed["loss"])}
         out.update(finalize_loss_metrics(summed) if mode == "grpo" else finalize_sft_metrics(summed))
         out["microbatches"] = float(summed["microbatches"])
@@ -734,6 +735,8 @@ class PolicyTrainer:
             chunk_size=g.logprob_chunk_size or None,
             eps_low=g.eps_low,
             eps_high=g.eps_high,
+            objective=g.objective,
+            behaviour_weight_cap=g.behaviour_weight_cap,
             # Keep bf16 logits: token_logprobs upcasts chunk by chunk, never the whole tensor.
             fp32_output=False if self.params_dtype == torch.bfloat16 else None,
         )

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_rl.algorithms.loss import finalize_loss_metrics, grpo_loss, reduce_loss_metrics
+from megatron_rl.algorithms.loss import decoupled_loss, finalize_loss_metrics, grpo_loss, reduce_loss_metrics
 
 
 def _case(ratios, advantages, weights=None):
@@ -114,3 +114,96 @@ def test_loss_and_gradient_identical_whole_or_split(n, cuts, seed):
     reduced = finalize_loss_metrics(reduce_loss_metrics(metrics))
     for k, v in finalize_loss_metrics(whole_m).items():
         assert reduced[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+# -- decoupled PPO (algorithm.objective: decoupled) -------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    eps=st.sampled_from([(0.2, 0.28), (0.1, 0.1), (0.3, 0.5)]),
+    cap=st.sampled_from([0.0, 1.5, 5.0]),
+)
+def test_decoupled_equals_the_paper_loss_when_proximal_is_behaviour(n, seed, eps, cap):
+    """With the proximal policy equal to the behaviour policy the decoupled objective *is* the
+    paper's: the same loss, gradient and metrics, bit for bit (the weights are multiplied by 1.0)."""
+    g = torch.Generator().manual_seed(seed)
+    behaviour = -3.0 * torch.rand(n, generator=g)
+    logp = (behaviour + 0.5 * torch.randn(n, generator=g)).requires_grad_()
+    adv = torch.randn(n, generator=g)
+    w = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.2)
+    entropy = torch.rand(n, generator=g)
+    loss, metrics = grpo_loss(logp, behaviour, adv, w, eps_low=eps[0], eps_high=eps[1], entropy=entropy)
+    (grad,) = torch.autograd.grad(loss, logp)
+    logp2 = logp.detach().clone().requires_grad_()
+    loss2, metrics2 = decoupled_loss(
+        logp2,
+        behaviour.clone(),
+        behaviour,
+        adv,
+        w,
+        eps_low=eps[0],
+        eps_high=eps[1],
+        weight_cap=cap,
+        entropy=entropy,
+    )
+    (grad2,) = torch.autograd.grad(loss2, logp2)
+    assert torch.equal(loss2, loss) and torch.equal(grad2, grad)
+    for k, v in metrics.items():
+        assert torch.equal(metrics2[k], v), k
+    assert float(metrics2["behaviour_weight_sum"]) == float(metrics["tokens"])  # every factor is 1
+    assert float(metrics2["behaviour_capped_sum"]) == 0.0
+
+
+def test_decoupled_clips_against_the_proximal_policy_and_weights_by_behaviour():
+    """By hand: the ratio is new / proximal, the clip bounds it, and proximal / behaviour scales
+    the token (no gradient through it)."""
+    behaviour = torch.tensor([-2.0, -2.0, -1.0])
+    proximal = behaviour + torch.log(torch.tensor([2.0, 0.5, 1.0]))  # factors 2, 0.5, 1
+    # new / proximal: 1.5 (A>0: clipped at 1.28), 1.1 (A<0: unclipped), 0.5 (A<0: clipped low)
+    logp = (proximal + torch.log(torch.tensor([1.5, 1.1, 0.5]))).requires_grad_()
+    adv = torch.tensor([1.0, -1.0, -1.0])
+    w = torch.tensor([0.1, 0.2, 0.3])
+    loss, metrics = decoupled_loss(logp, proximal, behaviour, adv, w, eps_low=0.2, eps_high=0.28)
+    want = 0.1 * 2.0 * -1.28 + 0.2 * 0.5 * 1.1 + 0.3 * 1.0 * 0.8
+    assert loss.item() == pytest.approx(want, rel=1e-6)
+    loss.backward()
+    # d/dlogp of -w f rho A = -w f rho A where unclipped, 0 where clipped
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, 0.2 * 0.5 * 1.1, 0.0]))
+    m = finalize_loss_metrics(metrics)
+    assert m["behaviour_weight_mean"] == pytest.approx((2.0 + 0.5 + 1.0) / 3)
+    assert m["clip_high_frac"] == pytest.approx(1 / 3) and m["clip_low_frac"] == pytest.approx(1 / 3)
+    # The paper's loss on the same tokens clips against the behaviour policy instead: token 0's
+    # ratio is 3 there, token 1's 0.55 (clipped low with A<0) -- a different objective.
+    paper, _ = grpo_loss(logp.detach(), behaviour, adv, w)
+    assert paper.item() != pytest.approx(loss.item())
+
+
+def test_decoupled_cap_leaves_out_tokens_too_far_off_policy():
+    behaviour = torch.zeros(4) - 1.0
+    proximal = behaviour + torch.log(torch.tensor([1.0, 4.0, 6.0, 100.0]))
+    logp = proximal.clone().requires_grad_()
+    adv = torch.ones(4)
+    w = torch.tensor([0.25, 0.25, 0.25, 0.0])  # the last token carries no loss at all
+    loss, metrics = decoupled_loss(logp, proximal, behaviour, adv, w, weight_cap=5.0)
+    assert loss.item() == pytest.approx(-(0.25 * 1.0 + 0.25 * 4.0))  # factor 6 > 5: left out
+    assert float(metrics["behaviour_capped_sum"]) == 1.0 and float(metrics["tokens"]) == 2.0
+    loss.backward()
+    assert logp.grad[2] == 0.0 and logp.grad[3] == 0.0
+    uncapped, _ = decoupled_loss(logp.detach(), proximal, behaviour, adv, w, weight_cap=0.0)
+    assert uncapped.item() == pytest.approx(-(0.25 + 1.0 + 1.5))
+    with pytest.raises(ValueError, match="proximal_logp shape"):
+        decoupled_loss(logp, proximal[:2], behaviour, adv, w)
+
+
+def test_decoupled_objective_config_is_checked():
+    from megatron_rl.algorithms.config import GRPOConfig
+    from megatron_rl.config import ConfigFieldError
+
+    assert GRPOConfig().objective == "magistral"
+    with pytest.raises(ConfigFieldError, match="objective"):
+        GRPOConfig(objective="areal")
+    with pytest.raises(ConfigFieldError, match="behaviour_weight_cap"):
+        GRPOConfig(objective="decoupled", behaviour_weight_cap=0.9)

@@ -295,3 +295,27 @@ def test_nan_mid_run_skips_steps_then_stops_cleanly_with_a_finite_latest(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["resumed_from"].endswith(checkpoint_dir_name(2)) and summary["steps"] == 3
+
+
+def test_decoupled_objective_with_several_minibatches_a_step(tmp_path, policy):
+    """`algorithm.objective: decoupled` in a real sync run with two optimizer steps a batch: the
+    second minibatch is trained one version after its tokens were generated (staleness counted
+    from the weights that train it), its proximal log-probs are the step's starting weights'
+    (so proximal / behaviour is ~1 in sync: the trainer recomputes what the engine sampled)."""
+    path = recipe(
+        tmp_path,
+        policy,
+        loop={"mode": "sync", "n_minibatch": 8, "max_steps": 4, "max_dropped_batches": 64},  # 4 versions
+        algorithm={"objective": "decoupled"},
+        weight_sync={"verify": False},
+    )
+    _run(train_cmd(path))
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [2.0, 4.0]  # two optimizer steps per batch
+    for m in metrics:
+        assert m["staleness/max"] == 1.0
+        assert m["staleness/hist/0"] == pytest.approx(
+            m["staleness/hist/1"], abs=0.35
+        )  # half and half, by tokens
+        assert m["train/behaviour_weight_mean"] == pytest.approx(1.0, abs=0.02)
+        assert m["train/behaviour_capped_mean"] == 0.0

@@ -348,10 +348,13 @@ def test_groups_spanning_a_weight_update_count_their_staleness_per_token(tok, sc
         assert rec.min_version() == 0 and rec.staleness(version[0]) == 2
         tokens = Counter(t for v in versions for t in v)
         total = sum(tokens.values())
-        got = staleness_stats([list(v) for v in versions], version[0])
+        got = staleness_stats([(version[0], list(v)) for v in versions])
         assert got == {
             "staleness/mean": pytest.approx((2 * tokens[0] + tokens[1]) / total),  # float32 mean
+            # p95: lag 2 for the version-0 tokens, so 2 unless they are under 5% of all
+            "staleness/p95": 2.0 if tokens[0] > 0.05 * total else 1.0,
             "staleness/max": 2.0,
+            "staleness/tokens": float(total),
             "staleness/hist/1": tokens[1] / total,
             "staleness/hist/2": tokens[0] / total,
         }
@@ -486,3 +489,17 @@ def test_a_pool_that_cannot_start_stops_the_rollouts_with_its_reason(tok, script
         assert r.wait_until(lambda: r.failed, timeout=60)
         with pytest.raises(PoolBroken, match="died while starting"):
             r.check()
+
+
+def test_staleness_counts_from_the_weights_that_train_each_minibatch():
+    """With several minibatches a step, the second is trained by version + 1: a token generated
+    by the step's starting weights is one version behind there (the Figure 6b setting)."""
+    got = staleness_stats([(5, [5, 5, 4]), (6, [5, 5]), (6, [6])])
+    # lags: 0 0 1 | 1 1 | 0
+    assert got["staleness/mean"] == pytest.approx(3 / 6)
+    assert got["staleness/tokens"] == 6.0 and got["staleness/max"] == 1.0
+    assert got["staleness/p95"] == 1.0
+    assert got["staleness/hist/0"] == pytest.approx(0.5) and got["staleness/hist/1"] == pytest.approx(0.5)
+    assert staleness_stats([]) == {}
+    many = staleness_stats([(100, [100] * 96 + [90] * 4)])  # 4% of tokens 10 behind: p95 is 0
+    assert many["staleness/p95"] == 0.0 and many["staleness/max"] == 10.0

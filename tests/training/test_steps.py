@@ -309,3 +309,41 @@ def test_kl_term_is_refused(single_rank):
 
     with pytest.raises(ValueError, match="kl_coef"):
         PolicyTrainer(_hf(), TrainerConfig(), GRPOConfig(kl_coef=0.1), BatchingConfig())
+
+
+def test_decoupled_objective_through_the_trainer(single_rank):
+    """``algorithm.objective: decoupled`` in the trainer: a minibatch whose proximal log-probs are
+    its behaviour log-probs trains exactly as the paper's objective; one that carries none takes
+    the current weights as the proximal policy, the same as carrying their log-probs (computed by
+    ``compute_logprobs``), at every collation."""
+    import dataclasses
+
+    trainer = _trainer()
+    seqs = _sequences(8, seed=7)
+    paper = trainer.forward_backward(TrainBatch(sequences=seqs), "grpo")
+    paper_grads = _grads(trainer)
+    trainer.grpo.objective = "decoupled"
+    trainer.grpo.behaviour_weight_cap = 0.0
+    same = [dataclasses.replace(s, proximal_logprobs=s.behaviour_logprobs.clone()) for s in seqs]
+    got = trainer.forward_backward(TrainBatch(sequences=same), "grpo")
+    assert got["loss"] == paper["loss"] and got["behaviour_weight_mean"] == 1.0
+    for name, g in _grads(trainer).items():
+        assert torch.equal(g, paper_grads[name]), name
+
+    current = trainer.compute_logprobs(TrainBatch(sequences=seqs))
+    carried = [dataclasses.replace(s, proximal_logprobs=c) for s, c in zip(seqs, current)]
+    implicit = trainer.forward_backward(TrainBatch(sequences=seqs), "grpo")
+    implicit_grads = _grads(trainer)
+    assert implicit["ratio_mean"] == 1.0 and implicit["clip_low_frac"] == implicit["clip_high_frac"] == 0.0
+    assert implicit["loss"] != pytest.approx(paper["loss"])  # behaviour differs from the current weights
+    for c in COLLATIONS:
+        explicit = trainer.forward_backward(
+            TrainBatch(sequences=carried), "grpo", batching=BatchingConfig(**c)
+        )
+        assert explicit["loss"] == pytest.approx(implicit["loss"], rel=1e-5), c
+        assert explicit["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+        for name, g in _grads(trainer).items():
+            scale = implicit_grads[name].abs().max().item()
+            assert (g - implicit_grads[name]).abs().max().item() <= 1e-5 * scale, (c, name)
+    with pytest.raises(ValueError, match="some sequences carry them"):
+        trainer.forward_backward(TrainBatch(sequences=[carried[0], seqs[1]]), "grpo")
