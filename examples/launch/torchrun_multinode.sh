@@ -5,6 +5,10 @@
 #   MASTER=10.0.0.1 NNODES=2 NODE_RANK=0 SERVERS="http://10.0.1.1:30000 http://10.0.1.2:30000" \
 #     examples/launch/torchrun_multinode.sh examples/magistral_small_rl.yaml
 #
+# Overrides follow the recipe, e.g. long traces split over 2 ranks of each replica:
+#   ... torchrun_multinode.sh RECIPE.yaml trainer.parallel.context_parallel=2 batching.layout=packed
+# (the world size must be a multiple of tensor_parallel x pipeline_parallel x context_parallel).
+#
 # Start each SGLang server (same SGLang as the client: 0.5.23) with the flags the recipe implies:
 #   python -m sglang.launch_server --model-path MODEL --tp-size 8 --host 0.0.0.0 --port 30000 \
 #     $(megatron-rl sglang-args server RECIPE.yaml) --api-key "$MEGATRON_RL_API_KEY"

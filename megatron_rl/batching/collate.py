@@ -16,6 +16,14 @@ Two layouts, one planner; the cost of a microbatch under each is what the budget
 - ``padded``: one row per sequence, right-padded to the longest in the microbatch; works with every
   attention kernel without varlen support. Cost = rows x longest row.
 
+Context parallelism (``trainer.parallel.context_parallel`` = C > 1, packed only): each sequence
+is laid out in a segment padded to a multiple of ``2C`` (``segment_multiple``; the padding carries
+no loss), and :func:`split_for_context_parallel` gives each rank its two zig-zag chunks of every
+segment (Megatron's load-balanced split: chunk ``r`` and ``2C - 1 - r``). The split microbatch
+keeps the whole sequences' ``cu_seqlens`` (what Megatron's RoPE and the attention take) and its
+source, so per-sequence values computed on the chunks can be put back in order
+(:meth:`Microbatch.unsplit`). The token budget bounds the whole microbatch: a rank holds 1/C of it.
+
 MoE routing replay: when the sequences carry the experts the generator routed each position to
 (``TrainSequence.routed_experts``), the microbatch holds them per position (``[R, S, layers,
 top_k]``); a sequence's last position (never fed to the generator) and padding get experts ``0 ..
@@ -29,6 +37,7 @@ positions, each sequence's last position and padding carry weight 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +61,7 @@ __all__ = [
     "filler_routing",
     "microbatch_cost",
     "plan_microbatches",
+    "split_for_context_parallel",
 ]
 
 
@@ -181,10 +191,24 @@ class Microbatch:
     cu_seqlens: torch.Tensor | None = None  # [n + 1] int32 segment starts in the packed row
     routed_experts: torch.Tensor | None = None  # [R, S, layers, top_k] int64 (routing replay)
     proximal_logprobs: torch.Tensor | None = None  # [R, S] float32 (decoupled objective), or None
+    # Context parallelism: the whole microbatch this one is a rank's chunks of, and for each of
+    # its positions the position in the source row (None: not split).
+    cp_source: Microbatch | None = None
+    cp_index: torch.Tensor | None = None  # [S] int64
 
     @property
     def num_tokens(self) -> int:
         return sum(self.seq_lengths)
+
+    def unsplit(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values ``[1, S]`` of a context-parallel split -> ``[1, S_source]`` of the
+        source microbatch, zeros at the positions other ranks hold (so a sum over the group
+        assembles them)."""
+        if self.cp_source is None or self.cp_index is None:
+            return values
+        out = values.new_zeros(self.cp_source.tokens.shape)
+        out[0, self.cp_index.to(values.device)] = values[0]
+        return out
 
     def attention_mask(self) -> torch.Tensor:
         """``[R, 1, S, S]`` bool, True where attention is *not* allowed (Megatron's convention):
@@ -204,11 +228,14 @@ class Microbatch:
 
     def split_per_sequence(self, values: torch.Tensor) -> list[torch.Tensor]:
         """Per-position ``[R, S]`` values (e.g. recomputed log-probs) -> one ``[C_i]`` tensor of
-        completion-token values per sequence, in ``seq_index`` order."""
+        completion-token values per sequence, in ``seq_index`` order (of a context-parallel
+        split: this rank's values in place, zeros elsewhere)."""
+        if self.cp_source is not None:
+            return self.cp_source.split_per_sequence(self.unsplit(values))
         out: list[torch.Tensor] = []
         for k, (start, n) in enumerate(self._segments()):
             row = 0 if self.layout == "packed" else k
-            w = self.loss_mask[row, start : start + n]
+            w = self.loss_mask[row, start : start + n].to(values.device)
             out.append(values[row, start : start + n][w])
         return out
 
@@ -245,11 +272,16 @@ def collate(
     layout: Layout = "packed",
     pad_to_multiple: int = 1,
     pad_id: int = 0,
+    segment_multiple: int = 1,
 ) -> Microbatch:
-    """Lay the given sequences out as one microbatch (see the module docstring)."""
+    """Lay the given sequences out as one microbatch (see the module docstring). Packed:
+    ``segment_multiple`` rounds each sequence's segment (and the row) up to a multiple of it."""
     lengths = [s.length for s in sequences]
+    if segment_multiple > 1 and layout != "packed":
+        raise ValueError("segment_multiple: context parallelism splits packed rows only (layout 'packed')")
+    spans = [_round_up(n, segment_multiple) for n in lengths]  # each sequence's segment
     if layout == "packed":
-        rows, width = 1, _round_up(sum(lengths), pad_to_multiple)
+        rows, width = 1, _round_up(sum(spans), math.lcm(pad_to_multiple, segment_multiple))
     elif layout == "padded":
         rows, width = len(sequences), _round_up(max(lengths), pad_to_multiple)
     else:
@@ -266,18 +298,20 @@ def collate(
     }
     starts = [0] * len(sequences)
     if layout == "packed":
-        starts = [0] + list(torch.tensor(lengths).cumsum(0)[:-1].tolist())
+        starts = [0] + list(torch.tensor(spans).cumsum(0)[:-1].tolist())
     for k, seq in enumerate(sequences):
         _place(seq, f, 0 if layout == "packed" else k, starts[k])
     routed = _routing(sequences, rows, width, starts, layout)
     proximal = _proximal(sequences, rows, width, starts, layout)
     cu = None
     if layout == "packed":
-        bounds = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
+        bounds = [0] + list(torch.tensor(spans).cumsum(0).tolist())
         if bounds[-1] < width:  # the tail padding is a segment of its own
             bounds.append(width)
         cu = torch.tensor(bounds, dtype=torch.int32)
-        f["position_ids"][0, sum(lengths) :] = torch.arange(width - sum(lengths))
+        for start, n, span in zip(starts, lengths, spans):  # a segment's padding continues its positions
+            f["position_ids"][0, start + n : start + span] = torch.arange(n, span)
+        f["position_ids"][0, sum(spans) :] = torch.arange(width - sum(spans))
     return Microbatch(
         layout=layout,
         tokens=f["tokens"],
@@ -348,14 +382,63 @@ def build_microbatches(
     strategy: Strategy = "greedy",
     pad_to_multiple: int = 1,
     pad_id: int = 0,
+    segment_multiple: int = 1,
 ) -> list[Microbatch]:
-    """Plan and collate a (per-rank) batch into microbatches."""
+    """Plan and collate a (per-rank) batch into microbatches (``segment_multiple``: see
+    :func:`collate`; the plan counts each sequence at its rounded length)."""
     bins = plan_microbatches(
-        batch.lengths, token_budget, layout=layout, strategy=strategy, pad_to_multiple=pad_to_multiple
+        [_round_up(n, segment_multiple) for n in batch.lengths],
+        token_budget,
+        layout=layout,
+        strategy=strategy,
+        pad_to_multiple=math.lcm(pad_to_multiple, segment_multiple),
     )
     return [
         collate(
-            [batch.sequences[i] for i in b], b, layout=layout, pad_to_multiple=pad_to_multiple, pad_id=pad_id
+            [batch.sequences[i] for i in b],
+            b,
+            layout=layout,
+            pad_to_multiple=pad_to_multiple,
+            pad_id=pad_id,
+            segment_multiple=segment_multiple,
         )
         for b in bins
     ]
+
+
+_SPLIT_FIELDS = (
+    "tokens",
+    "position_ids",
+    "labels",
+    "loss_weights",
+    "advantages",
+    "behaviour_logprobs",
+    "versions",
+    "loss_mask",
+    "routed_experts",
+    "proximal_logprobs",
+)
+
+
+def split_for_context_parallel(mb: Microbatch, size: int, rank: int) -> Microbatch:
+    """Context-parallel ``rank``'s share of the packed microbatch ``mb`` (of ``size`` ranks):
+    chunks ``rank`` and ``2 size - 1 - rank`` of each of its segments, which must all be
+    multiples of ``2 size`` tokens (``collate(..., segment_multiple=2 * size)``)."""
+    if size == 1:
+        return mb
+    if mb.layout != "packed":
+        raise ValueError("context parallelism splits packed rows only (batching.layout: packed)")
+    bounds = mb.packed_cu_seqlens().tolist()
+    if any(b % (2 * size) for b in bounds) or bounds[-1] != mb.tokens.shape[1]:
+        raise ValueError(
+            f"context parallelism {size}: every segment must be a multiple of {2 * size} tokens "
+            f"(collate with segment_multiple={2 * size}), got bounds {bounds[:4]}..."
+        )
+    parts = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        c = (hi - lo) // (2 * size)
+        for k in (rank, 2 * size - 1 - rank):
+            parts.append(torch.arange(lo + k * c, lo + (k + 1) * c))
+    index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    split = {name: getattr(mb, name)[:, index] for name in _SPLIT_FIELDS if getattr(mb, name) is not None}
+    return dataclasses.replace(mb, **split, cp_source=mb, cp_index=index)

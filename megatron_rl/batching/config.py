@@ -12,7 +12,9 @@ from megatron_rl.config import check_range
 class BatchingConfig:
     """How a minibatch is cut into microbatches and spread over data-parallel ranks."""
 
-    token_budget: int = 16384  # tokens per microbatch (packed) or rows x longest row (padded)
+    # tokens per microbatch (packed) or rows x longest row (padded), per rank: under context
+    # parallelism a rank holds 1/CP of each micro-batch, so micro-batches hold CP x this
+    token_budget: int = 16384
     layout: Literal["packed", "padded"] = "packed"  # packed rows with cu_seqlens, or padded rows
     strategy: Literal["greedy", "uniform"] = "greedy"  # first-fit decreasing, or arrival-order fill
     pad_to_multiple: int = 1  # round each packed row / padded row length up to this (TP/SP, TE)

@@ -66,6 +66,14 @@ class RunConfig:
                 "every update (keep counts the cached share as generator/prefix_cached_fraction)",
             )
 
+        cp = self.trainer.parallel.context_parallel
+        if cp > 1 and self.batching.layout != "packed":
+            raise ConfigFieldError(
+                "batching.layout",
+                f"trainer.parallel.context_parallel {cp} splits packed rows only; set batching.layout: "
+                f"packed (got {self.batching.layout})",
+            )
+
     def check_curriculum(self) -> None:
         """Check every stage as it will be applied, before anything starts: each stage's values
         over what the stages before it left (so a typo in stage 3 fails at load, not hours in),

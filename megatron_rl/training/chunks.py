@@ -222,7 +222,7 @@ class _Layout:
     pp_size: int = 1
     tp_group: dist.ProcessGroup | None = None  # None when TP = 1
     pp_group: dist.ProcessGroup | None = None
-    dp_rank: int = 0  # data-parallel rank: 0 = the replica whose tensors reach global rank 0
+    dp_rank: int = 0  # data (x context) parallel rank: 0 = the replica whose tensors reach global rank 0
     expert_dp_rank: int = 0  # 0 on the EP ranks that together hold one copy of every expert
 
 
@@ -239,7 +239,7 @@ def _layout() -> _Layout:
                 pp_size=ps.get_pipeline_model_parallel_world_size(),
                 tp_group=_group_or_none(ps.get_tensor_model_parallel_group()),
                 pp_group=ps.get_pipeline_model_parallel_group(),
-                dp_rank=ps.get_data_parallel_rank(),
+                dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
                 expert_dp_rank=ps.get_expert_data_parallel_rank(),
             )
     except ImportError:

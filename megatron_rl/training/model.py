@@ -255,6 +255,7 @@ def transformer_config_from_hf(
         pipeline_model_parallel_size=parallel.pipeline_parallel,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline,
         sequence_parallel=parallel.sequence_parallel,
+        context_parallel_size=parallel.context_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -1,4 +1,4 @@
-"""Parallel layout of the trainer (TP x PP x DP, and EP for MoE experts) and Megatron-Core's process groups.
+"""Parallel layout of the trainer (TP x PP x CP x DP, and EP for MoE experts) and Megatron-Core's process groups.
 
 Launch (GPU, NCCL)::
 
@@ -8,7 +8,11 @@ On a CPU machine the same code runs over gloo; tests start their ranks with ``te
 call :func:`init_parallel` inside an already-initialised default group. A lone process with no
 torchrun environment gets a one-rank group of its own, so a model can be built in a notebook.
 
-Data parallel size is not configured: it is ``world_size / (tensor_parallel * pipeline_parallel)``.
+Data parallel size is not configured: it is ``world_size / (tensor_parallel * pipeline_parallel *
+context_parallel)``. Context parallelism (CP) splits every sequence of a micro-batch over
+``context_parallel`` ranks (Megatron's load-balanced zig-zag chunks, ``batching/collate.py``
+``split_for_context_parallel``); the weights are replicated over them like data-parallel ranks,
+and their gradients are summed over data- and context-parallel ranks together.
 Expert parallelism splits each MoE layer's experts over ``expert_parallel`` ranks taken from the
 data-parallel ranks (Megatron's expert grid: every other weight stays replicated over them), so
 ``expert_parallel`` must divide the data-parallel size.
@@ -39,12 +43,14 @@ class ParallelConfig:
     virtual_pipeline: int | None = None  # model chunks per PP rank (interleaved 1F1B); None = off
     sequence_parallel: bool = False  # shard norm/dropout activations over TP (needs TP > 1 and TE)
     expert_parallel: int = 1  # ranks splitting each MoE layer's experts (EP); divides the DP size
+    context_parallel: int = 1  # ranks splitting every sequence (CP, for long traces; packed layout)
     backend: str = "auto"  # torch.distributed backend: auto = nccl with CUDA, else gloo
 
     def __post_init__(self):
         check_range("tensor_parallel", self.tensor_parallel, low=1)
         check_range("pipeline_parallel", self.pipeline_parallel, low=1)
         check_range("expert_parallel", self.expert_parallel, low=1)
+        check_range("context_parallel", self.context_parallel, low=1)
         if self.virtual_pipeline is not None:
             check_range("virtual_pipeline", self.virtual_pipeline, low=2)
             if self.pipeline_parallel < 2:
@@ -63,6 +69,12 @@ class ParallelConfig:
     def model_parallel_size(self) -> int:
         """Ranks holding one copy of the model: ``tensor_parallel * pipeline_parallel``."""
         return self.tensor_parallel * self.pipeline_parallel
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks that train one data-parallel replica: ``tensor_parallel * pipeline_parallel *
+        context_parallel`` (the world size is a multiple of it)."""
+        return self.model_parallel_size * self.context_parallel
 
     def resolved_backend(self) -> str:
         """``backend`` with ``auto`` resolved on this machine (nccl if CUDA is available)."""
@@ -110,16 +122,18 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_minutes: int = 30) 
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
-    if world % cfg.model_parallel_size:
+    if world % cfg.replica_size:
         raise ValueError(
-            f"world size {world} is not a multiple of tensor_parallel x "
-            f"pipeline_parallel = {cfg.tensor_parallel} x {cfg.pipeline_parallel}"
+            f"world size {world} is not a multiple of tensor_parallel x pipeline_parallel x "
+            f"context_parallel = {cfg.tensor_parallel} x {cfg.pipeline_parallel} x "
+            f"{cfg.context_parallel} = {cfg.replica_size}"
         )
     if (world // cfg.model_parallel_size) % cfg.expert_parallel:
         raise ConfigFieldError(
             "expert_parallel",
             f"{cfg.expert_parallel} does not divide the data-parallel size "
-            f"{world // cfg.model_parallel_size} (world size {world} / tensor_parallel x pipeline_parallel)",
+            f"{world // cfg.model_parallel_size} (world size {world} / tensor_parallel x pipeline_parallel; "
+            f"with context parallelism, the data x context parallel ranks)",
         )
     if parallel_state.model_parallel_is_initialized():
         raise RuntimeError("Megatron parallel state is already initialised; call destroy_parallel() first")
@@ -128,6 +142,7 @@ def init_parallel(cfg: ParallelConfig, *, seed: int, timeout_minutes: int = 30) 
         pipeline_model_parallel_size=cfg.pipeline_parallel,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
         expert_model_parallel_size=cfg.expert_parallel,
+        context_parallel_size=cfg.context_parallel,
         distributed_timeout_minutes=timeout_minutes,
     )
     torch.manual_seed(seed)

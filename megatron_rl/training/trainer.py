@@ -38,9 +38,16 @@ import torch.distributed as dist
 
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metrics
-from megatron_rl.batching.collate import Microbatch, build_microbatches, collate, filler_routing
+from megatron_rl.batching.collate import (
+    Microbatch,
+    build_microbatches,
+    collate,
+    filler_routing,
+    split_for_context_parallel,
+)
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.batching.dp import assign_data_parallel
+from megatron_rl.config import ConfigFieldError
 from megatron_rl.errors import InputError
 from megatron_rl.hf.arch import (
     CARRIED_PREFIXES,
@@ -111,7 +118,7 @@ def _ensure_parallel(cfg: TrainerConfig) -> bool:
     return False
 
 
-def _filler_microbatch(layout: Layout, pad_to_multiple: int) -> Microbatch:
+def _filler_microbatch(layout: Layout, pad_to_multiple: int, segment_multiple: int = 1) -> Microbatch:
     """A microbatch that contributes exactly nothing (weight 0 everywhere): a data-parallel replica
     with fewer sequences than microbatches it must run still joins every collective."""
     seq = TrainSequence(
@@ -123,7 +130,9 @@ def _filler_microbatch(layout: Layout, pad_to_multiple: int) -> Microbatch:
         weight=0.0,
         group_id=-1,
     )
-    return collate([seq], [-1], layout=layout, pad_to_multiple=pad_to_multiple)
+    return collate(
+        [seq], [-1], layout=layout, pad_to_multiple=pad_to_multiple, segment_multiple=segment_multiple
+    )
 
 
 def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
@@ -140,9 +149,10 @@ def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
 
     position_ids, cu_seqlens = grow(mb.position_ids), mb.cu_seqlens
     if mb.layout == "packed":
-        used = sum(mb.seq_lengths)
         bounds = mb.packed_cu_seqlens().tolist()
-        bounds = bounds[:-1] + [width] if bounds[-1] > used else bounds + [width]
+        tail = len(bounds) - 1 > len(mb.seq_lengths)  # the row ends in a padding segment of its own
+        used = bounds[-2] if tail else bounds[-1]  # where the last sequence's segment ends
+        bounds = bounds[:-1] + [width] if tail else bounds + [width]
         cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
         position_ids[0, used:] = torch.arange(width - used)
     return dataclasses.replace(
@@ -700,14 +710,24 @@ class PolicyTrainer:
         dp = self.pgs.dp.size()
         assignment = assign_data_parallel(batch.lengths, dp, mode=b.dp_assignment, seed=b.seed + self.step)
         mine = assignment[self.pgs.dp.rank()]
+        # Context parallelism: microbatches are planned whole (a rank holds 1/cp of each, so the
+        # per-rank budget times cp), every sequence in a segment of a multiple of 2 cp tokens,
+        # then split; the microbatches of a replica's cp ranks are the same ones.
+        cp = self.pgs.cp.size()
+        seg = 2 * cp if cp > 1 else 1
+        if cp > 1 and b.layout != "packed":
+            raise ConfigFieldError(
+                "layout", f"context parallelism ({cp} ranks) splits packed rows only, got layout {b.layout!r}"
+            )
         mbs = []
         if mine:
             mbs = build_microbatches(
                 batch.subset(mine),
-                b.token_budget,
+                b.token_budget * cp,
                 layout=b.layout,
                 strategy=b.strategy,
                 pad_to_multiple=b.pad_to_multiple,
+                segment_multiple=seg,
             )
         for mb in mbs:
             mb.seq_index = [mine[j] for j in mb.seq_index]
@@ -718,11 +738,13 @@ class PolicyTrainer:
         }
         multiple = self.pgs.pp.size() if self.cfg.parallel.virtual_pipeline else 1
         while not mbs or len(mbs) % multiple:
-            mbs.append(_filler_microbatch(b.layout, b.pad_to_multiple))
+            mbs.append(_filler_microbatch(b.layout, b.pad_to_multiple, seg))
         if self._uniform_shapes:
             rows = max(mb.tokens.shape[0] for mb in mbs)
             width = max(mb.tokens.shape[1] for mb in mbs)
             mbs = [_pad_microbatch(mb, rows, width) for mb in mbs]
+        if cp > 1:
+            mbs = [split_for_context_parallel(mb, cp, self.pgs.cp.rank()) for mb in mbs]
         return mbs, stats
 
     def _context(self, temperature: float | None = None) -> StepContext:
@@ -779,12 +801,15 @@ class PolicyTrainer:
         local = reduce_loss_metrics(parts) if self._reports else {}
         sum_keys = [k for k in keys if not k.endswith("_max")] + list(_STAT_KEYS)
         max_keys = [k for k in keys if k.endswith("_max")]
-        local.update({k: torch.tensor(v) for k, v in stats.items()} if self._reports else {})
+        # The collation figures once per replica (its context-parallel ranks share its microbatches).
+        counts_stats = self._reports and self.pgs.cp.rank() == 0
+        local.update({k: torch.tensor(v) for k, v in stats.items()} if counts_stats else {})
 
         def vector(names: list[str]) -> torch.Tensor:
             if not self._reports:
                 return torch.zeros(len(names), dtype=torch.float64, device=self.device)
-            return torch.stack([local[k].to(self.device, torch.float64) for k in names])
+            zero = torch.zeros((), dtype=torch.float64)
+            return torch.stack([local.get(k, zero).to(self.device, torch.float64) for k in names])
 
         sums = vector(sum_keys)
         dist.all_reduce(sums)
