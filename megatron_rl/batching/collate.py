@@ -51,6 +51,7 @@ Layout = Literal["packed", "padded"]
 Strategy = Literal["greedy", "uniform"]
 
 __all__ = [
+    "PER_POSITION_FIELDS",
     "CollationStats",
     "Layout",
     "Microbatch",
@@ -406,7 +407,9 @@ def build_microbatches(
     ]
 
 
-_SPLIT_FIELDS = (
+#: The microbatch's per-position tensors (``[R, S, ...]``): what moves to the device with it, and
+#: what a context-parallel split cuts.
+PER_POSITION_FIELDS = (
     "tokens",
     "position_ids",
     "labels",
@@ -440,5 +443,7 @@ def split_for_context_parallel(mb: Microbatch, size: int, rank: int) -> Microbat
         for k in (rank, 2 * size - 1 - rank):
             parts.append(torch.arange(lo + k * c, lo + (k + 1) * c))
     index = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-    split = {name: getattr(mb, name)[:, index] for name in _SPLIT_FIELDS if getattr(mb, name) is not None}
+    split = {
+        name: getattr(mb, name)[:, index] for name in PER_POSITION_FIELDS if getattr(mb, name) is not None
+    }
     return dataclasses.replace(mb, **split, cp_source=mb, cp_index=index)

@@ -45,7 +45,7 @@ from megatron_rl.evaluation.ablation import (
 from megatron_rl.evaluation.plots import ablation_plot
 from megatron_rl.fileio import JsonValue, atomic_write_json, atomic_write_text, check_output_apart, loads_json
 from megatron_rl.orchestration.recipe import RunConfig, load_config
-from megatron_rl.quickstart.pipeline import DEFAULT_RECIPE, ensure_warmup
+from megatron_rl.quickstart.pipeline import DEFAULT_RECIPE, ensure_warmup, train_command
 
 __all__ = ["Arm", "main", "plan_arms"]
 
@@ -246,25 +246,21 @@ def main(argv: list[str] | None = None) -> int:
         if not _finished(run_dir, versions):
             run_dir.parent.mkdir(parents=True, exist_ok=True)
             print(f"{head}: training ({log})", file=sys.stderr, flush=True)
-            cmd = [
-                sys.executable,
-                "-m",
-                "megatron_rl",
-                "train",
+            cmd = train_command(
                 args.recipe,
-                f"model.hf={paths['sft']}",
-                f"data.train={paths['train']}",
-                f"data.eval={paths['held_out']}",
-                f"run.dir={run_dir}",
-                f"loop.max_steps={versions}",
-                f"loop.seed={seed}",
-                f"trainer.seed={1234 + seed}",
-                f"run.eval_every={eval_every * arm.minibatches}",
-                "run.time_limit_min=0",
-                f"fleet.max_slots={slots}",
-                *args.overrides,
-                *arm.overrides(cfg),
-            ]
+                paths,
+                run_dir,
+                [
+                    f"loop.max_steps={versions}",
+                    f"loop.seed={seed}",
+                    f"trainer.seed={1234 + seed}",
+                    f"run.eval_every={eval_every * arm.minibatches}",
+                    "run.time_limit_min=0",
+                    f"fleet.max_slots={slots}",
+                    *args.overrides,
+                    *arm.overrides(cfg),
+                ],
+            )
             rc = _run_arm(cmd, log)
             if rc or not _finished(run_dir, versions):
                 tail = log.read_text(errors="replace").splitlines()[-15:]

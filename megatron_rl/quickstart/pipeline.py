@@ -31,7 +31,7 @@ from megatron_rl.fileio import atomic_write_json, check_output_apart
 from megatron_rl.orchestration.recipe import RunConfig, load_config
 from megatron_rl.rewards.template import DEFAULT_THINK_TAGS
 
-__all__ = ["ensure_warmup", "main"]
+__all__ = ["ensure_warmup", "main", "train_command"]
 
 DEFAULT_RECIPE = Path(__file__).resolve().with_name("recipe.yaml")  # examples/quickstart.yaml links to it
 
@@ -53,6 +53,23 @@ def _stage(title: str, cmd: list[str]) -> None:
     proc = subprocess.run(cmd)
     if proc.returncode:
         raise SystemExit(f"quickstart: {title} failed (exit {proc.returncode})")
+
+
+def train_command(recipe: str, paths: dict[str, str], run_dir: Path, overrides: list[str]) -> list[str]:
+    """``megatron-rl train`` of ``recipe`` on a warm-up's policy and problems (``paths``: its
+    ``sft``, ``train``, ``held_out``) into ``run_dir``, with ``overrides`` after."""
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rl",
+        "train",
+        recipe,
+        f"model.hf={paths['sft']}",
+        f"data.train={paths['train']}",
+        f"data.eval={paths['held_out']}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
 
 
 def ensure_warmup(warm: Path, tags: list[str]) -> dict[str, Any]:
@@ -97,21 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = ensure_warmup(warm, list(cfg.reward.think_tags))
     paths = warmup["paths"]
     rl = out / "rl"
-    _stage(
-        f"GRPO ({cfg.loop.mode} loop, full reward)",
-        [
-            sys.executable,
-            "-m",
-            "megatron_rl",
-            "train",
-            args.recipe,
-            f"model.hf={paths['sft']}",
-            f"data.train={paths['train']}",
-            f"data.eval={paths['held_out']}",
-            f"run.dir={rl}",
-            *args.overrides,
-        ],
-    )
+    _stage(f"GRPO ({cfg.loop.mode} loop, full reward)", train_command(args.recipe, paths, rl, args.overrides))
     summary = json.loads((rl / "summary.json").read_text())
     report = {
         "pass@1_sft": summary["pass@1_before"],

@@ -134,18 +134,24 @@ class _ZigzagAttention(torch.autograd.Function):
         return torch.cat([x for x in chunks if x is not None])
 
     @staticmethod
+    def _segments(local: list[int], key: torch.Tensor, value: torch.Tensor, group, rep: int):
+        """Per non-empty local segment: ``(lo, hi, c, keys, values)`` with the whole segment's keys
+        and values gathered from the group, ``[1, heads, n, hn]`` (groups repeated ``rep`` times)."""
+        size = group.size()
+        keys, values = _ZigzagAttention._gather(key, group), _ZigzagAttention._gather(value, group)
+        for lo, hi in zip(local[:-1], local[1:]):
+            c = (hi - lo) // 2
+            if c:
+                k_all = _heads_first(_ZigzagAttention._full(keys, lo, hi, size), rep)
+                yield lo, hi, c, k_all, _heads_first(_ZigzagAttention._full(values, lo, hi, size), rep)
+
+    @staticmethod
     def forward(ctx, query, key, value, local, group, scale):
         size, rank = group.size(), group.rank()
         rep = query.shape[1] // key.shape[1]
-        keys, values = _ZigzagAttention._gather(key, group), _ZigzagAttention._gather(value, group)
         out = torch.empty_like(query)
         lses = []
-        for lo, hi in zip(local[:-1], local[1:]):
-            c = (hi - lo) // 2
-            if c == 0:
-                continue
-            k_all = _heads_first(_ZigzagAttention._full(keys, lo, hi, size), rep)
-            v_all = _heads_first(_ZigzagAttention._full(values, lo, hi, size), rep)
+        for lo, _hi, c, k_all, v_all in _ZigzagAttention._segments(local, key, value, group, rep):
             for half, m in enumerate(zigzag_chunks(size, rank)):
                 rows = slice(lo + half * c, lo + (half + 1) * c)
                 q = _heads_first(query[rows])
@@ -170,17 +176,11 @@ class _ZigzagAttention(torch.autograd.Function):
         size, rank = group.size(), group.rank()
         groups = key.shape[1]
         rep = query.shape[1] // groups
-        keys, values = _ZigzagAttention._gather(key, group), _ZigzagAttention._gather(value, group)
         grad_q = torch.zeros_like(query)
         grad_k = [torch.zeros_like(key) for _ in range(size)]  # every rank's keys' gradient, here
         grad_v = [torch.zeros_like(value) for _ in range(size)]
         step = iter(lses)
-        for lo, hi in zip(local[:-1], local[1:]):
-            c = (hi - lo) // 2
-            if c == 0:
-                continue
-            k_all = _heads_first(_ZigzagAttention._full(keys, lo, hi, size), rep)
-            v_all = _heads_first(_ZigzagAttention._full(values, lo, hi, size), rep)
+        for lo, hi, c, k_all, v_all in _ZigzagAttention._segments(local, key, value, group, rep):
             dk_all, dv_all = torch.zeros_like(k_all), torch.zeros_like(v_all)
             for half, m in enumerate(zigzag_chunks(size, rank)):
                 rows = slice(lo + half * c, lo + (half + 1) * c)

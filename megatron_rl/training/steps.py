@@ -69,13 +69,13 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Literal, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypedDict
 
 import torch
 
 from megatron_rl.algorithms.logprobs import token_logprobs
 from megatron_rl.algorithms.loss import decoupled_loss, grpo_loss
-from megatron_rl.batching.collate import Microbatch
+from megatron_rl.batching.collate import PER_POSITION_FIELDS, Microbatch
 from megatron_rl.training.replay import set_routing
 
 if TYPE_CHECKING:
@@ -119,19 +119,7 @@ LossClosure: TypeAlias = "Callable[[torch.Tensor], LossOutput]"  # logits -> Los
 #: ``forward_step(data_iterator, model) -> (output, loss closure over the logits)``.
 ForwardStep: TypeAlias = "Callable[[Iterator[Microbatch], MegatronModule], tuple[torch.Tensor, LossClosure]]"
 
-_TENSOR_FIELDS = (
-    "tokens",
-    "position_ids",
-    "labels",
-    "loss_weights",
-    "advantages",
-    "behaviour_logprobs",
-    "versions",
-    "loss_mask",
-    "cu_seqlens",
-    "routed_experts",
-    "proximal_logprobs",
-)
+_TENSOR_FIELDS = (*PER_POSITION_FIELDS, "cu_seqlens")
 
 
 @dataclass(frozen=True)
@@ -285,6 +273,7 @@ def grpo_loss_fn(
     the step's first optimizer step) or, when it carries none, the ones of this very forward: the
     weights being trained are then still the step's starting weights (its first minibatch)."""
     logp, entropy = _full_logprobs(ctx, mb, positions, logits, ctx.temperature)
+    clip: dict[str, Any] = {"eps_low": ctx.eps_low, "eps_high": ctx.eps_high, "entropy": entropy}
     if ctx.objective == "decoupled":
         proximal = mb.proximal_logprobs if mb.proximal_logprobs is not None else logp.detach()
         loss, metrics = decoupled_loss(
@@ -293,21 +282,11 @@ def grpo_loss_fn(
             mb.behaviour_logprobs,
             mb.advantages,
             mb.loss_weights,
-            eps_low=ctx.eps_low,
-            eps_high=ctx.eps_high,
             weight_cap=ctx.behaviour_weight_cap,
-            entropy=entropy,
+            **clip,
         )
     else:
-        loss, metrics = grpo_loss(
-            logp,
-            mb.behaviour_logprobs,
-            mb.advantages,
-            mb.loss_weights,
-            eps_low=ctx.eps_low,
-            eps_high=ctx.eps_high,
-            entropy=entropy,
-        )
+        loss, metrics = grpo_loss(logp, mb.behaviour_logprobs, mb.advantages, mb.loss_weights, **clip)
     metrics["loss"] = loss.detach().float()
     return loss, _num_tokens(mb), metrics
 
