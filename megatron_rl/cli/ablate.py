@@ -172,17 +172,22 @@ def _equal_wall(records: list[dict[str, JsonValue]]) -> None:
             r["pass1_equal_wall"] = curve_at(r["curve"], t)
 
 
-def _write_results(out: Path, records: list[dict[str, JsonValue]], title: str) -> str:
+def _write_results(
+    out: Path, records: list[dict[str, JsonValue]], title: str
+) -> tuple[str, list[dict[str, JsonValue]]]:
+    """results.json, results.md and ablation.png of the records so far; the table and the
+    per-arm summary."""
     _equal_wall(records)
     ordered = [{**{k: r.get(k) for k in RECORD_FIELDS}, **r} for r in records]
     atomic_write_json(out / "results.json", ordered)
-    table = markdown_table(summarize_arms(ordered))
+    summary = summarize_arms(ordered)
+    table = markdown_table(summary)
     atomic_write_text(out / "results.md", f"{title}\n\n{table}")
     arms: dict[str, list[dict[str, JsonValue]]] = {}
     for r in ordered:
         arms.setdefault(str(r["arm"]), []).append(r)
     ablation_plot(arms, out / "ablation.png", title=title)
-    return table
+    return table, summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     plan = [(seed, arm) for seed in range(args.seeds) for arm in arms]  # seed-major: whole seeds first
     records: list[dict[str, JsonValue]] = []
+    table: str = ""  # the grid so far (the plan always has an arm)
+    summary: list[dict[str, JsonValue]] = []
     t0 = time.monotonic()
     for i, (seed, arm) in enumerate(plan, 1):
         run_dir = out / "runs" / arm.name / f"seed{seed}"
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
         rec = _record(arm, seed, run_dir, n_batch)
         records.append(rec)
-        _write_results(out, records, title)
+        table, summary = _write_results(out, records, title)
         print(
             f"{head}: pass@1 {rec['pass1_before']:.3f} -> {rec['pass1_after']:.3f}, staleness mean "
             f"{rec['staleness_mean']:.2f} p95 {rec['staleness_p95']:.0f}, training {rec['wall_s']:.0f} s "
@@ -279,11 +286,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    table = _write_results(out, records, title)
     print(f"\n{title}\n\n{table}\n{out / 'results.json'}\n{out / 'ablation.png'}", file=sys.stderr)
-    summary = {r["arm"]: r for r in summarize_arms(records)}
+    arms_json = {r["arm"]: r for r in summary}
     print(
-        json.dumps({"results": str(out / "results.json"), "plot": str(out / "ablation.png"), "arms": summary})
+        json.dumps(
+            {"results": str(out / "results.json"), "plot": str(out / "ablation.png"), "arms": arms_json}
+        )
     )
     return 0
 

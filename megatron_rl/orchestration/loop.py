@@ -108,7 +108,10 @@ def staleness_stats(versions: list[tuple[int, list[int]]]) -> dict[str, float]:
     if not versions:
         return {}
     # One tensor from all the lists at once: a tensor per completion cost more than the tokens.
-    current = torch.tensor([v for v, toks in versions for _ in range(len(toks))], dtype=torch.long)
+    current = torch.repeat_interleave(
+        torch.tensor([v for v, _ in versions], dtype=torch.long),
+        torch.tensor([len(toks) for _, toks in versions], dtype=torch.long),
+    )
     made = torch.tensor(list(itertools.chain.from_iterable(toks for _, toks in versions)), dtype=torch.long)
     lag = (current - made).clamp(min=0)
     if not lag.numel():
