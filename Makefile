@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_SRC ?= .cache/sglang-$(SGLANG_VERSION)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
 
-.PHONY: install test check quickstart bench clean
+.PHONY: install test check docs quickstart bench clean
 
 install: .install.stamp
 
@@ -20,7 +20,7 @@ install: .install.stamp
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null) ; } || \
 	  echo "note: bubblewrap not installed (sudo apt-get install bubblewrap); the sandbox falls back to namespaces + rlimits"
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
-	$(PIP) -e ".[test,dev]"
+	$(PIP) -e ".[test,dev,docs]"
 	@# SGLang's source, for the API contract test only: --no-deps into a private folder (it needs
 	@# a GPU to import; nothing imports it from there).
 	@[ -f $(SGLANG_SRC)/sglang/version.py ] || $(PIP) -q --no-deps --target $(SGLANG_SRC) "sglang==$(SGLANG_VERSION)"
@@ -30,9 +30,14 @@ install: .install.stamp
 test: install
 	$(PYTHON) -m pytest
 
-# What CI checks besides the tests: lint and format (ruff), types (mypy), the import layers, and
-# that the built wheel installs and runs (.ci/wheel_check.sh).
-check: install
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a page missing
+# from the nav or an unresolved API reference fails the build.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(PYTHON) -m mkdocs build --strict --site-dir site
+
+# What CI checks besides the tests: lint and format (ruff), types (mypy), the import layers, the
+# documentation site (make docs), and that the built wheel installs and runs (.ci/wheel_check.sh).
+check: install docs
 	$(PYTHON) -m ruff check megatron_rl tests tools
 	$(PYTHON) -m ruff format --check megatron_rl tests tools
 	$(PYTHON) -m mypy
@@ -51,4 +56,4 @@ bench: install
 	  $(PYTHON) -m megatron_rl bench $$b || exit 1; done
 
 clean:
-	rm -rf .install.stamp .cache build *.egg-info .pytest_cache .hypothesis
+	rm -rf .install.stamp .cache build site *.egg-info .pytest_cache .hypothesis

@@ -59,11 +59,13 @@ setup(
         "data": ["pyarrow", "datasets"],
         # What CI runs besides the tests: lint + format, the type checker, the wheel build.
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "build", "pre-commit"],
+        # The documentation site (make docs; CI builds it with --strict in make check).
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"],
         # Experiment trackers besides metrics.jsonl (run.trackers; each optional, each offline).
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb>=0.19"],
         "mlflow": ["mlflow-skinny>=3"],
-        # GPU clusters. Apex is built from source (see README); SGLang pinned to the API we speak.
+        # GPU clusters. Apex is built from source (docs/gpu-cluster.md); SGLang pinned to the API we speak.
         "gpu": ["transformer-engine[pytorch]", "sglang==0.5.23", "sglang-router>=0.3.2,<0.4"],
         # sglang-router alone (it runs on CPU): the release our client and launch scripts are
         # tested with (generation/protocol.py ROUTER_VERSION).

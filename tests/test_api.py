@@ -94,9 +94,8 @@ def test_train_a_recipe_object(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2
 
 
-def test_the_readme_python_block_runs():
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## From Python") :]
+def test_the_docs_python_block_runs():
+    section = (ROOT / "docs" / "python-api.md").read_text()
     code = section[
         section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))
     ]

@@ -83,14 +83,14 @@ def test_a_step_past_its_budget_is_killed_with_its_children(tmp_path):
             __import__("time").sleep(0.1)
 
 
-def test_readme_gpu_table_has_a_row_per_figure():
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("<!-- gpu:begin -->", 1)[1].split("<!-- gpu:end -->", 1)[0]
+def test_docs_gpu_table_has_a_row_per_figure():
+    page = (ROOT / "docs" / "gpu-cluster.md").read_text()
+    table = page.split("<!-- gpu:begin -->", 1)[1].split("<!-- gpu:end -->", 1)[0]
     rows = [r.split("|")[1].strip().strip("`") for r in table.strip().splitlines()[2:]]
     assert rows == [name for name, _, _, _ in gpu_check.FIGURES]
 
 
-def test_readme_rows_and_figures_from_step_results():
+def test_table_rows_and_figures_from_step_results():
     steps = {
         "train_step": {"mfu": 0.41234, "tokens_per_s": 1.0e5, "transformer_engine": True},
         "sglang_generation": {"skipped": "sglang is not installed"},
@@ -98,7 +98,7 @@ def test_readme_rows_and_figures_from_step_results():
     }
     fig = gpu_check.figures(steps)
     assert fig["trainer_mfu"] == 0.41234 and fig["sglang_tokens_per_s"] is None
-    rows = gpu_check.readme_rows(steps, {"device": "NVIDIA H200"}).splitlines()
+    rows = gpu_check.table_rows(steps, {"device": "NVIDIA H200"}).splitlines()
     assert rows[0] == (
         "| `trainer_mfu` | 0.4123 | MFU of one GRPO step (6 N tokens/s over 989 TFLOP/s bf16) "
         "| `train_step` | NVIDIA H200 |"

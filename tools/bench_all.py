@@ -1,8 +1,8 @@
 """Every benchmark, one after another, into one table: ``benchmarks/results.json`` and
 ``benchmarks/RESULTS.md`` (machine, command, figure, value, baseline, goal), and with
-``--readme`` the README's performance section between its ``bench:begin``/``bench:end`` markers.
+``--docs`` the table of docs/performance.md between its ``bench:begin``/``bench:end`` markers.
 
-    megatron-rl bench all [--only generation,verifiers] [--out benchmarks] [--readme]
+    megatron-rl bench all [--only generation,verifiers] [--out benchmarks] [--docs]
 
 Each benchmark runs in a process of its own (nothing warm carries over from one to the next) with
 the arguments listed in ``BENCHES``, and prints its last-line JSON; this program keeps that line
@@ -25,6 +25,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from doc_tables import write_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,7 +223,7 @@ def _table(results: dict[str, dict[str, object]], machine: dict[str, object]) ->
         f"Measured on {machine['cpu']} ({machine['cores']} cores"
         + (f", {machine['gpu']}" if machine["gpu"] else ", no GPU")
         + f"), Python {machine['python']}, torch {machine['torch']}, {machine['date']}; "
-        "regenerate with `megatron-rl bench all --readme`.",
+        "regenerate with `megatron-rl bench all --docs`.",
         "",
         "| figure | value | goal | met | what it is | baseline | command |",
         "|---|---:|---|---|---|---|---|",
@@ -252,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated benchmarks (default: all); the others keep their last results",
     )
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks", help="results folder")
-    p.add_argument("--readme", action="store_true", help="rewrite README's table between its markers")
+    p.add_argument(
+        "--docs", action="store_true", help="rewrite docs/performance.md's table between its markers"
+    )
     p.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(BENCHES)
@@ -279,15 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     table = _table(results, machine)
     (args.out / "RESULTS.md").write_text("# Benchmarks\n\n" + table)
-    if args.readme:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        begin, end = "<!-- bench:begin -->\n", "<!-- bench:end -->"
-        if begin not in text or end not in text:
-            print("bench all: README.md has no bench:begin/bench:end markers", file=sys.stderr)
+    if args.docs:
+        try:
+            write_table("bench", table)
+        except ValueError as e:
+            print(f"bench all: {e}", file=sys.stderr)
             return 2
-        head, rest = text.split(begin, 1)
-        readme.write_text(head + begin + table + end + rest.split(end, 1)[1])
     print(table)
     summary = {
         f"{f.bench}.{f.key}": (results[f.bench].get("result") or {}).get(f.key)

@@ -32,7 +32,7 @@ batch above), ``python_code_verifications_per_s_per_core`` and
 ``cpp_code_verifications_per_s_per_core``: one solution ("print the sum of n numbers") verified
 in one process against 20 stdin/stdout tests (Magistral's count), sandboxed, C++ with the PCH,
 all tests passing (a failing test ends a run early, so this is the costly case); what sizes a
-verifier pool against a fleet's completion rate (README "Scale"). The last line is one JSON
+verifier pool against a fleet's completion rate (docs/scale.md). The last line is one JSON
 object of the figures.
 """
 

@@ -1,7 +1,7 @@
 """The fault and abuse suite, counted: runs every test marked ``@pytest.mark.fault(kind)`` and
-prints how many faults of each kind were tried and survived (the README's Reliability table).
+prints how many faults of each kind were tried and survived (the tables of docs/reliability.md).
 
-    python tools/fault_report.py [--out benchmarks/faults.json] [--readme] [-- extra pytest args]
+    python tools/fault_report.py [--out benchmarks/faults.json] [--docs] [-- extra pytest args]
 
 A fault test injects one fault (a bad input, a hostile client or program, a killed process or a
 corrupted file, a non-finite number, load at real scale) into the real components and asserts
@@ -23,6 +23,8 @@ import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
+
+from doc_tables import write_table
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = {
@@ -58,7 +60,9 @@ def _fuzz_table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, help="also write the counts here (JSON)")
-    p.add_argument("--readme", action="store_true", help="rewrite README's table between its faults markers")
+    p.add_argument(
+        "--docs", action="store_true", help="rewrite docs/reliability.md's tables between their markers"
+    )
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,14 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + table)
     fuzz_table = _fuzz_table(faults)
     print("\n" + fuzz_table)
-    if args.readme and rc == 0:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
-        for name, body in (("faults", table), ("fuzz", fuzz_table)):
-            begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
-            head, rest = text.split(begin, 1)
-            text = head + begin + body + "\n" + end + rest.split(end, 1)[1]
-        readme.write_text(text)
+    if args.docs and rc == 0:
+        write_table("faults", table)
+        write_table("fuzz", fuzz_table)
     summary = {
         "faults": sum(tried.values()),
         "survived": sum(survived.values()),

@@ -24,7 +24,7 @@ included, is at most 600 s) and is killed, with every process it started, when t
 out. A step whose dependency is missing (SGLang, torch_memory_saver, a second GPU) is skipped
 with the reason in the JSON. The whole result goes to ``--out`` (default ``$OUT/gpu_check.json``,
 or ``./gpu_check.json`` without ``$OUT``), each step's output and SGLang's logs to
-``gpu_check_logs/`` beside it; the last lines printed are the README's GPU table rows
+``gpu_check_logs/`` beside it; the last lines printed are the GPU table rows of docs/gpu-cluster.md
 this run fills, then one JSON object of the figures. Without CUDA it prints one line and exits 2.
 The step programs are ``tools/gpu_check_sglang.py`` (SGLang steps) and ``megatron-rl bench
 train-step``.
@@ -107,7 +107,7 @@ STEPS: tuple[Step, ...] = (
 )
 TOTAL_BUDGET_S = 600
 
-#: The README's GPU table rows: (figure, step, key in the step's JSON, what it is).
+#: The GPU table rows of docs/gpu-cluster.md: (figure, step, key in the step's JSON, what it is).
 FIGURES: tuple[tuple[str, str, str, str], ...] = (
     ("trainer_mfu", "train_step", "mfu", "MFU of one GRPO step (6 N tokens/s over 989 TFLOP/s bf16)"),
     ("trainer_tokens_per_s", "train_step", "tokens_per_s", "GRPO step tokens/s (prompt + completion)"),
@@ -269,8 +269,8 @@ def figures(steps: dict[str, dict[str, object]]) -> dict[str, object]:
     return {name: (steps.get(step) or {}).get(key) for name, step, key, _ in FIGURES}
 
 
-def readme_rows(steps: dict[str, dict[str, object]], machine: dict[str, object]) -> str:
-    """The README's GPU table rows for this run: value, or why there is none."""
+def table_rows(steps: dict[str, dict[str, object]], machine: dict[str, object]) -> str:
+    """The GPU table rows (docs/gpu-cluster.md) for this run: value, or why there is none."""
     rows = []
     for name, step, key, what in FIGURES:
         r = steps.get(step) or {}
@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         "total_wall_s": round(time.monotonic() - start, 1),
     }
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"gpu_check: wrote {args.out} in {result['total_wall_s']} s; README GPU table rows:")
-    print(readme_rows(steps, machine))
+    print(f"gpu_check: wrote {args.out} in {result['total_wall_s']} s; GPU table rows (docs/gpu-cluster.md):")
+    print(table_rows(steps, machine))
     print(json.dumps(result["figures"]))
     failed = [n for n, r in steps.items() if "failed" in r]
     return 1 if failed else 0

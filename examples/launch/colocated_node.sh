@@ -1,5 +1,5 @@
 #!/bin/bash
-# Colocated mode on one GPU node (README "Colocated mode"): SGLang and the Megatron trainer share
+# Colocated mode on one GPU node (docs/colocated.md): SGLang and the Megatron trainer share
 # the node's GPUs and take turns. Each step SGLang generates a batch, frees its KV cache, weights
 # and CUDA graphs (/release_memory_occupation), the trainer trains, then SGLang takes its memory
 # back and the new weights by CUDA IPC handle (/update_weights_from_tensor; no NCCL group).

@@ -2,7 +2,8 @@
 
     megatron-rl bench collation            # benchmark programs under tools/ (bench_NAME.py)
     megatron-rl config RECIPE.yaml [k=v]   # resolve and check a recipe, print it as YAML
-    megatron-rl train RECIPE.yaml          # the RL loop (see README for what is available)
+    megatron-rl config --reference         # every recipe field: type, default, meaning, checks
+    megatron-rl train RECIPE.yaml          # the RL loop (docs/loop.md)
     megatron-rl ablate async --out DIR     # what asynchrony costs: sync vs async arms over seeds
     megatron-rl sglang-args server|router RECIPE.yaml   # SGLang launch flags the recipe implies
     megatron-rl verifier-server --workers 64 --host 0.0.0.0   # score for orchestrators elsewhere
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rl.errors import ArgumentParser, run_cli
+from megatron_rl.errors import ArgumentParser, UsageError, run_cli
 
 # Verbs implemented by a module's ``main(argv) -> int``, which parses its own arguments.
 _PASSTHROUGH = {
@@ -83,6 +84,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
+    if args.reference:
+        if args.recipe or args.overrides:
+            raise UsageError("--reference takes no recipe or overrides: it documents every field")
+        from megatron_rl.cli.config_reference import reference_markdown  # lazy: the recipe imports torch
+
+        print(reference_markdown(), end="")
+        return 0
     from megatron_rl.config import (  # lazy: each verb imports only what it runs, so --help stays quick
         config_to_dict,
     )
@@ -137,6 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--check-paths",
         action="store_true",
         help="also check that every path the recipe names exists (train always does)",
+    )
+    c.add_argument(
+        "--reference",
+        action="store_true",
+        help="print every recipe field (type, default, meaning, checks) as Markdown: docs/config.md",
     )
     c.set_defaults(func=_config)
     g = sub.add_parser("sglang-args", help="print the SGLang server or router flags a recipe implies")

@@ -189,7 +189,7 @@ class FleetConfig:
     # prefills the prompt once. The built-in engine streams each sample back as it ends; SGLang
     # answers the batch whole, so a group's slots count as in flight until its longest sample
     # ends and at equal n_async fewer sequences decode. auto: per group where every server
-    # streams (the built-in engine), per sample elsewhere (README "Scale").
+    # streams (the built-in engine), per sample elsewhere (docs/scale.md).
     group_requests: bool | Literal["auto"] = "auto"
     # A fleet that heals (orchestration/fleet_health.py): a local server that dies is started
     # again on its port, at most this many times each; an external one is asked /health with

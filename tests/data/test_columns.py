@@ -1,7 +1,7 @@
 """Your own data: column names of your own, in Parquet or a ``datasets`` folder saved with
 ``save_to_disk``, read into the same problems as the equivalent JSONL; bad rows name the file,
 the row and your column; the recipe's filter, limit, splits and hold-out behave as documented
-(README "Use your own data", whose snippets run here); and the quick start's recipe trains on
+(docs/data.md "Use your own data", whose snippets run here); and the quick start's recipe trains on
 such data with nothing else changed."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from megatron_rl.data.problems import DataError, read_problems
 from megatron_rl.orchestration.config import DataConfig
 from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.orchestration.run import read_problem_sets
+from tests.docs_pages import section
 
 datasets = pytest.importorskip("datasets")
 pa = pytest.importorskip("pyarrow")
@@ -215,14 +216,12 @@ def test_eval_fraction_holds_out_a_seeded_set_independent_of_the_file_order(tmp_
         load_config(None, ["data.eval_fraction=1"])
 
 
-def _readme_snippets() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## Use your own data", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```yaml\n(.*?)```", section, re.S)
+def _page_snippets() -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", section("data.md", "## Use your own data"), re.S)
 
 
-def test_the_readme_recipes_read_the_data_they_describe(tmp_path, monkeypatch):
-    """Every YAML snippet of README "Use your own data" loads (paths checked) and reads the
+def test_the_documented_recipes_read_the_data_they_describe(tmp_path, monkeypatch):
+    """Every YAML snippet of docs/data.md "Use your own data" loads (paths checked) and reads the
     files this test writes under the names the snippets use."""
     rows = [
         {"uid": f"u{i}", "question": f"What is {i} + 1?", "final_answer": str(i + 1), "source": src}
@@ -232,7 +231,7 @@ def test_the_readme_recipes_read_the_data_they_describe(tmp_path, monkeypatch):
     Path("my_data").mkdir()
     _parquet(Path("my_data/train.parquet"), rows)
     _folder(Path("my_data/saved"), {"train": rows[:50], "test": rows[50:]})
-    snippets = _readme_snippets()
+    snippets = _page_snippets()
     assert len(snippets) >= 2
     sizes = []
     for i, snippet in enumerate(snippets):

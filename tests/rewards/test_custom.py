@@ -18,6 +18,7 @@ import pytest
 from megatron_rl.config import ConfigError, ConfigFieldError
 from megatron_rl.rewards.compose import RewardConfig, RewardInput, problem_record, score
 from megatron_rl.rewards.custom import ENTRY_POINT_GROUP, call_custom, resolve
+from tests.docs_pages import section
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "custom_reward"
@@ -28,19 +29,18 @@ EXAMPLE_REASONS = ["ok", "wrong_unit", "wrong_answer", "ok", "format_error"]
 THINK = "<think>We read the question and work out the value it asks for, step by step.</think>"
 
 
-def readme_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    return text.split("## Use your own reward\n", 1)[1].split("\n## ", 1)[0]
+def page_section() -> str:
+    return section("rewards.md", "## Use your own reward")
 
 
-def readme_blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", readme_section(), re.DOTALL)
+def page_blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", page_section(), re.DOTALL)
 
 
-def run_readme_command(cwd: Path) -> subprocess.CompletedProcess:
-    """The README's command, as written, in ``cwd``; ``megatron-rl`` there is this checkout's
+def run_page_command(cwd: Path) -> subprocess.CompletedProcess:
+    """The page's command, as written, in ``cwd``; ``megatron-rl`` there is this checkout's
     command (``python -m megatron_rl`` with the checkout first on the path), whatever is installed."""
-    (command,) = readme_blocks("bash")
+    (command,) = page_blocks("bash")
     this_checkout = (
         f'megatron-rl() {{ PYTHONPATH="{ROOT}${{PYTHONPATH:+:$PYTHONPATH}}" "{sys.executable}" '
         '-m megatron_rl "$@"; }\n'
@@ -83,15 +83,15 @@ def make_dist(where: Path, name: str, entry_points: dict[str, str]) -> Path:
     return where
 
 
-# -- the README's example, through the real command ----------------------------------------------
+# -- the example of docs/rewards.md, through the real command ----------------------------------------------
 
 
-def test_readme_example_is_the_example_and_scores_as_it_says(tmp_path):
-    python, yaml_block = readme_blocks("python"), readme_blocks("yaml")
+def test_the_docs_example_is_the_example_and_scores_as_it_says(tmp_path):
+    python, yaml_block = page_blocks("python"), page_blocks("yaml")
     assert python == [(EXAMPLE / "unit_reward.py").read_text()]
     assert yaml_block == [(EXAMPLE / "recipe.yaml").read_text()]
     copy_example(tmp_path)
-    proc = run_readme_command(tmp_path)
+    proc = run_page_command(tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(x) for x in (tmp_path / "scored.jsonl").read_text().splitlines()]
     assert [r["reason"] for r in rows] == EXAMPLE_REASONS
@@ -103,13 +103,13 @@ def test_readme_example_is_the_example_and_scores_as_it_says(tmp_path):
 
 
 @pytest.mark.fault("input")
-def test_a_typo_in_the_recipe_is_the_readme_error_before_anything_starts(tmp_path):
+def test_a_typo_in_the_recipe_is_the_documented_error_before_anything_starts(tmp_path):
     recipe = copy_example(tmp_path) / "recipe.yaml"
     recipe.write_text(recipe.read_text().replace("unit_reward:score ", "unit_reward:scroe "))
     (quoted,) = re.findall(
-        r"`(examples/custom_reward/recipe\.yaml:\d+: reward\.custom: .*?)`", readme_section(), re.S
+        r"`(examples/custom_reward/recipe\.yaml:\d+: reward\.custom: .*?)`", page_section(), re.S
     )
-    proc = run_readme_command(tmp_path)
+    proc = run_page_command(tmp_path)
     assert proc.returncode == 2
     assert " ".join(quoted.split()) in " ".join(proc.stderr.split()) and "Traceback" not in proc.stderr
     assert not (tmp_path / "scored.jsonl").exists()
