@@ -115,7 +115,7 @@ class DataConfig:
     # With eval empty: hold this fraction of train out as the eval set (0 = none), chosen by a
     # hash of (holdout_seed, problem id), so it does not move when the file is reordered.
     eval_fraction: float = 0.0
-    holdout_seed: int = 0
+    holdout_seed: int = 0  # the seed of that hash: another seed holds out other problems
     # "paper" (Magistral's, with reward.think_tags), "none", or the text itself ({think_open} and
     # {think_close} in it stand for reward.think_tags)
     system_prompt: str = "paper"
@@ -232,7 +232,7 @@ class ModelConfig:
 class RunDirConfig:
     """The run directory: snapshot, metrics, samples, checkpoints."""
 
-    dir: str = "runs/default"
+    dir: str = "runs/default"  # the run directory: config, metrics, samples, checkpoints, plots
     resume: Literal["auto", "never", "must"] = "auto"  # auto: resume if a checkpoint exists
     checkpoint_every: int = 10  # steps between checkpoints (0: only at the end)
     keep_last: int = 2  # checkpoints kept
@@ -240,10 +240,10 @@ class RunDirConfig:
     # Where metrics, the resolved config and the plots go besides metrics.jsonl (always
     # written): any of jsonl, tensorboard, wandb, mlflow (orchestration/trackers.py).
     trackers: list[str] = field(default_factory=lambda: ["jsonl"])
-    wandb_project: str = "megatron-rl"
+    wandb_project: str = "megatron-rl"  # the W&B project (run.trackers: wandb; offline)
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: RUN/wandb, no network
     mlflow_uri: str = ""  # tracking URI; "" = the file store RUN/mlruns
-    mlflow_experiment: str = "megatron-rl"
+    mlflow_experiment: str = "megatron-rl"  # the MLflow experiment (run.trackers: mlflow)
     eval_every: int = 0  # held-out pass@1 every this many steps (0: before and after only)
     eval_samples: int = 0  # held-out problems evaluated (0: all)
     eval_k: int = 1  # samples per held-out problem (pass@1 is their mean)
@@ -308,21 +308,21 @@ class StageConfig:
     """A curriculum stage: starts at ``at_step``, or once ``metric`` crosses ``threshold``
     (mean over the last ``window`` steps); every field left unset keeps its value."""
 
-    name: str = ""
-    at_step: int | None = None
+    name: str = ""  # shown in the log and in errors about this stage
+    at_step: int | None = None  # the training step (batch) the stage starts at (or metric + threshold)
     metric: str | None = None  # e.g. "reward/correct" or "length/mean"
-    threshold: float | None = None
+    threshold: float | None = None  # the value the metric's mean must cross
     above: bool = True  # trigger when the metric is >= threshold (False: <=)
-    window: int = 3
+    window: int = 3  # steps the metric's mean is taken over
     l_max: int | None = None  # reward.l_max and the generation limit
-    l_cache: int | None = None
-    n_batch: int | None = None
-    n_minibatch: int | None = None
-    n_async: int | None = None
-    eps_high: float | None = None
-    min_difficulty: float | None = None
-    max_difficulty: float | None = None
-    drop_solved: bool | None = None
+    l_cache: int | None = None  # reward.l_cache
+    n_batch: int | None = None  # loop.n_batch
+    n_minibatch: int | None = None  # loop.n_minibatch
+    n_async: int | None = None  # loop.n_async
+    eps_high: float | None = None  # algorithm.eps_high
+    min_difficulty: float | None = None  # data.min_difficulty
+    max_difficulty: float | None = None  # data.max_difficulty
+    drop_solved: bool | None = None  # data.drop_solved
 
     def __post_init__(self) -> None:
         if (self.at_step is None) == (self.metric is None):

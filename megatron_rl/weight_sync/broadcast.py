@@ -110,7 +110,7 @@ class WeightSyncConfig:
     # Rendezvous port of the update group on master_address; 0 (default): a free one, picked when
     # the group is built (two runs on one host never collide). A fixed port goes +1 per rebuild.
     master_port: int = 0
-    group_name: str = "megatron_rl_weights"
+    group_name: str = "megatron_rl_weights"  # the update group's name, as SGLang's update routes take it
     bucket_mb: float = 512.0  # bytes per broadcast
     cast_dtype: str | None = None  # e.g. "bfloat16"; None: the parameters' dtype
     # What the fleet does during an update. in_place: paused, running requests keep their KV
@@ -118,7 +118,7 @@ class WeightSyncConfig:
     # receive and swap the weights in between two engine steps (streamed updates only: the
     # built-in engine receives on a thread of its own); auto: none when streamed, else in_place.
     pause_mode: str = "auto"
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # the update group's collective timeout (a server that stops answering)
     # After each sync, check what the servers hold: the built-in engine's per-tensor digests must
     # equal what was sent; SGLang's own /weights_checker checksums must agree across its servers
     # of one layout (its tensors are in SGLang's fused, sharded layout, not ours).
