@@ -1,14 +1,19 @@
 """megatron-rl: RL from verifiable rewards (GRPO, Magistral recipe) on Megatron-Core + SGLang."""
 
+import re
 from pathlib import Path
 
 from setuptools import find_packages, setup
 
 README = Path(__file__).with_name("README.md")
+# The version's one home is megatron_rl/version.py; read, not imported (the build must not need
+# the package's dependencies).
+VERSION_FILE = Path(__file__).with_name("megatron_rl") / "version.py"
+VERSION = re.search(r'^__version__ = "([^"]+)"$', VERSION_FILE.read_text(), re.M).group(1)
 
 setup(
     name="megatron-rl",
-    version="0.1.0",
+    version=VERSION,
     description="Reinforcement learning from verifiable rewards at cluster scale: Magistral's GRPO "
                 "on Megatron-Core with an SGLang generation fleet",
     long_description=README.read_text() if README.exists() else "",

@@ -2,14 +2,15 @@
 
 The Python API (:mod:`megatron_rl.api`): ``from megatron_rl import RunConfig, load_config, train,
 score, convert_checkpoint``. Those names are imported from there on first use, so ``import megatron_rl``
-(which every module of the package does) loads nothing else.
+(which every module of the package does) loads nothing else but the version
+(:mod:`megatron_rl.version`, its one home; modules of the package read it from there).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from megatron_rl.version import __version__
 
 __all__ = ["RunConfig", "__version__", "convert_checkpoint", "load_config", "score", "train"]
 

@@ -8,7 +8,7 @@
     convert_checkpoint("hf_folder", "mcore_folder", to="mcore", tensor_parallel=2)
 
 Each verb is the command-line verb's own code (``orchestration.run.run_training``, the reward
-CLI's line parser and ``rewards.compose.score_many``, ``convert.checkpoint``), so a recipe, a
+CLI's line parser and ``rewards.compose.score_many``, ``convert.run.convert``), so a recipe, a
 record or a checkpoint behaves the same from Python as from the shell. Errors are exceptions
 rather than exit codes: ``ConfigError`` (a recipe field, with file:line), ``DataError`` (a record,
 with its index and field), ``NoProgressError`` / ``NonFiniteError`` / ``CheckpointCorruptError``

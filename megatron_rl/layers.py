@@ -8,8 +8,9 @@ the broadcaster both build the update group from ``generation.update_group``.
 
 Bottom first:
 
-0. the error path -- ``errors`` (the exceptions for user mistakes, their exit codes, and the
-   command-line boundary every entry point runs behind);
+0. the error path and the version -- ``errors`` (the exceptions for user mistakes, their exit
+   codes, and the command-line boundary every entry point runs behind), ``version`` (the
+   package's version, its one home; below the root, which re-exports it);
 1. records and plumbing -- ``types`` (records crossing stages), ``config`` (typed field checks, YAML
    -> dataclass with file:line errors), ``fileio`` (atomic writes, JSONL), ``layers`` (this file);
 2. pure parts -- ``algorithms`` (tensor math), ``rewards`` (verifiers, sandbox, pool), ``hf`` (HF
@@ -27,15 +28,18 @@ Bottom first:
 10. ``api`` (the Python API: the recipe object and the verbs, for notebooks and programs);
 11. ``__main__`` (``python -m megatron_rl``).
 
-The package root (``megatron_rl/__init__.py``) holds the version and sits at layer 1. Its one
-exception: it re-exports the Python API (``from megatron_rl import train``), importing ``api``
-lazily on first use of one of those names, so that importing the root loads nothing else.
+The package root (``megatron_rl/__init__.py``) re-exports the version and sits at layer 1. Its
+one exception: it re-exports the Python API (``from megatron_rl import train``), importing ``api``
+lazily on first use of one of those names, so that importing the root loads nothing but
+``version``. Since the root stands for the top layer's API, no module of the package imports
+names from it (``from megatron_rl import __version__`` in a leaf would reach up for a
+re-export): each imports the module that defines the name (``megatron_rl.version``).
 """
 
 from __future__ import annotations
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("the error path", ("errors",)),
+    ("the error path and the version", ("errors", "version")),
     ("records and plumbing", ("", "types", "config", "fileio", "layers")),
     ("pure parts", ("algorithms", "rewards", "hf")),
     ("batching", ("batching",)),
@@ -65,6 +69,8 @@ def check_import(importer: str, imported: str) -> str | None:
     """None if ``importer`` may import ``imported`` (both modules of megatron_rl), else why not."""
     if importer == "megatron_rl" and imported == "megatron_rl.api":
         return None  # the root's lazy re-export of the Python API (see the module docstring)
+    if imported == "megatron_rl" and importer != "megatron_rl":
+        return "names come from the module that defines them, not the package root (it re-exports the api)"
     a, b = part_of(importer), part_of(imported)
     if a == b:
         return None

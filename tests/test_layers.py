@@ -143,3 +143,19 @@ def test_every_function_local_import_says_why():
 )
 def test_the_rule_itself(me, target, ok):
     assert (layers.check_import(me, target) is None) is ok
+
+
+#: The most lines a file of the package or of tools/ may have: past it, a file holds more than one
+#: concept and is split along its seams (docs/contributing.md).
+MAX_LINES = 800
+
+
+def test_no_file_of_the_package_or_tools_is_over_800_lines():
+    tools = PACKAGE.parent / "tools"
+    files = [*_sources(), *sorted(tools.glob("*.py"))]
+    over = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not over, f"files over {MAX_LINES} lines (split them along their seams): {over}"

@@ -314,7 +314,7 @@ class IdealSchedule:
         group_requests: bool = False,
         streamed: bool = True,
     ):
-        from megatron_rl.orchestration.rollouts import request_seed
+        from megatron_rl.orchestration.group_record import request_seed
 
         self.mode, self.loop, self.fleet, self.trainer, self.sampler = mode, loop, fleet, trainer, sampler
         self.prompt, self.length, self.kept_fn = prompt, length, kept

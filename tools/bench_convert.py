@@ -95,7 +95,8 @@ def _warm_up() -> float:
     import megatron.core.models.gpt  # noqa: F401
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    import megatron_rl.convert.checkpoint  # noqa: F401
+    import megatron_rl.convert.from_hf
+    import megatron_rl.convert.to_hf  # noqa: F401
     from megatron_rl.training.cpu_compat import apply_cpu_compat
 
     apply_cpu_compat()
@@ -117,7 +118,8 @@ def safetensors_copy_fsync(src: Path, dst: Path) -> float:
 
 
 def run(args: argparse.Namespace, root: Path) -> dict:
-    from megatron_rl.convert.checkpoint import hf_to_mcore, mcore_to_hf
+    from megatron_rl.convert.from_hf import hf_to_mcore
+    from megatron_rl.convert.to_hf import mcore_to_hf
     from megatron_rl.hf.files import parse_dtype
 
     size = "small" if args.small else "default"

@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import async_harness
 import bench_async
 from async_model import Costs, size_fleet
 
@@ -87,7 +88,7 @@ def measure(servers: int, args: argparse.Namespace, root: Path) -> dict:
     a = bench_async.parse_args(argv)
     here = root / f"fleet-{servers}"
     here.mkdir(parents=True, exist_ok=True)
-    w = bench_async.build_workload(here, a)
+    w = async_harness.build_workload(here, a)
     costs = Costs(
         decode_s=a.decode_ms / 1e3,
         decode_s_per_seq=a.decode_ms_per_seq / 1e3,
@@ -97,17 +98,17 @@ def measure(servers: int, args: argparse.Namespace, root: Path) -> dict:
         given=["decode_s", "decode_s_per_seq", "prefill_s_per_token", "train_s", "train_s_per_token"],
     )
     sizing = size_fleet(costs, w.lengths, list(w.prompts.values()), a)
-    timing = bench_async.write_timing(w, costs, here)
+    timing = async_harness.write_timing(w, costs, here)
     api_key = secrets.token_urlsafe(32)
     t0 = time.monotonic()
-    procs = bench_async.start_servers(w.init, here, a, api_key, timing)
+    procs = async_harness.start_servers(w.init, here, a, api_key, timing)
     print(f"[scale] {servers} servers up in {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     fleet = None
     try:
         fleet = FleetClient([p.url for p in procs], api_key=api_key)
         with VerifierPool(a.workers) as pool:
             rss0 = _rss_kb()
-            r = bench_async.run_mode("async", w, fleet, pool, a, (costs, sizing), api_key)
+            r = async_harness.run_mode("async", w, fleet, pool, a, (costs, sizing), api_key)
             rss1 = _rss_kb()
         lost, timed_out = len(fleet.lost), len(fleet.timed_out)
     finally:
@@ -115,7 +116,7 @@ def measure(servers: int, args: argparse.Namespace, root: Path) -> dict:
             fleet.close()
         for p in procs:
             p.stop()
-    ideal = bench_async.ideal("async", w, costs, sizing, a)
+    ideal = async_harness.ideal("async", w, costs, sizing, a)
     tokens = r["generated_tokens_per_s"] * r["wall_s"]
     return {
         "servers": servers,
@@ -142,8 +143,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=256, help="sequences per server")
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per fleet size")
     ap.add_argument("--group-size", type=int, default=16, help="G")
-    bench_async.add_group_requests_arg(ap)
-    bench_async.add_pause_mode_arg(ap, "in_place")  # the control calls to every server, timed
+    async_harness.add_group_requests_arg(ap)
+    async_harness.add_pause_mode_arg(ap, "in_place")  # the control calls to every server, timed
     ap.add_argument("--decode-ms", type=float, default=60.0, help="engine step, fixed part")
     ap.add_argument("--decode-ms-per-seq", type=float, default=0.02, help="engine step, per sequence")
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.001)

@@ -29,6 +29,12 @@ MoE routing replay: when the sequences carry the experts the generator routed ea
 top_k]``); a sequence's last position (never fed to the generator) and padding get experts ``0 ..
 top_k-1``, which route only positions whose outputs no loss reads.
 
+Filling out a step (for the trainer's schedule): :func:`filler_microbatch` is a microbatch that
+carries no loss, for a data-parallel replica with fewer sequences than the microbatches every
+replica must run (each one joins the step's collectives); :func:`pad_microbatch` grows a
+microbatch to a given ``[rows, width]`` with padding that carries no loss (filler experts where
+routing is replayed), for a pipeline schedule that needs one shape for every microbatch of a step.
+
 Causal-LM alignment: position ``p`` predicts token ``p + 1`` of the same sequence. Completion token
 ``j`` of a sequence with prompt length ``P`` is the label at position ``P + j - 1``; every per-token
 field (loss weight, advantage, behaviour log-prob, version) sits at that position. Prompt
@@ -59,8 +65,10 @@ __all__ = [
     "build_microbatches",
     "collate",
     "collation_stats",
+    "filler_microbatch",
     "filler_routing",
     "microbatch_cost",
+    "pad_microbatch",
     "plan_microbatches",
     "split_for_context_parallel",
 ]
@@ -405,6 +413,66 @@ def build_microbatches(
         )
         for b in bins
     ]
+
+
+def filler_microbatch(layout: Layout, pad_to_multiple: int, segment_multiple: int = 1) -> Microbatch:
+    """A microbatch that contributes exactly nothing (weight 0 everywhere): a data-parallel replica
+    with fewer sequences than microbatches it must run still joins every collective with it."""
+    seq = TrainSequence(
+        tokens=torch.zeros(2, dtype=torch.long),
+        prompt_length=1,
+        behaviour_logprobs=torch.zeros(1),
+        versions=torch.full((1,), -1),
+        advantage=0.0,
+        weight=0.0,
+        group_id=-1,
+    )
+    return collate(
+        [seq], [-1], layout=layout, pad_to_multiple=pad_to_multiple, segment_multiple=segment_multiple
+    )
+
+
+def pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
+    """``mb`` grown to ``[rows, width]`` by padding that carries no loss: token 0, weight 0, no
+    label mask. A packed row's tail padding stays one segment of its own in ``cu_seqlens``."""
+    r, s = mb.tokens.shape
+    if (r, s) == (rows, width):
+        return mb
+
+    def grow(t: torch.Tensor, value: int = 0) -> torch.Tensor:
+        out = torch.full((rows, width), value, dtype=t.dtype)
+        out[:r, :s] = t
+        return out
+
+    position_ids, cu_seqlens = grow(mb.position_ids), mb.cu_seqlens
+    if mb.layout == "packed":
+        bounds = mb.packed_cu_seqlens().tolist()
+        tail = len(bounds) - 1 > len(mb.seq_lengths)  # the row ends in a padding segment of its own
+        used = bounds[-2] if tail else bounds[-1]  # where the last sequence's segment ends
+        bounds = bounds[:-1] + [width] if tail else bounds + [width]
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+        position_ids[0, used:] = torch.arange(width - used)
+    return dataclasses.replace(
+        mb,
+        tokens=grow(mb.tokens),
+        position_ids=position_ids,
+        labels=grow(mb.labels),
+        loss_weights=grow(mb.loss_weights),
+        advantages=grow(mb.advantages),
+        behaviour_logprobs=grow(mb.behaviour_logprobs),
+        versions=grow(mb.versions, -1),
+        loss_mask=grow(mb.loss_mask),
+        cu_seqlens=cu_seqlens,
+        routed_experts=None if mb.routed_experts is None else _grow_routing(mb.routed_experts, rows, width),
+        proximal_logprobs=None if mb.proximal_logprobs is None else grow(mb.proximal_logprobs),
+    )
+
+
+def _grow_routing(routed: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """``routed [r, s, layers, top_k]`` grown to ``[rows, width, ...]`` with filler experts."""
+    out = filler_routing(rows, width, routed.shape[2], routed.shape[3])
+    out[: routed.shape[0], : routed.shape[1]] = routed
+    return out
 
 
 #: The microbatch's per-position tensors (``[R, S, ...]``): what moves to the device with it, and

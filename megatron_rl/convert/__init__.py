@@ -8,8 +8,16 @@ __all__ = ["McoreCheckpoint", "hf_to_mcore", "mcore_to_hf"]
 
 
 def __getattr__(name: str):
-    if name in __all__:
+    if name == "McoreCheckpoint":
         from megatron_rl.convert import checkpoint  # lazy: building the CLI parser must not import torch
 
-        return getattr(checkpoint, name)
+        return checkpoint.McoreCheckpoint
+    if name == "hf_to_mcore":
+        from megatron_rl.convert import from_hf  # lazy: building the CLI parser must not import torch
+
+        return from_hf.hf_to_mcore
+    if name == "mcore_to_hf":
+        from megatron_rl.convert import to_hf  # lazy: building the CLI parser must not import torch
+
+        return to_hf.mcore_to_hf
     raise AttributeError(f"module 'megatron_rl.convert' has no attribute {name!r}")

@@ -61,8 +61,9 @@ def convert(
     ``mcore-to-hf`` reads any layout in one process, so both must stay 1 (``hf_config``: the HF
     folder to export with). UsageError for an argument that does not fit, before anything runs.
     """
-    from megatron_rl.convert.checkpoint import hf_to_mcore, mcore_to_hf  # lazy: torch, megatron-core
+    from megatron_rl.convert.from_hf import hf_to_mcore  # lazy: torch, megatron-core
     from megatron_rl.convert.ranks import group_rank  # lazy: it imports torch.distributed
+    from megatron_rl.convert.to_hf import mcore_to_hf  # lazy: torch, megatron-core
 
     start = time.perf_counter()
     if direction == "hf-to-mcore":

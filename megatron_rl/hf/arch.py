@@ -4,7 +4,7 @@ support (and which have q/k norms or experts), the MoE settings, the HF config i
 family, RoPE settings in either transformers layout, and the vocabulary padding that keeps
 checkpoint shapes TP-independent.
 
-Layer 1: imports nothing of megatron_rl above layer 0.
+Layer 2 (pure parts): imports only the layers below it.
 """
 
 from __future__ import annotations

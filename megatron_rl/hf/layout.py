@@ -21,59 +21,16 @@ TE spec (= canonical, = checkpoint keys)        local spec (plain PyTorch layers
 
 Every function taking a Megatron name accepts both spellings (:func:`canonical_name`).
 
-The map, for one layer ``i`` (h = hidden_size, f = intermediate_size, n = num_attention_heads,
-g = num_key_value_heads, d = head_dim, V = vocab_size, Vp = padded vocabulary):
-
-- ``embedding.word_embeddings.weight [Vp, h]`` <-> ``model.embed_tokens.weight [V, h]``: rows
-  ``V..Vp`` are Megatron's vocabulary padding (zeros when made from HF, dropped going to HF).
-- ``decoder.layers.i.self_attention.linear_qkv.weight [(n + 2g) d, h]`` <-> ``q_proj [n d, h]``,
-  ``k_proj [g d, h]``, ``v_proj [g d, h]``: Megatron interleaves per query group -- for each of
-  the g groups, its n/g query heads, then its key head, then its value head. Qwen2's ``.bias``
-  ``[(n + 2g) d]`` follows the same layout.
-- ``...linear_proj.weight [h, n d]`` <-> ``o_proj``; ``...linear_fc1.weight [2f, h]`` <->
-  ``[gate_proj; up_proj]``; ``...linear_fc2.weight [h, f]`` <-> ``down_proj``.
-- the pre-attention / pre-MLP norms ``[h]`` <-> ``input_layernorm`` / ``post_attention_layernorm``;
-  ``decoder.final_layernorm.weight`` <-> ``model.norm.weight``.
-- ``output_layer.weight [Vp, h]`` <-> ``lm_head.weight [V, h]``; with tied embeddings there is no
-  ``lm_head`` and the last pipeline stage's copy of the embedding maps to nothing.
-- Qwen3 / Qwen3-MoE: ``...self_attention.q_layernorm.weight [d]`` / ``k_layernorm`` <->
-  ``self_attn.q_norm`` / ``k_norm`` (one RMSNorm shared by every head, before RoPE).
-- Qwen3-MoE (E = num_experts, m = moe_intermediate_size): ``...mlp.router.weight [E, h]`` <->
-  ``mlp.gate.weight``; expert ``e``'s ``...mlp.experts.local_experts.e.linear_fc1.weight [2m, h]``
-  <-> ``[mlp.experts.e.gate_proj; mlp.experts.e.up_proj]`` and ``linear_fc2 [h, m]`` <->
-  ``mlp.experts.e.down_proj``. The HF names are those of the files (and of SGLang's loader):
-  transformers >= 5 fuses the experts into 3-D ``gate_up_proj`` / ``down_proj`` parameters in
-  memory and splits them again on save. Expert numbers are global (no expert parallelism).
-- Mixtral (E = num_local_experts, m = intermediate_size): the same Megatron tensors from its
-  files' ``block_sparse_moe.gate`` (router) and ``block_sparse_moe.experts.e.w1`` (gate),
-  ``w3`` (up), ``w2`` (down) -- the names SGLang's Mixtral loader reads too.
-- DeepSeek-V3: multi-latent attention in the place of ``linear_qkv`` (``linear_q_down_proj`` /
-  ``q_layernorm`` / ``linear_q_up_proj`` <-> ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``, or
-  ``linear_q_proj`` <-> ``q_proj`` without the query bottleneck; ``linear_kv_down_proj`` /
-  ``kv_layernorm`` / ``linear_kv_up_proj`` <-> ``kv_a_proj_with_mqa`` / ``kv_a_layernorm`` /
-  ``kv_b_proj``, all 1:1), ``first_k_dense_replace`` dense layers, then MoE layers with
-  ``mlp.router.expert_bias`` <-> ``mlp.gate.e_score_correction_bias`` and
-  ``mlp.shared_experts.linear_fc1/fc2`` <-> ``mlp.shared_experts.{gate,up,down}_proj``.
-- Mistral3 (vision-language): its language model is a Mistral whose every HF name above carries
-  the prefix ``language_model.`` (``language_model.model.layers.i...``,
-  ``language_model.lm_head.weight``: the files' names, which SGLang's Mistral3 loader routes to
-  its language model); the ``vision_tower.`` and ``multi_modal_projector.`` tensors are not
-  converted (:meth:`HFConverter.is_carried`): they travel beside the Megatron model, bit for bit.
-
-Tensor parallelism (:func:`tp_split`, :func:`shard_for_tp`, :func:`gather_from_tp`): column-
-parallel weights split dim 0 (fused QKV -- contiguous because it is laid out by query group -- the
-vocabulary of the embedding and output layer), row-parallel ones dim 1 (``linear_proj``,
-``linear_fc2``); SwiGLU's ``fc1`` splits gate and up separately so that rank r holds
-``[gate_r; up_r]`` (each expert's ``fc1`` alike: experts are TP-sharded like the dense MLP); norms,
-the router and row-parallel biases are replicated.
-
-Pipeline parallelism: a stage (or virtual-pipeline chunk) numbers its layers from 0; the global
-number adds the stage's :func:`layer_offset` (:func:`to_global_name`, :func:`to_local_name`).
+The tables behind the map (which HF tensors make up each Megatron tensor, family by family, and
+every tensor's shape) are :mod:`megatron_rl.hf.tensor_maps`; how the full tensors this map
+converts are split over tensor- and pipeline-parallel ranks is :mod:`megatron_rl.hf.sharding`.
+Here: the canonical spelling, the sizes read from an HF config (:class:`ModelDims`), and one
+:class:`HFConverter` per architecture (:data:`CONVERTERS`) -- its names, its conversions and its
+shape checks, which name the config field behind a wrong dimension.
 """
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,13 +48,37 @@ from megatron_rl.hf.arch import (
     moe_settings,
     padded_vocab_size,
 )
+from megatron_rl.hf.tensor_maps import (
+    DEEPSEEK_V3_HF_SHAPES,
+    DEEPSEEK_V3_MCORE_SHAPES,
+    EMBEDDING,
+    EXPERT_BIAS,
+    EXPERT_NUMBER,
+    FINAL_NORM,
+    GLOBAL_MAP,
+    HF_EXPERT,
+    HF_LAYER,
+    HF_SHAPES,
+    IGNORED_HF_SUFFIXES,
+    LAYER_MAP,
+    MCORE_EXPERT,
+    MCORE_LAYER,
+    MCORE_SHAPES,
+    MIXTRAL_MOE_MAP,
+    MLA_KV,
+    MLA_Q_LORA,
+    MLA_Q_PROJ,
+    MOE_MAP,
+    OUTPUT,
+    QK_NORM_MAP,
+    SHARED_EXPERTS,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.hf.arch import HFConfigLike
 
 __all__ = [
     "CONVERTERS",
-    "IGNORED_HF_SUFFIXES",
     "DeepseekV3Converter",
     "HFConverter",
     "LlamaConverter",
@@ -108,24 +89,10 @@ __all__ = [
     "Qwen2Converter",
     "Qwen3Converter",
     "Qwen3MoeConverter",
-    "TPSplit",
     "WeightsMismatchError",
     "canonical_name",
-    "gather_from_tp",
-    "layer_offset",
     "local_spec_name",
-    "shard_for_tp",
-    "to_global_name",
-    "to_local_name",
-    "tp_split",
 ]
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-# An expert's number inside a per-layer suffix, either side (replaced by "E" for shape lookups).
-_EXPERT = re.compile(r"(?<=experts\.)\d+(?=\.)")
-_HF_EXPERT = re.compile(r"\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.")
-_MCORE_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 # Local-spec module names of the two pre-norms -> the TE / checkpoint spelling.
 _LOCAL_TO_FUSED = {
@@ -139,86 +106,6 @@ _TE_MLA_NORMS = {
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
 }
 
-# Per-layer Megatron suffix -> the HF suffixes (under ``model.layers.i.``) it is made of.
-_LAYER_MAP: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",),
-    "self_attention.linear_qkv.weight": (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ),
-    "self_attention.linear_qkv.bias": (
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-    ),
-    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
-    "mlp.linear_fc1.layer_norm_weight": ("post_attention_layernorm.weight",),
-    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
-}
-# Qwen3's per-head q/k norms, and Qwen3-MoE's router and experts (E: the expert's number).
-_QK_NORM_MAP = {
-    "self_attention.q_layernorm.weight": ("self_attn.q_norm.weight",),
-    "self_attention.k_layernorm.weight": ("self_attn.k_norm.weight",),
-}
-_MOE_MAP = {
-    "mlp.router.weight": ("mlp.gate.weight",),
-    "mlp.experts.local_experts.E.linear_fc1.weight": (
-        "mlp.experts.E.gate_proj.weight",
-        "mlp.experts.E.up_proj.weight",
-    ),
-    "mlp.experts.local_experts.E.linear_fc2.weight": ("mlp.experts.E.down_proj.weight",),
-}
-# Mixtral's files name the same tensors after the original release: w1 = gate, w3 = up, w2 = down.
-_MIXTRAL_MOE_MAP = {
-    "mlp.router.weight": ("block_sparse_moe.gate.weight",),
-    "mlp.experts.local_experts.E.linear_fc1.weight": (
-        "block_sparse_moe.experts.E.w1.weight",
-        "block_sparse_moe.experts.E.w3.weight",
-    ),
-    "mlp.experts.local_experts.E.linear_fc2.weight": ("block_sparse_moe.experts.E.w2.weight",),
-}
-# DeepSeek-V3: multi-latent attention in the place of the fused QKV (queries through a rank
-# q_lora_rank bottleneck, or one projection when it is null; keys and values from a latent), the
-# router's expert bias (a buffer in Megatron, added to the scores for the choice only) and
-# shared experts.
-_MLA_Q_LORA: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_q_down_proj.weight": ("self_attn.q_a_proj.weight",),
-    "self_attention.q_layernorm.weight": ("self_attn.q_a_layernorm.weight",),
-    "self_attention.linear_q_up_proj.weight": ("self_attn.q_b_proj.weight",),
-}
-_MLA_Q_PROJ: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_q_proj.weight": ("self_attn.q_proj.weight",)
-}
-_MLA_KV: dict[str, tuple[str, ...]] = {
-    "self_attention.linear_kv_down_proj.weight": ("self_attn.kv_a_proj_with_mqa.weight",),
-    "self_attention.kv_layernorm.weight": ("self_attn.kv_a_layernorm.weight",),
-    "self_attention.linear_kv_up_proj.weight": ("self_attn.kv_b_proj.weight",),
-}
-_EXPERT_BIAS = {"mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias",)}
-_SHARED_EXPERTS = {
-    "mlp.shared_experts.linear_fc1.weight": (
-        "mlp.shared_experts.gate_proj.weight",
-        "mlp.shared_experts.up_proj.weight",
-    ),
-    "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight",),
-}
-_EMBEDDING, _FINAL_NORM, _OUTPUT = (
-    "embedding.word_embeddings.weight",
-    "decoder.final_layernorm.weight",
-    "output_layer.weight",
-)
-_GLOBAL_MAP = {
-    _EMBEDDING: "model.embed_tokens.weight",
-    _FINAL_NORM: "model.norm.weight",
-    _OUTPUT: "lm_head.weight",
-}
-
-# HF tensors that are not weights and carry nothing to convert (non-persistent RoPE buffers that
-# some older checkpoints saved anyway).
-IGNORED_HF_SUFFIXES = (".rotary_emb.inv_freq",)
-
 
 class WeightsMismatchError(ValueError):
     """A config does not describe the weights it goes with; ``field`` names the config field(s)."""
@@ -228,14 +115,14 @@ class WeightsMismatchError(ValueError):
         self.field = field
 
 
-# --------------------------------------------------------------------------- names and layers
+# --------------------------------------------------------------------------- spellings
 
 
 def canonical_name(name: str) -> str:
     """The canonical (TE-spec, checkpoint) spelling of a Megatron parameter name. Multi-latent
     attention's latent norms are the exception: canonical is the local spec's ``q_layernorm`` /
     ``kv_layernorm``, which TE fuses into the up projections (``linear_q_up_proj.layer_norm_weight``)."""
-    m = _LAYER.match(name)
+    m = MCORE_LAYER.match(name)
     if m and m.group(2) in _LOCAL_TO_FUSED:
         return f"decoder.layers.{m.group(1)}.{_LOCAL_TO_FUSED[m.group(2)]}"
     if m and m.group(2) in _TE_MLA_NORMS:
@@ -245,149 +132,10 @@ def canonical_name(name: str) -> str:
 
 def local_spec_name(name: str) -> str:
     """The local-spec module spelling of a Megatron parameter name (inverse of canonical)."""
-    m = _LAYER.match(name)
+    m = MCORE_LAYER.match(name)
     if m and m.group(2) in _FUSED_TO_LOCAL:
         return f"decoder.layers.{m.group(1)}.{_FUSED_TO_LOCAL[m.group(2)]}"
     return name
-
-
-def layer_offset(
-    num_layers: int, *, pp_rank: int, pp_size: int, vp_stage: int | None = None, vp_size: int | None = None
-) -> int:
-    """Global index of the first layer held by pipeline rank ``pp_rank`` (virtual stage
-    ``vp_stage`` of ``vp_size`` under interleaving), for Megatron's even split.
-
-    Without interleaving stage r holds layers ``[r L/p, (r+1) L/p)``. With ``v`` virtual stages
-    each rank holds ``v`` chunks of ``n = L / (p v)`` layers and chunk c of rank r starts at
-    ``(c p + r) n`` (chunks go round the ranks first), as in Megatron's
-    ``get_transformer_layer_offset``. Uneven splits are not covered: for a built model use the
-    model's own numbering (``layer.layer_number - 1``).
-    """
-    chunks = pp_size * (vp_size or 1)
-    if num_layers % chunks:
-        raise ValueError(f"num_layers: {num_layers} does not split evenly into {chunks} chunks")
-    if not 0 <= pp_rank < pp_size:
-        raise ValueError(f"pp_rank: {pp_rank} outside [0, {pp_size})")
-    # (vp_stage is not None follows from the first test; it is spelt out for the type checker)
-    if (vp_size is None) != (vp_stage is None) or (
-        vp_size and vp_stage is not None and not 0 <= vp_stage < vp_size
-    ):
-        raise ValueError(f"vp_stage: {vp_stage} does not fit vp_size={vp_size}")
-    return ((vp_stage or 0) * pp_size + pp_rank) * (num_layers // chunks)
-
-
-def to_global_name(local_name: str, offset: int) -> str:
-    """A stage's parameter name with its layer number made global (``offset`` added)."""
-    m = _LAYER.match(local_name)
-    if not m:
-        return local_name
-    return f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}"
-
-
-def to_local_name(global_name: str, offset: int, num_local_layers: int) -> str | None:
-    """The stage-local name of a global layer parameter, or None when another stage holds it.
-    Names outside ``decoder.layers`` come back unchanged (which stage has them is the caller's
-    business: the embedding is on the first stage, the final norm and output on the last)."""
-    m = _LAYER.match(global_name)
-    if not m:
-        return global_name
-    local = int(m.group(1)) - offset
-    if not 0 <= local < num_local_layers:
-        return None
-    return f"decoder.layers.{local}.{m.group(2)}"
-
-
-# --------------------------------------------------------------------------- tensor parallelism
-
-
-class TPSplit(enum.Enum):
-    """How a parameter is divided over tensor-parallel ranks."""
-
-    REPLICATED = "replicated"  # every rank holds the full tensor
-    COLUMN = "column"  # dim 0 cut into tp contiguous pieces
-    ROW = "row"  # dim 1 cut into tp contiguous pieces
-    SWIGLU = "swiglu"  # dim 0 = [gate; up], each half cut in tp pieces: rank r = [gate_r; up_r]
-
-
-_TP_RULES: tuple[tuple[str, TPSplit], ...] = (
-    ("embedding.word_embeddings.weight", TPSplit.COLUMN),  # vocab-parallel
-    ("output_layer.weight", TPSplit.COLUMN),  # vocab-parallel logits
-    (".self_attention.linear_qkv.weight", TPSplit.COLUMN),
-    (".self_attention.linear_qkv.bias", TPSplit.COLUMN),
-    (".self_attention.linear_proj.weight", TPSplit.ROW),
-    (".self_attention.linear_proj.bias", TPSplit.REPLICATED),  # added after the all-reduce
-    (".mlp.linear_fc1.weight", TPSplit.SWIGLU),
-    (".mlp.linear_fc1.bias", TPSplit.SWIGLU),
-    (".mlp.linear_fc2.weight", TPSplit.ROW),
-    (".mlp.linear_fc2.bias", TPSplit.REPLICATED),
-    (".mlp.router.weight", TPSplit.REPLICATED),  # every TP rank routes all its tokens
-    (".mlp.router.expert_bias", TPSplit.REPLICATED),
-    # Multi-latent attention: every projection column-parallel (the down projections' latents
-    # are gathered again before their norms), the output row-parallel (above).
-    (".self_attention.linear_q_proj.weight", TPSplit.COLUMN),
-    (".self_attention.linear_q_down_proj.weight", TPSplit.COLUMN),
-    (".self_attention.linear_q_up_proj.weight", TPSplit.COLUMN),
-    (".self_attention.linear_kv_down_proj.weight", TPSplit.COLUMN),
-    (".self_attention.linear_kv_up_proj.weight", TPSplit.COLUMN),
-    (".linear_fc1.weight", TPSplit.SWIGLU),  # an expert's fc1 (...local_experts.e.linear_fc1)
-    (".linear_fc2.weight", TPSplit.ROW),
-    (".layer_norm_weight", TPSplit.REPLICATED),
-    (".layer_norm_bias", TPSplit.REPLICATED),
-    ("layernorm.weight", TPSplit.REPLICATED),  # input_ / pre_mlp_ / final_layernorm
-    ("layernorm.bias", TPSplit.REPLICATED),
-)
-
-
-def tp_split(name: str) -> TPSplit:
-    """The TP layout of Megatron parameter ``name`` (either spelling, any layer numbering).
-    Raises KeyError for a name it does not know rather than guess "replicated"."""
-    for suffix, split in _TP_RULES:
-        if name.endswith(suffix):
-            return split
-    raise KeyError(f"no tensor-parallel layout known for Megatron parameter {name!r}")
-
-
-def _pieces(size: int, tp_size: int, name: str, what: str) -> int:
-    if size % tp_size:
-        raise ValueError(f"{name}: {what} of size {size} does not split into {tp_size} TP ranks")
-    return size // tp_size
-
-
-def shard_for_tp(name: str, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """The part of the full (TP=1) tensor ``full`` that TP rank ``tp_rank`` of ``tp_size`` holds.
-
-    Returns a view where the layout allows one (COLUMN, ROW, REPLICATED) and a new tensor for
-    SWIGLU. Raises ValueError when the split dimension does not divide by ``tp_size``.
-    """
-    if not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
-    split = tp_split(name)
-    if split is TPSplit.REPLICATED or tp_size == 1:
-        return full
-    if split is TPSplit.SWIGLU:
-        half = _pieces(full.shape[0], 2, name, "dim 0 ([gate; up])")
-        n = _pieces(half, tp_size, name, "each of gate / up")
-        gate, up = full[:half], full[half:]
-        return torch.cat([gate[tp_rank * n : (tp_rank + 1) * n], up[tp_rank * n : (tp_rank + 1) * n]])
-    dim = 0 if split is TPSplit.COLUMN else 1
-    n = _pieces(full.shape[dim], tp_size, name, f"dim {dim}")
-    return full.narrow(dim, tp_rank * n, n)
-
-
-def gather_from_tp(name: str, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The full tensor from the shards of TP ranks ``0..tp-1`` (inverse of :func:`shard_for_tp`).
-
-    Replicated parameters return ``shards[0]`` (the ranks hold equal copies; not checked here).
-    """
-    if not shards:
-        raise ValueError(f"{name}: no shards to gather")
-    split = tp_split(name)
-    if split is TPSplit.REPLICATED or len(shards) == 1:
-        return shards[0]
-    if split is TPSplit.SWIGLU:
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(list(shards), dim=0 if split is TPSplit.COLUMN else 1)
 
 
 # --------------------------------------------------------------------------- architecture
@@ -476,7 +224,7 @@ class HFConverter:
     qk_norm: ClassVar[bool] = False  # per-head RMSNorm on q and k (Qwen3)
     moe: ClassVar[bool] = False  # router + experts instead of the dense MLP (Qwen3-MoE)
     #: the MoE tensors' HF names (with ``E`` for the expert's number), when ``moe``
-    moe_map: ClassVar[dict[str, tuple[str, ...]]] = _MOE_MAP
+    moe_map: ClassVar[dict[str, tuple[str, ...]]] = MOE_MAP
     expert_bias: ClassVar[bool] = False  # the router's score-correction bias (DeepSeek-V3)
     #: prefix of every HF name of the language model (a vision-language family's files)
     prefix: ClassVar[str] = ""
@@ -525,10 +273,10 @@ class HFConverter:
         model order."""
         out: dict[str, tuple[str, ...]] = {}
         mla = self.dims.mla
-        for suffix, sources in _LAYER_MAP.items():
+        for suffix, sources in LAYER_MAP.items():
             if suffix == "self_attention.linear_qkv.weight" and mla is not None:
-                out.update(_MLA_Q_PROJ if mla.q_lora_rank is None else _MLA_Q_LORA)
-                out.update(_MLA_KV)
+                out.update(MLA_Q_PROJ if mla.q_lora_rank is None else MLA_Q_LORA)
+                out.update(MLA_KV)
                 continue
             if suffix.endswith("linear_qkv.bias") and (mla is not None or not self.qkv_bias):
                 continue
@@ -536,17 +284,17 @@ class HFConverter:
                 continue
             out[suffix] = sources
             if suffix == "self_attention.linear_proj.weight" and self.qk_norm:
-                out.update(_QK_NORM_MAP)
+                out.update(QK_NORM_MAP)
         if moe_layer:  # the router (and its bias), then expert by expert, then the shared experts
             out["mlp.router.weight"] = self.moe_map["mlp.router.weight"]
             if self.expert_bias:
-                out.update(_EXPERT_BIAS)
+                out.update(EXPERT_BIAS)
             per_expert = [(k, v) for k, v in self.moe_map.items() if ".E." in k]
             for e in range(self.dims.experts):
                 for suffix, sources in per_expert:
                     out[suffix.replace(".E.", f".{e}.")] = tuple(s.replace(".E.", f".{e}.") for s in sources)
             if self.dims.shared_ffn:
-                out.update(_SHARED_EXPERTS)
+                out.update(SHARED_EXPERTS)
         return out
 
     def _map_for(self, layer: int) -> dict[str, tuple[str, ...]]:
@@ -556,12 +304,12 @@ class HFConverter:
     def mcore_names(self) -> list[str]:
         """Canonical names of every Megatron weight, in model order (embedding, layers, final
         norm, output layer unless tied)."""
-        names = [_EMBEDDING]
+        names = [EMBEDDING]
         for i in range(self.dims.layers):
             names += [f"decoder.layers.{i}.{s}" for s in self._map_for(i)]
-        names.append(_FINAL_NORM)
+        names.append(FINAL_NORM)
         if not self.dims.tied:
-            names.append(_OUTPUT)
+            names.append(OUTPUT)
         return names
 
     def hf_sources(self, mcore_name: str) -> tuple[str, ...]:
@@ -569,11 +317,11 @@ class HFConverter:
         last stage's copy of a tied embedding (``output_layer.weight``) comes from
         ``model.embed_tokens.weight``."""
         name = canonical_name(mcore_name)
-        if name == _OUTPUT and self.dims.tied:
-            return (self.prefix + _GLOBAL_MAP[_EMBEDDING],)
-        if name in _GLOBAL_MAP:
-            return (self.prefix + _GLOBAL_MAP[name],)
-        m = _LAYER.match(name)
+        if name == OUTPUT and self.dims.tied:
+            return (self.prefix + GLOBAL_MAP[EMBEDDING],)
+        if name in GLOBAL_MAP:
+            return (self.prefix + GLOBAL_MAP[name],)
+        m = MCORE_LAYER.match(name)
         layer = int(m.group(1)) if m else -1
         if not m or layer >= self.dims.layers or m.group(2) not in self._map_for(layer):
             raise KeyError(
@@ -584,12 +332,12 @@ class HFConverter:
     @property
     def embedding_hf_name(self) -> str:
         """The HF name of the input embedding (``model.embed_tokens.weight``, prefixed)."""
-        return self.prefix + _GLOBAL_MAP[_EMBEDDING]
+        return self.prefix + GLOBAL_MAP[EMBEDDING]
 
     @property
     def lm_head_hf_name(self) -> str:
         """The HF name of the output layer (``lm_head.weight``, prefixed), also when tied."""
-        return self.prefix + _GLOBAL_MAP[_OUTPUT]
+        return self.prefix + GLOBAL_MAP[OUTPUT]
 
     def is_carried(self, hf_name: str) -> bool:
         """Whether ``hf_name`` is carried through untouched (a vision-language family's vision
@@ -613,11 +361,11 @@ class HFConverter:
         Raises KeyError for an unknown name, WeightsMismatchError for a wrong shape.
         """
         canon = canonical_name(name)
-        if canon == _OUTPUT and self.dims.tied:
+        if canon == OUTPUT and self.dims.tied:
             return []
         sources = self.hf_sources(canon)
         self._check_shape(canon, tuple(tensor.shape), self._mcore_dims(canon))
-        if canon in (_EMBEDDING, _OUTPUT):
+        if canon in (EMBEDDING, OUTPUT):
             return [(sources[0], tensor[: self.dims.vocab])]
         if canon.endswith("linear_qkv.weight") or canon.endswith("linear_qkv.bias"):
             groups = tensor.reshape(self.dims.kv_heads, -1, *tensor.shape[1:])
@@ -640,7 +388,7 @@ class HFConverter:
                 f"{name}: its HF tensors {sources} have different dtypes {[str(p.dtype) for p in parts]}"
             )
         canon = canonical_name(name)
-        if canon in (_EMBEDDING, _OUTPUT):
+        if canon in (EMBEDDING, OUTPUT):
             out = parts[0].new_zeros((self.dims.padded_vocab, *parts[0].shape[1:]))
             out[: self.dims.vocab] = parts[0]
             return out
@@ -746,61 +494,19 @@ class HFConverter:
             ),
         }
 
-    _HF_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "model.embed_tokens.weight": ("V", "h"),
-        "lm_head.weight": ("V", "h"),
-        "model.norm.weight": ("h",),
-        "input_layernorm.weight": ("h",),
-        "post_attention_layernorm.weight": ("h",),
-        "mlp.gate_proj.weight": ("f", "h"),
-        "mlp.up_proj.weight": ("f", "h"),
-        "mlp.down_proj.weight": ("h", "f"),
-        "self_attn.q_proj.weight": ("q", "h"),
-        "self_attn.k_proj.weight": ("kv", "h"),
-        "self_attn.v_proj.weight": ("kv", "h"),
-        "self_attn.o_proj.weight": ("h", "q"),
-        "self_attn.q_proj.bias": ("q",),
-        "self_attn.k_proj.bias": ("kv",),
-        "self_attn.v_proj.bias": ("kv",),
-        "self_attn.q_norm.weight": ("d",),
-        "self_attn.k_norm.weight": ("d",),
-        "mlp.gate.weight": ("E", "h"),
-        "mlp.experts.E.gate_proj.weight": ("m", "h"),
-        "mlp.experts.E.up_proj.weight": ("m", "h"),
-        "mlp.experts.E.down_proj.weight": ("h", "m"),
-        "block_sparse_moe.gate.weight": ("E", "h"),
-        "block_sparse_moe.experts.E.w1.weight": ("m", "h"),
-        "block_sparse_moe.experts.E.w3.weight": ("m", "h"),
-        "block_sparse_moe.experts.E.w2.weight": ("h", "m"),
-    }
-    _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
-        _EMBEDDING: ("Vp", "h"),
-        _OUTPUT: ("Vp", "h"),
-        _FINAL_NORM: ("h",),
-        "self_attention.linear_qkv.layer_norm_weight": ("h",),
-        "mlp.linear_fc1.layer_norm_weight": ("h",),
-        "self_attention.linear_qkv.weight": ("qkv", "h"),
-        "self_attention.linear_qkv.bias": ("qkv",),
-        "self_attention.linear_proj.weight": ("h", "q"),
-        "mlp.linear_fc1.weight": ("2f", "h"),
-        "mlp.linear_fc2.weight": ("h", "f"),
-        "self_attention.q_layernorm.weight": ("d",),
-        "self_attention.k_layernorm.weight": ("d",),
-        "mlp.router.weight": ("E", "h"),
-        "mlp.experts.local_experts.E.linear_fc1.weight": ("2m", "h"),
-        "mlp.experts.local_experts.E.linear_fc2.weight": ("h", "m"),
-    }
+    _HF_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = HF_SHAPES
+    _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = MCORE_SHAPES
 
     def _hf_dims(self, hf_name: str) -> tuple[_Dim, ...]:
         hf_name = hf_name.removeprefix(self.prefix)
-        m = _HF_LAYER.match(hf_name)
-        key = _EXPERT.sub("E", m.group(2)) if m else hf_name
+        m = HF_LAYER.match(hf_name)
+        key = EXPERT_NUMBER.sub("E", m.group(2)) if m else hf_name
         table = self._dims_table()
         return tuple(table[k] for k in self._HF_SHAPES[key])
 
     def _mcore_dims(self, name: str) -> tuple[_Dim, ...]:
-        m = _LAYER.match(name)
-        key = _EXPERT.sub("E", m.group(2)) if m else name
+        m = MCORE_LAYER.match(name)
+        key = EXPERT_NUMBER.sub("E", m.group(2)) if m else name
         table = self._dims_table()
         return tuple(table[k] for k in self._MCORE_SHAPES[key])
 
@@ -845,7 +551,7 @@ class HFConverter:
             )
         names = {n.removeprefix(self.prefix) for n in names}
         shapes = {n.removeprefix(self.prefix): s for n, s in shapes.items()}
-        layers = {int(m.group(1)) for n in names if (m := _HF_LAYER.match(n))}
+        layers = {int(m.group(1)) for n in names if (m := HF_LAYER.match(n))}
         self._check_layers(layers, "model.layers")
         if self.dims.tied:
             names.discard("lm_head.weight")
@@ -855,7 +561,7 @@ class HFConverter:
                 "the config says false, but the weights have no lm_head.weight (are they tied?)",
             )
         self._check_bias(any(n.endswith("q_proj.bias") for n in names), "q_proj.bias")
-        self._check_experts(names, _HF_EXPERT)
+        self._check_experts(names, HF_EXPERT)
         self._check_names(names, {n.removeprefix(self.prefix) for n in self.hf_names()}, "HF")
         for name in sorted(names, key=_priority):
             self._check_shape(name, tuple(shapes[name]), self._hf_dims(name))
@@ -865,16 +571,16 @@ class HFConverter:
         global layers). The padded vocabulary is the converter's ``dims.padded_vocab``."""
         names = {canonical_name(n) for n in shapes}
         shapes = {canonical_name(n): s for n, s in shapes.items()}
-        layers = {int(m.group(1)) for n in names if (m := _LAYER.match(n))}
+        layers = {int(m.group(1)) for n in names if (m := MCORE_LAYER.match(n))}
         self._check_layers(layers, "decoder.layers")
-        if (_OUTPUT in names) == self.dims.tied:
+        if (OUTPUT in names) == self.dims.tied:
             raise WeightsMismatchError(
                 "tie_word_embeddings",
                 f"the config says {str(self.dims.tied).lower()}, but the "
-                f"checkpoint {'has' if _OUTPUT in names else 'has no'} a separate {_OUTPUT}",
+                f"checkpoint {'has' if OUTPUT in names else 'has no'} a separate {OUTPUT}",
             )
         self._check_bias(any(n.endswith("linear_qkv.bias") for n in names), "linear_qkv.bias")
-        self._check_experts(names, _MCORE_EXPERT)
+        self._check_experts(names, MCORE_EXPERT)
         self._check_names(names, set(self.mcore_names()), "Megatron")
         for name in sorted(names, key=_priority):
             self._check_shape(name, tuple(shapes[name]), self._mcore_dims(name))
@@ -965,7 +671,7 @@ class MixtralConverter(HFConverter):
 
     model_type = "mixtral"
     moe = True
-    moe_map = _MIXTRAL_MOE_MAP
+    moe_map = MIXTRAL_MOE_MAP
 
 
 class DeepseekV3Converter(HFConverter):
@@ -977,35 +683,8 @@ class DeepseekV3Converter(HFConverter):
     model_type = "deepseek_v3"
     moe = True
     expert_bias = True
-    _HF_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
-        **HFConverter._HF_SHAPES,
-        "self_attn.q_proj.weight": ("qup", "h"),
-        "self_attn.o_proj.weight": ("h", "ov"),
-        "self_attn.q_a_proj.weight": ("ql", "h"),
-        "self_attn.q_a_layernorm.weight": ("ql",),
-        "self_attn.q_b_proj.weight": ("qup", "ql"),
-        "self_attn.kv_a_proj_with_mqa.weight": ("kvd", "h"),
-        "self_attn.kv_a_layernorm.weight": ("kvl",),
-        "self_attn.kv_b_proj.weight": ("kvup", "kvl"),
-        "mlp.gate.e_score_correction_bias": ("E",),
-        "mlp.shared_experts.gate_proj.weight": ("s", "h"),
-        "mlp.shared_experts.up_proj.weight": ("s", "h"),
-        "mlp.shared_experts.down_proj.weight": ("h", "s"),
-    }
-    _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = {
-        **HFConverter._MCORE_SHAPES,
-        "self_attention.linear_proj.weight": ("h", "ov"),
-        "self_attention.linear_q_proj.weight": ("qup", "h"),
-        "self_attention.linear_q_down_proj.weight": ("ql", "h"),
-        "self_attention.q_layernorm.weight": ("ql",),
-        "self_attention.linear_q_up_proj.weight": ("qup", "ql"),
-        "self_attention.linear_kv_down_proj.weight": ("kvd", "h"),
-        "self_attention.kv_layernorm.weight": ("kvl",),
-        "self_attention.linear_kv_up_proj.weight": ("kvup", "kvl"),
-        "mlp.router.expert_bias": ("E",),
-        "mlp.shared_experts.linear_fc1.weight": ("2s", "h"),
-        "mlp.shared_experts.linear_fc2.weight": ("h", "s"),
-    }
+    _HF_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = DEEPSEEK_V3_HF_SHAPES
+    _MCORE_SHAPES: ClassVar[dict[str, tuple[str, ...]]] = DEEPSEEK_V3_MCORE_SHAPES
 
 
 class Mistral3Converter(HFConverter):

@@ -56,8 +56,9 @@ import torch.distributed as dist
 from megatron_rl.batching.builder import build_train_batch
 
 if TYPE_CHECKING:
+    from megatron_rl.orchestration.group_record import GroupRecord
     from megatron_rl.orchestration.recipe import RunConfig
-    from megatron_rl.orchestration.rollouts import GroupRecord, Rollouts
+    from megatron_rl.orchestration.rollouts import Rollouts
     from megatron_rl.types import TrainBatch
 
 __all__ = [

@@ -6,11 +6,13 @@ verifier pool and the prompt sampler:
 - :meth:`Rollouts.issue_group` renders a problem into prompt tokens and sends its G samples to
   one server in one request (:meth:`~megatron_rl.generation.client.FleetClient.submit_batch`;
   one sampling seed each, derived from the run seed, the prompt, its epoch and the sample index,
-  so a re-issued prompt draws the same samples under the same weights). The control plane's work
+  so a re-issued prompt draws the same samples under the same weights: a
+  :class:`~megatron_rl.orchestration.group_record.GroupRecord` follows the group from here). The control plane's work
   is per group, not per sample: one HTTP request, one reply, one callback, one lock section and
   one hand-over to the verifier pool for G samples, and the server prefills the prompt once;
 - the group's completions go to the verifier pool together the moment they are back (future
-  callbacks: no thread waits on a batch), each scored as soon as a worker has it;
+  callbacks: no thread waits on a batch), each scored as soon as a worker has it
+  (:class:`~megatron_rl.orchestration.scoring.Scorer`);
 - when all G completions of a group are scored the group is filtered (equal rewards dropped, with
   the reason) and either waits in the completed queue (kept: :meth:`Rollouts.take_completed`) or
   is recorded as dropped (:meth:`Rollouts.drain_dropped`);
@@ -21,11 +23,10 @@ verifier pool and the prompt sampler:
   (aborted by the client on its server) is re-sent once, to another server where there is one;
   if it times out again it is scored as it stands (no tokens: no reward), so a request that can
   never finish costs its group, not the run.
-- **Every sample gets a score.** Each scoring task has a deadline when it is submitted (the
-  pool's :meth:`~megatron_rl.rewards.pool.VerifierPool.deadline`: what is queued ahead of it,
-  each task within its hard limit); :meth:`Rollouts.check`, which the loop's waits call, scores a
-  sample still unscored past it as ``scoring_timeout`` (reward 0, counted), so a group always
-  finishes. A pool whose workers cannot start stops the run with its one-line reason
+- **Every sample gets a score**, by a deadline set when it goes to the pool
+  (:mod:`~megatron_rl.orchestration.scoring`): :meth:`Rollouts.check`, which the loop's waits
+  call, scores a sample still unscored past it as ``scoring_timeout`` (reward 0, counted), so a
+  group always finishes. A pool whose workers cannot start stops the run with its one-line reason
   (:class:`~megatron_rl.rewards.pool.PoolBroken`). :meth:`Rollouts.stop` cancels the scoring not
   yet started when the loop ends, so an evaluation never queues behind samples nobody will train.
 - **No progress.** If ``stall_groups`` groups in a row are all dropped (every group's rewards
@@ -44,25 +45,24 @@ I/O thread (decoded and handed to the pool there: nothing on that path blocks) a
 on the pool's dispatcher thread. Every piece of shared state (the pending groups, the sequences
 in flight, the counters, the error list, each record's results) changes under one lock,
 ``Rollouts._lock``, which a condition variable shares: :meth:`Rollouts.wait_until` waits on it
-for a predicate, and the changes it may be waiting for wake it. The lock is re-entrant so that a predicate may read the public
-properties. Drawing a prompt from the sampler and recording it as pending happen under it
-together, and so do the reads of a checkpoint, so a checkpoint never misses a prompt that was
-drawn but not yet recorded. The sampler has a lock of its own, always taken after this one.
+for a predicate, and the changes it may be waiting for wake it. The lock is re-entrant so that a
+predicate may read the public properties. Drawing a prompt from the sampler and recording it as
+pending happen under it together, and so do the reads of a checkpoint, so a checkpoint never
+misses a prompt that was drawn but not yet recorded. The sampler has a lock of its own, always
+taken after this one; the scorer's (the samples with the verifier pool) is never held while it
+calls back into the rollouts.
 """
 
 from __future__ import annotations
 
 import array
 import functools
-import hashlib
-import heapq
 import itertools
 import queue
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from megatron_rl.algorithms.filtering import group_drop_reason
 from megatron_rl.data.problems import Problem, reward_input
@@ -71,37 +71,29 @@ from megatron_rl.errors import UsageError, UserError
 from megatron_rl.generation.api import GenRequest
 from megatron_rl.generation.client import ClientClosed, ServerLost
 from megatron_rl.hf.arch import routed_shape
+from megatron_rl.orchestration.group_record import GroupRecord, request_seed, routed_experts
+from megatron_rl.orchestration.scoring import Scorer
 from megatron_rl.rewards.compose import (
     RewardConfig,
-    failed_result,
-    hard_timeout_s,
     prepare_verifiers,
-    score,
 )
-from megatron_rl.rewards.pool import PoolBroken, PoolTaskError
 from megatron_rl.rewards.result import RewardResult
-from megatron_rl.types import Completion, Group, Prompt, ScoredCompletion
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Sequence
     from concurrent.futures import Future
 
-    import torch
     from transformers import PreTrainedTokenizerBase
 
-    from megatron_rl.fileio import JsonValue
     from megatron_rl.generation.api import GenResult
     from megatron_rl.orchestration.recipe import RunConfig
     from megatron_rl.orchestration.sampler import PromptSampler
-    from megatron_rl.rewards.compose import RewardInput
+    from megatron_rl.orchestration.scoring import ScoringPool
 
 __all__ = [
     "Fleet",
-    "GroupRecord",
     "NoProgressError",
     "Rollouts",
-    "ScoringPool",
-    "request_seed",
 ]
 
 
@@ -133,91 +125,8 @@ class Fleet(Protocol):
         ...
 
 
-class ScoringPool(Protocol):
-    """What :class:`Rollouts` needs of the verifier pool: a
-    :class:`~megatron_rl.rewards.pool.VerifierPool`, or a stand-in with ``submit_many``."""
-
-    def submit_many(
-        self,
-        fn: Callable[[RewardInput, RewardConfig], RewardResult],
-        items: Iterable[tuple[RewardInput, RewardConfig]],
-        *,
-        timeout_s: Sequence[float],
-    ) -> list[Future[RewardResult]]:
-        """Run ``fn(inp, cfg)`` for every item in a worker, each within its own limit; a future
-        fails with :class:`PoolTaskError` when its task times out, its worker dies or ``fn``
-        raises."""
-        ...
-
-
-def request_seed(run_seed: int, prompt_id: str, epoch: int, sample: int) -> int:
-    """A 63-bit sampling seed, the same whenever the same prompt sample is (re-)issued."""
-    h = hashlib.blake2b(f"{run_seed}/{prompt_id}/{epoch}/{sample}".encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") >> 1
-
-
 class NoProgressError(RuntimeError):
     """Every group for a long stretch was dropped: no batch can fill (see the module docstring)."""
-
-
-@dataclass(kw_only=True)
-class GroupRecord:
-    """One prompt's G samples on their way through generation and scoring."""
-
-    problem: Problem
-    epoch: int
-    index: int  # issue order over the run
-    prompt_ids: list[int]
-    issued_version: int
-    issued_at: float
-    results: list[GenResult | None]
-    scored: list[ScoredCompletion | None]
-    lost: int = 0  # completions re-sent after their server died
-    timed_out: list[int] = field(default_factory=list)  # per sample: runs past the timeout
-    kept: bool | None = None  # None until all G are scored
-    drop_reason: str = ""
-    done_at: float = 0.0
-    _remaining: int = field(default=0, repr=False)  # samples not yet scored (under Rollouts' lock)
-    record: dict[str, JsonValue] | None = field(default=None, repr=False)  # problem.to_json(), once
-
-    @property
-    def key(self) -> tuple[str, int]:
-        return (self.problem.id, self.epoch)
-
-    def all_scored(self) -> list[ScoredCompletion]:
-        """The G scored completions in sample order, once every one is scored (a kept or dropped
-        group); raises before then."""
-        done = [s for s in self.scored if s is not None]
-        if len(done) != len(self.scored):
-            raise RuntimeError(
-                f"group {self.problem.id}@{self.epoch}: {len(self.scored) - len(done)} of "
-                f"{len(self.scored)} samples are not scored yet"
-            )
-        return done
-
-    def min_version(self) -> int:
-        """The policy version of the group's oldest token (the issue version before any)."""
-        return min((min(r.versions) for r in self.results if r and r.versions), default=self.issued_version)
-
-    def staleness(self, current: int) -> int:
-        """Versions between ``current`` and the group's oldest token."""
-        return current - self.min_version()
-
-    def to_group(self) -> Group:
-        p = self.problem
-        if p.task not in ("math", "code"):  # read_problems checks it; Problem.task is a plain str
-            raise ValueError(f"problem {p.id}: task must be 'math' or 'code', got {p.task!r}")
-        task: Literal["math", "code"] = "code" if p.task == "code" else "math"
-        prompt = Prompt(
-            prompt_id=f"{p.id}@{self.epoch}",
-            token_ids=self.prompt_ids,
-            text=p.problem,
-            task=task,
-            answer=p.answer,
-            tests=p.tests,
-            language=p.language,
-        )
-        return Group(prompt=prompt, completions=self.all_scored())
 
 
 class Rollouts:
@@ -258,7 +167,8 @@ class Rollouts:
         if group_requests not in ("auto", True, False):
             raise ValueError(f"group_requests: must be true, false or 'auto', got {group_requests!r}")
         self.group_requests = fleet.streams_batches() if group_requests == "auto" else bool(group_requests)
-        self.fleet, self.pool, self.sampler, self.tok = fleet, pool, sampler, tokenizer
+        self.fleet, self.sampler, self.tok = fleet, sampler, tokenizer
+        self.scorer = Scorer(pool, on_score=self._score, on_error=self.fail)
         self.reward, self.group_size = reward, group_size
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.seed, self.system_prompt = seed, system_prompt
@@ -269,7 +179,6 @@ class Rollouts:
         self.version = version
         self.eos = tokenizer.eos_token_id
         self._decode = completion_decoder(tokenizer)
-        self._shared_reward: RewardConfig | None = None  # the config last given to pool.share
         self._lock = threading.RLock()  # re-entrant: wait_until's predicates read the properties
         self._cond = threading.Condition(self._lock)
         self._completed: queue.Queue[GroupRecord] = queue.Queue()  # kept, scored groups
@@ -277,13 +186,6 @@ class Rollouts:
         self._pending: dict[tuple[str, int], GroupRecord] = {}  # issued, not trained/dropped
         self._in_flight = 0  # sequences generating
         self._unscored = 0  # sequences issued whose score is not in yet (generating or scoring)
-        # Samples being scored: (group index, sample) -> (record, sample, result, text, deadline,
-        # future). Whoever pops an entry scores the sample: the pool's answer or the deadline.
-        self._scoring: dict[tuple[int, int], tuple[GroupRecord, int, GenResult, str, float, Future]] = {}
-        # Their deadlines, soonest first: (deadline, group index, sample); entries scored since
-        # are skipped when they come up (the loop's checks look at the soonest, not at them all).
-        self._deadlines: list[tuple[float, int, int]] = []
-        self._stopped = False  # stop(): callbacks that come later are ignored
         self._busy_s = 0.0  # time with a sequence in flight, up to _busy_since
         self._busy_since: float | None = None  # when the current busy stretch began
         self._index = itertools.count()
@@ -433,14 +335,15 @@ class Rollouts:
             self._cond.notify_all()
 
     def check(self) -> None:
-        """Score samples whose scoring passed its deadline (:meth:`expire_overdue`), then raise
-        the first error a callback met (a refused request, a dead fleet, a broken pool). Samples
-        that found no live server are sent again first (parked again if there is still none)."""
+        """Score samples whose scoring passed its deadline
+        (:meth:`~megatron_rl.orchestration.scoring.Scorer.expire_overdue`), then raise the first
+        error a callback met (a refused request, a dead fleet, a broken pool). Samples that found
+        no live server are sent again first (parked again if there is still none)."""
         with self._lock:
             parked, self._parked = self._parked, []
         for rec, samples, exclude in parked:
             self._submit(rec, samples, exclude)
-        self.expire_overdue()
+        self.scorer.expire_overdue()
         with self._lock:
             first = self._errors[0] if self._errors else None
             stalled = list(self._dropped_in_a_row) if self.stall_groups else []
@@ -475,34 +378,10 @@ class Rollouts:
             out, self._dropped = self._dropped, []
         return out
 
-    def expire_overdue(self, now: float | None = None) -> int:
-        """Score every sample whose scoring is past its deadline as ``scoring_timeout`` (its task
-        cancelled if it has not started); how many."""
-        now = time.monotonic() if now is None else now
-        entries = []
-        with self._lock:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, index, i = heapq.heappop(self._deadlines)
-                entry = self._scoring.get((index, i))
-                if entry is not None and entry[4] <= now:
-                    entries.append(self._scoring.pop((index, i)))
-            if len(self._deadlines) > 2 * len(self._scoring) + 1024:  # mostly scored: rebuild
-                self._deadlines = [(v[4], k[0], k[1]) for k, v in self._scoring.items()]
-                heapq.heapify(self._deadlines)
-        for rec, i, result, text, _deadline, fut in entries:
-            fut.cancel()
-            err = PoolTaskError("scoring_timeout", "no score by its deadline; counted as failed")
-            self._score(rec, i, result, text, failed_result(err.reason, err.detail, self.reward))
-        return len(entries)
-
     def stop(self) -> None:
         """The loop is over: cancel the scoring that has not started and ignore what comes back."""
-        with self._cond:
-            self._stopped = True
-            entries, self._scoring, self._deadlines = list(self._scoring.values()), {}, []
-            self._cond.notify_all()
-        for entry in entries:
-            entry[5].cancel()
+        self.scorer.stop()
+        self.notify_all()
 
     def retire(self, rec: GroupRecord) -> None:
         """The group was trained (or dropped by the trainer side): no longer pending."""
@@ -554,7 +433,7 @@ class Rollouts:
                 issued_at=time.monotonic(),
                 results=[None] * self.group_size,
                 scored=[None] * self.group_size,
-                _remaining=self.group_size,
+                remaining=self.group_size,
             )
             self._pending[rec.key] = rec
             if self._in_flight == 0:
@@ -586,7 +465,7 @@ class Rollouts:
 
     def _request(self, rec: GroupRecord, i: int) -> GenRequest:
         return GenRequest(
-            request_id=f"{rec.problem.id}@{rec.epoch}#{rec.index}.{i}",
+            request_id=f"{rec.prompt_id}#{rec.index}.{i}",
             input_ids=rec.prompt_ids,
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
@@ -677,7 +556,7 @@ class Rollouts:
         if self.routed_shape is not None:  # a generator without the experts stops the run, saying why
             try:
                 for _, result in done:
-                    self._routed(result)
+                    routed_experts(result, self.routed_shape)
             except ValueError as e:
                 self.fail(UsageError(str(e)))
                 return
@@ -702,102 +581,18 @@ class Rollouts:
                 self._busy_since = None
             if self._plain_waiters or self._in_flight == 0:  # the room waiter counts scores
                 self._cond.notify_all()
-        group_id = f"{rec.problem.id}@{rec.epoch}"
         texts = [self._decode(r.token_ids) for _, r in done]
-        if rec.record is None:
-            rec.record = rec.problem.to_json()
-        inputs = [
-            reward_input(rec.problem, text, num_tokens=len(r.token_ids), group_id=group_id, record=rec.record)
-            for text, (_, r) in zip(texts, done)
-        ]
-        limits = [hard_timeout_s(inp, self.reward) for inp in inputs]
-        if self.reward is not self._shared_reward:  # first, or a curriculum stage replaced it
-            self._shared_reward = self.reward
-            share = getattr(self.pool, "share", None)  # a stand-in pool may have none
-            if callable(share):
-                share(self.reward)  # sent to each worker once, not with every sample
-        try:
-            futs = self.pool.submit_many(score, [(inp, self.reward) for inp in inputs], timeout_s=limits)
-        except PoolBroken as e:  # no verifier can start: the run stops, saying why
-            self.fail(e)
-            return
-        except BaseException as e:  # noqa: BLE001 - refused tasks: the samples score 0, say why
-            for (i, result), text in zip(done, texts):
-                self._score(rec, i, result, text, RewardResult(0.0, {}, "verifier_error", f"pool: {e}"))
-            return
-        deadline_fn = getattr(self.pool, "deadline", None)  # a stand-in pool may have none
-        deadline = deadline_fn() if callable(deadline_fn) else time.monotonic() + max(limits) + 30.0
-        with self._lock:
-            if self._stopped:
-                for sfut in futs:
-                    sfut.cancel()
-                return
-            for (i, result), text, sfut in zip(done, texts, futs):
-                self._scoring[(rec.index, i)] = (rec, i, result, text, deadline, sfut)
-                heapq.heappush(self._deadlines, (deadline, rec.index, i))
-        for (i, _), sfut in zip(done, futs):
-            sfut.add_done_callback(functools.partial(self._on_scored, rec, i))
-
-    def _on_scored(self, rec: GroupRecord, i: int, fut: Future[RewardResult]) -> None:
-        """The pool's answer for sample ``i`` of ``rec`` (ignored when its deadline came first)."""
-        with self._lock:
-            entry = self._scoring.pop((rec.index, i), None)
-        if entry is None:  # scored already (past its deadline), or the loop stopped
-            return
-        try:
-            res: RewardResult = fut.result()
-        except PoolTaskError as e:
-            broken = getattr(self.pool, "broken", None)
-            if broken is not None:  # the workers cannot start: stop with why, not score 0
-                self.fail(PoolBroken(broken))
-                return
-            res = failed_result(e.reason, e.detail, self.reward)
-        except BaseException as e:  # noqa: BLE001 - e.g. cancelled: scored 0 with the reason
-            res = RewardResult(0.0, {}, "verifier_error", f"{type(e).__name__}: {e}")
-        self._score(rec, i, entry[2], entry[3], res)
-
-    def _routed(self, r: GenResult) -> torch.Tensor | None:
-        """``r``'s experts as ``[positions, layers, top_k]`` (routing replay), None without it;
-        ValueError saying why for a generator that sent none, or another shape (checked as the
-        results come back: :meth:`_on_results` stops the run with it)."""
-        if self.routed_shape is None:
-            return None
-        positions = len(r.prompt_ids) + len(r.token_ids) - 1
-        layers, top_k = self.routed_shape
-        if r.routed_experts is None or r.routed_experts.numel() != positions * layers * top_k:
-            got = "none" if r.routed_experts is None else f"{r.routed_experts.numel()} values"
-            raise ValueError(
-                f"algorithm.routing_replay: rollout needs every position's experts ({positions} x "
-                f"{layers} layers x top {top_k}) from {r.server or 'the generator'}, got {got}; start "
-                "SGLang with --enable-return-routed-experts (`megatron-rl sglang-args` adds it)"
-            )
-        return r.routed_experts.view(positions, layers, top_k)
+        self.scorer.submit(rec, done, texts, self.reward)
 
     def _score(self, rec: GroupRecord, i: int, r: GenResult, text: str, res: RewardResult) -> None:
         """Sample ``i`` of ``rec`` (generated as ``r``, decoded as ``text``) has its score ``res``."""
-        scored = ScoredCompletion(
-            completion=Completion(
-                prompt_id=f"{rec.problem.id}@{rec.epoch}",
-                sample_index=i,
-                token_ids=r.token_ids,
-                logprobs=r.logprobs,
-                versions=r.versions,
-                finish_reason=r.finish_reason,
-                text=text,
-                routed_experts=self._routed(r),
-            ),
-            reward=float(res.reward),
-            parts=dict(res.parts),
-            reason=res.reason,
-            correct=res.correct,
-            format_ok=res.format_ok,
-        )
+        scored = rec.scored_completion(i, r, text, res, routed_shape=self.routed_shape)
         with self._cond:
             self._stats[f"reason/{res.reason}"] += 1
             self._unscored -= 1
             rec.scored[i] = scored
-            rec._remaining -= 1
-            last = rec._remaining == 0
+            rec.remaining -= 1
+            last = rec.remaining == 0
             if self._unscored <= self._room_at:  # the async loop's room for one more group
                 self._cond.notify_all()
         if last:

@@ -31,7 +31,6 @@ the checkpoint's weights before generating anything.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -42,30 +41,31 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-import yaml
 from tqdm import tqdm
 
-from megatron_rl.config import ConfigError, config_to_dict
-from megatron_rl.data.problems import DataError, OptionError, hold_out, read_problems
+from megatron_rl.config import ConfigError
 from megatron_rl.data.sampling import SamplingConfig, check_think_tags_in, has_chat_template, load_tokenizer
 from megatron_rl.errors import ArgumentParser, UserError, run_cli
 from megatron_rl.evaluation.heldout import describe, held_out_pass_at_1
-from megatron_rl.fileio import append_jsonl, atomic_path, atomic_write_text, read_jsonl, truncate_jsonl
+from megatron_rl.fileio import append_jsonl, atomic_write_text, read_jsonl
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.generation.engine.launch import EngineProcess
+from megatron_rl.orchestration.curriculum import Curriculum
 from megatron_rl.orchestration.fleet_health import FleetDoctor
 from megatron_rl.orchestration.loop import Orchestrator, TimeLimitReached
 from megatron_rl.orchestration.preempt import STOP_FILE, Preemption
+from megatron_rl.orchestration.problem_sets import read_problem_sets
 from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
+from megatron_rl.orchestration.run_records import cut_back, plot_metrics, snapshot_config, write_samples
 from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.orchestration.trackers import Tracker, open_trackers
 from megatron_rl.rewards.pool import VerifierPool
 from megatron_rl.rewards.remote import verifier_pool
 from megatron_rl.rewards.template import fill_think_tags, system_prompt
-from megatron_rl.training.checkpoint import (
+from megatron_rl.training.checkpoint import NonFiniteError
+from megatron_rl.training.checkpoint_manifest import (
     CheckpointCorruptError,
-    NonFiniteError,
     checkpoint_dir_name,
     latest_checkpoint,
 )
@@ -78,88 +78,22 @@ from megatron_rl.weight_sync.colocated import TensorPusher
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from megatron_rl.config import YamlValue
     from megatron_rl.data.problems import Problem
     from megatron_rl.fileio import JsonValue
-    from megatron_rl.orchestration.config import DataConfig
     from megatron_rl.orchestration.loop import StepResult
     from megatron_rl.orchestration.recipe import RunConfig
 
-__all__ = ["main", "read_problem_sets", "run_training"]
+__all__ = ["main", "run_training"]
 
 # Records of metrics.jsonl a checkpoint keeps (those since the previous checkpoint, at most this
 # many): what a resume can rewrite of a line torn in the file.
 _METRICS_TAIL = 100
-
-_PLOTS = [
-    ("reward/mean", "reward"),
-    ("pass_rate", "pass rate (train)"),
-    ("length/mean", "completion length"),
-    ("train/entropy_mean", "entropy"),
-    ("train/clip_high_frac", "clip-high fraction"),
-    ("staleness/mean", "staleness"),
-    ("generator/busy_fraction", "generator busy fraction"),
-    ("throughput/generated_tokens_per_s", "generated tokens/s"),
-]
 
 
 def _system_prompt(value: str, think_tags: list[str]) -> str:
     """``data.system_prompt``: "paper" is Magistral's, with the run's ``reward.think_tags``; a
     text of the recipe's own has its ``{think_open}``/``{think_close}`` filled with them."""
     return {"paper": system_prompt(think_tags), "none": ""}.get(value, fill_think_tags(value, think_tags))
-
-
-class _Curriculum:
-    """Applies :class:`StageConfig` stages in order (rank 0 decides, all ranks apply)."""
-
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
-        self.stages = cfg.curriculum
-        self.index = 0  # stages applied so far
-
-    def due(self, step: int, history: list[dict[str, float]]) -> bool:
-        if self.index >= len(self.stages):
-            return False
-        st = self.stages[self.index]
-        if st.at_step is not None:
-            return step >= st.at_step
-        metric, threshold = st.metric, st.threshold
-        if metric is None or threshold is None:  # StageConfig requires at_step or metric + threshold
-            raise ValueError(f"curriculum.{self.index}: neither at_step nor metric + threshold is set")
-        vals = [h[metric] for h in history[-st.window :] if metric in h]
-        if len(vals) < st.window:
-            return False
-        mean = sum(vals) / len(vals)
-        return mean >= threshold if st.above else mean <= threshold
-
-    def apply(self, upto: int, orch: Orchestrator | None, sampler: PromptSampler | None) -> list[str]:
-        """Apply stages until ``upto`` are applied; return their names."""
-        names = []
-        while self.index < upto:
-            st = self.stages[self.index]
-            loop = {
-                k: getattr(st, k) for k in ("n_batch", "n_minibatch", "n_async") if getattr(st, k) is not None
-            }
-            if loop:
-                self.cfg.loop = dataclasses.replace(self.cfg.loop, **loop)
-                if orch is not None:
-                    orch.loop = self.cfg.loop
-                    orch.queue.maxsize = self.cfg.loop.queue_capacity()
-            rew = {k: getattr(st, k) for k in ("l_max", "l_cache") if getattr(st, k) is not None}
-            if rew:
-                self.cfg.reward = dataclasses.replace(self.cfg.reward, **rew)
-                if orch is not None and orch.rollouts is not None:
-                    orch.rollouts.reward = self.cfg.reward
-                    orch.rollouts.max_new_tokens = self.cfg.reward.l_max
-            if st.eps_high is not None:
-                self.cfg.algorithm.eps_high = st.eps_high  # the trainer holds the same object
-            if sampler is not None:
-                for k in ("min_difficulty", "max_difficulty", "drop_solved"):
-                    if getattr(st, k) is not None:
-                        setattr(sampler, k, getattr(st, k))
-            names.append(st.name or f"stage{self.index + 1}")
-            self.index += 1
-        return names
 
 
 def _evaluate(
@@ -185,59 +119,6 @@ def _evaluate(
     return held_out_pass_at_1(
         fleet, pool, tok, problems, sc, cfg.reward, label=label, progress=progress, deadline=deadline
     )
-
-
-def plot_metrics(metrics_path: Path, evals: list[dict[str, JsonValue]], out_dir: Path) -> list[Path]:
-    """PNG plots of the run's metrics against step (and held-out pass@1 when evaluated)."""
-    import matplotlib  # lazy: matplotlib is heavy; only plotting needs it
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # lazy: matplotlib is heavy; only plotting needs it
-
-    rows = read_jsonl(metrics_path, cut_tail="warn")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    keys = [(k, t) for k, t in _PLOTS if any(k in r for r in rows)]
-    if not rows or not keys:
-        return []
-    cols = 2
-    fig, axes = plt.subplots(
-        (len(keys) + 1 + cols - 1) // cols, cols, figsize=(10, 2.6 * ((len(keys) + 2) // cols)), squeeze=False
-    )
-    for ax, (k, title) in zip(axes.flat, keys):
-        pts = [(r["step"], r[k]) for r in rows if k in r]
-        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-        ax.plot(xs, ys, marker=".", ms=2, lw=0.6, alpha=0.45, color="C0")
-        if len(ys) >= 10:  # per-step values are noisy: a trailing mean shows the trend
-            w = max(5, len(ys) // 20)
-            ax.plot(
-                xs,
-                [
-                    sum(ys[max(0, i - w + 1) : i + 1]) / len(ys[max(0, i - w + 1) : i + 1])
-                    for i in range(len(ys))
-                ],
-                lw=1.8,
-                color="C1",
-                label=f"mean of {w}",
-            )
-            ax.legend(fontsize=7, loc="best")
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    ax = axes.flat[len(keys)]
-    evals = [e for e in evals if e.get("pass@1") is not None]  # an evaluation cut before any sample
-    if evals:
-        ax.plot([e["step"] for e in evals], [e["pass@1"] for e in evals], marker="o")
-        ax.set_title("held-out pass@1", fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
-        ax.grid(alpha=0.3)
-    for extra in list(axes.flat)[len(keys) + 1 :]:
-        extra.axis("off")
-    fig.tight_layout()
-    path = out_dir / "training.png"
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    return [path]
 
 
 def run_training(
@@ -266,58 +147,6 @@ def run_training(
             return run.finish()
     finally:
         preemption.uninstall()
-
-
-def read_problem_sets(
-    data: DataConfig, *, needs_reference: bool = True
-) -> tuple[list[Problem], list[Problem] | None]:
-    """The training problems and the held-out ones (None without ``data.eval`` or
-    ``data.eval_fraction``), read as ``data`` says: column mapping, split, filter, limit,
-    hold-out. Every problem is checked before anything starts (a math problem without an answer
-    is a file:line error here, not a group that can never be scored an hour in); an option the
-    data cannot satisfy names its recipe field (``data.where.source: no record of ... has a
-    column 'source'``). ``needs_reference`` False: a custom reward replaces the built-in check, so
-    a problem needs no reference answer or tests."""
-    if not data.train:
-        raise ValueError("data.train: required (a file, a datasets folder or hf:NAME of problems)")
-
-    def option(e: OptionError, split_field: str) -> DataError:  # a recipe field the data cannot satisfy
-        name = split_field if e.option == "split" else f"data.{e.option}"
-        return DataError(f"{name}: {e.message}")
-
-    try:
-        problems = read_problems(
-            data.train,
-            scorable=True,
-            needs_reference=needs_reference,
-            columns=data.columns,
-            where=data.where,
-            limit=data.limit or None,
-            split=data.split,
-        )
-    except OptionError as e:
-        raise option(e, "data.split") from None
-    if not problems:
-        raise DataError(f"data.train: {data.train} holds no problems")
-    eval_problems = None
-    if data.eval:
-        try:
-            eval_problems = read_problems(
-                data.eval,
-                scorable=True,
-                needs_reference=needs_reference,
-                columns=data.columns,
-                split=data.eval_split,
-                default_split=None,
-            )
-        except OptionError as e:
-            raise option(e, "data.eval_split") from None
-    elif data.eval_fraction:
-        try:
-            problems, eval_problems = hold_out(problems, data.eval_fraction, seed=data.holdout_seed)
-        except ValueError as e:
-            raise DataError(f"data.eval_fraction: {e}") from None
-    return problems, eval_problems
 
 
 class _Run:
@@ -351,7 +180,7 @@ class _Run:
         self.eval_s = 0.0  # how long the latest evaluation took: the final one is given as long
         self.saved_step: int | None = None  # the step of the latest checkpoint saved or resumed
         self.evals: list[dict[str, JsonValue]] = []  # eval.jsonl so far (rank 0)
-        self.curriculum = _Curriculum(cfg)
+        self.curriculum = Curriculum(cfg)
         self.stopped = "max_steps"  # or "time_limit" / "preempted" / "stop_after": why train() returned
         self.preempted: str | None = None  # the signal or file that asked the run to stop
         # Rank 0's services and held-out problems; None on the other ranks.
@@ -429,13 +258,7 @@ class _Run:
         run_dir, step0 = self.run_dir, self.trainer.step
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "logs").mkdir(exist_ok=True)
-        snapshot = config_to_dict(self.cfg)
-        fleet = snapshot["fleet"]
-        if fleet["api_key"]:  # a secret: config.yaml says only that the recipe set one
-            fleet["api_key"] = "<set>"
-        if self.resume_from is not None:
-            _check_resume_config(run_dir / "config.yaml", snapshot)
-        atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(snapshot, sort_keys=False))
+        snapshot = snapshot_config(run_dir, self.cfg, resuming=self.resume_from is not None)
         r = self.cfg.run
         self.trackers = open_trackers(
             [t for t in r.trackers if t != "jsonl"],
@@ -449,23 +272,7 @@ class _Run:
         for t in self.trackers:
             self.stack.callback(t.close)
             t.config(snapshot)
-        saved = {"metrics.jsonl": self.extra.get("metrics_tail", [])}  # kept whole by the checkpoint
-        for name in ("metrics.jsonl", "samples.jsonl", "ledger.jsonl", "eval.jsonl"):
-            cut = truncate_jsonl(
-                run_dir / name,
-                lambda r: r.get("step") is None or r["step"] <= step0,
-                restore=saved.get(name, ()),
-            )
-            if cut.torn:
-                again = (
-                    f"; step {', '.join(f'{s:g}' for s in cut.restored)} rewritten from the checkpoint"
-                    * bool(cut.restored)
-                )
-                print(
-                    f"[resume] {run_dir / name}: line {', '.join(map(str, cut.torn))} torn (cut by a "
-                    f"crash or a full disk) and removed{again}",
-                    file=sys.stderr,
-                )
+        cut_back(run_dir, step0, metrics_tail=self.extra.get("metrics_tail", []))
         if (run_dir / "eval.jsonl").exists():
             self.evals = read_jsonl(run_dir / "eval.jsonl")
 
@@ -702,7 +509,7 @@ class _Run:
         append_jsonl(self.run_dir / "metrics.jsonl", [m])
         for t in self.trackers:
             t.log(m, int(m["step"]))
-        _write_samples(self.run_dir, self.cfg, result, self.orch)
+        write_samples(self.run_dir, result, self.orch.last_dropped, samples=self.cfg.run.save_samples)
 
     def evaluate(self, label: str) -> None:
         """Rank 0: held-out pass@1 now, appended to eval.jsonl."""
@@ -781,100 +588,6 @@ class _Run:
         }
         atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         return summary
-
-
-# Fields a resumed run may not change: the checkpoint's prompts, seeds and groups depend on them
-# (the data.* ones decide which problems the sampler's cursor walks; a field or any key under it).
-_FIXED_ON_RESUME = (
-    "model.hf",
-    "data.train",
-    "data.split",
-    "data.columns",
-    "data.where",
-    "data.limit",
-    "data.eval_fraction",
-    "data.holdout_seed",
-    "loop.group_size",
-    "loop.seed",
-    "data.shuffle",
-)
-
-
-def _check_resume_config(path: Path, new: dict[str, YamlValue]) -> None:
-    """Refuse a resume whose recipe changed what the checkpoint's state depends on; say which
-    other fields changed."""
-    if not path.exists():
-        return
-    old = yaml.safe_load(path.read_text()) or {}
-
-    def flat(d: dict[str, YamlValue], prefix: str = "") -> dict[str, YamlValue]:
-        out: dict[str, YamlValue] = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
-    a, b = flat(old), flat(new)
-    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-    fixed = [k for k in changed if any(k == f or k.startswith(f"{f}.") for f in _FIXED_ON_RESUME)]
-    if fixed:
-        raise ValueError(
-            f"{path}: resuming with a different {fixed[0]} ({a.get(fixed[0])!r} -> "
-            f"{b.get(fixed[0])!r}); use a new run.dir or run.resume=never"
-        )
-    if changed:
-        print(f"[resume] recipe fields changed since the checkpoint: {', '.join(changed)}", file=sys.stderr)
-
-
-def _write_samples(run_dir: Path, cfg: RunConfig, result: StepResult, orch: Orchestrator) -> None:
-    """samples.jsonl (trained + dropped completions) and ledger.jsonl (one line per group)."""
-    step = result.step
-    dropped = orch.last_dropped
-    ledger = [
-        {
-            "step": step,
-            "prompt_id": g.problem.id,
-            "epoch": g.epoch,
-            "index": g.index,
-            "event": "trained",
-            "issued_version": g.issued_version,
-        }
-        for g in result.groups
-    ]
-    ledger += [
-        {
-            "step": step,
-            "prompt_id": g.problem.id,
-            "epoch": g.epoch,
-            "index": g.index,
-            "event": "dropped",
-            "reason": g.drop_reason,
-        }
-        for g in dropped
-    ]
-    append_jsonl(run_dir / "ledger.jsonl", ledger)
-    if not cfg.run.save_samples:
-        return
-    rows = []
-    for g in (*result.groups, *dropped):
-        for s in g.all_scored():
-            c = s.completion
-            rows.append(
-                {
-                    "step": step,
-                    "prompt_id": g.problem.id,
-                    "problem": g.problem.problem,
-                    "task": g.problem.task,
-                    "prompt_ids": g.prompt_ids,
-                    "completion_ids": c.token_ids,
-                    "completion": c.text,
-                    "reward": s.reward,
-                    "parts": s.parts,
-                    "reason": s.reason,
-                    "correct": s.correct,
-                    "versions": c.versions,
-                }
-            )
-    append_jsonl(run_dir / "samples.jsonl", rows)
 
 
 def main(argv: list[str] | None = None) -> int:

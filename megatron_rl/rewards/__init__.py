@@ -1,5 +1,6 @@
-"""The reward (layer 1): ``format`` (the ``<think>`` template and ``\\boxed{}``), ``math``
-(math-verify on SymPy), ``code`` (tests run in ``sandbox``), ``length`` (soft penalty),
+"""The reward (layer 2): ``format`` (the ``<think>`` template and ``\\boxed{}``), ``math``
+(math-verify on SymPy), ``code`` (tests run in ``sandbox``, its backends ``sandbox_bwrap`` and
+``sandbox_plain``, its users ``sandbox_uids``), ``length`` (soft penalty),
 ``language`` (fastText consistency), ``compose`` (RewardConfig, the total and its parts), ``custom``
 (your own reward, ``reward.custom``), ``pool``
 (verifier processes with hard per-task limits), ``remote`` and ``remote_server`` (a pool that

@@ -7,24 +7,25 @@ stdout/stderr (stdout capped at ``output_limit_bytes``) and a ``status`` among :
 
 Two modes, chosen by ``mode`` ("auto" takes bubblewrap when ``bwrap`` is on PATH):
 
-``bwrap``
+``bwrap`` (:mod:`~megatron_rl.rewards.sandbox_bwrap`)
     ``bwrap`` builds a new mount, pid, network, IPC, UTS (and cgroup) namespace whose file system
     holds only read-only ``/usr`` (with the ``/bin``, ``/lib*`` links), a few loader files of
     ``/etc``, the running interpreter's prefixes, the caller's ``extra_ro_paths``, a fresh
     ``/proc`` and minimal ``/dev``, size-capped tmpfs ``/tmp`` and ``/dev/shm``, and ``workdir``
     read-write.  Inside, ``prlimit`` sets the rlimits and ``setpriv`` drops to the leased uid with
     no capabilities and ``no_new_privs`` before exec'ing ``argv`` (two tiny exec's, ~2 ms).
-``plain``
-    No bubblewrap: this module re-runs itself as a launcher (``python -I -S sandbox.py``, ~70 ms)
-    that unshares the same namespaces (mount, pid, net, IPC, UTS), mounts a fresh ``/proc``, hides
-    ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run``, ``/root`` and ``/home`` under empty tmpfs,
-    binds ``workdir`` (read-write) and the read-only paths back at their own paths, and forks the
+``plain`` (:mod:`~megatron_rl.rewards.sandbox_plain`)
+    No bubblewrap: a launcher (``python -I -S sandbox_plain.py``, ~70 ms) unshares the same
+    namespaces (mount, pid, net, IPC, UTS), mounts a fresh ``/proc``, hides ``/tmp``,
+    ``/var/tmp``, ``/dev/shm``, ``/run``, ``/root`` and ``/home`` under empty tmpfs, binds
+    ``workdir`` (read-write) and the read-only paths back at their own paths, and forks the
     program as pid 2 under the same rlimits and uid drop.  Needs root.
 
 Both modes, as root (the CI case): the program runs as a uid/gid leased for this one run from
-``UID_BASE`` .. ``UID_BASE + UID_COUNT - 1`` (an ``flock`` per uid, so concurrent sandboxes in any
-process on the host never share one), which makes ``RLIMIT_NPROC`` count this sandbox's processes
-only and keeps one sandbox from signalling another.  ``workdir`` is chown'ed to it.  A non-root
+``UID_BASE`` .. ``UID_BASE + UID_COUNT - 1`` (:mod:`~megatron_rl.rewards.sandbox_uids`: an
+``flock`` per uid, so concurrent sandboxes in any process on the host never share one), which
+makes ``RLIMIT_NPROC`` count this sandbox's processes only and keeps one sandbox from signalling
+another.  ``workdir`` is chown'ed to it.  A non-root
 caller can only use bwrap (it then adds a user namespace) and runs the program as itself.
 
 What it protects against:
@@ -65,16 +66,10 @@ What it does NOT protect against:
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
 import json
 import math
 import os
-import pwd
-import random
 import resource
-import select
 import selectors
 import shutil
 import signal
@@ -85,14 +80,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron_rl.rewards.sandbox_bwrap import bwrap_argv
+from megatron_rl.rewards.sandbox_plain import plain_argv
+from megatron_rl.rewards.sandbox_uids import UidLease, kill_uid
+
 __all__ = ["STATUSES", "SandboxResult", "resolve_mode", "run_sandboxed", "sandbox_problem"]
 
 #: Values of :attr:`SandboxResult.status`.
 STATUSES = ("ok", "exit_nonzero", "timeout", "memory", "output_limit", "signal", "sandbox_error")
 
-UID_BASE = 64000  # leased uids/gids: no Debian package or login user lives in 64000-64511
-UID_COUNT = 512
-LEASE_DIR = "/tmp/megatron-rl-sandbox-uids"  # fixed (not $TMPDIR): every process must agree
 STARTUP_ALLOWANCE_S = 0.5  # wall-clock slack for creating the namespaces and exec'ing
 STDERR_KEEP = 64 * 1024  # stderr bytes kept from the start and from the end
 NOFILE = 512
@@ -102,15 +98,6 @@ MEMORY_RSS_SHARE = 0.8
 _MEMORY_MARKERS = (b"MemoryError", b"std::bad_alloc", b"Cannot allocate memory", b"out of memory")
 _FILE_TOO_LARGE = b"[Errno 27] File too large"  # Python ignores SIGXFSZ and raises instead
 _CLEAN_PATH = "/usr/bin:/bin"
-_PLAIN_HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/root", "/home")
-_ETC_FILES = (
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/alternatives",
-    "/etc/localtime",
-)
-_ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
 @dataclass
@@ -241,7 +228,7 @@ def _run(
         return SandboxResult(-1, b"", b"", "sandbox_error", f"path does not exist: {missing[0]}")
     cpu_soft = math.ceil(timeout_s) + 1
     limits = _rlimits(cpu_soft, memory_mb, output_limit_bytes, max_processes)
-    with _UidLease() as uid:
+    with UidLease() as uid:
         if uid is not None:
             os.chown(workdir, uid, uid)
             # bwrap enters it as root without CAP_DAC_OVERRIDE: it needs the search bit.
@@ -252,10 +239,10 @@ def _run(
         status_r, status_w = os.pipe()
         try:
             if mode == "bwrap":
-                cmd = _bwrap_argv(argv, workdir, ro_paths, limits, uid, memory_mb, env)
+                cmd = bwrap_argv(argv, workdir, ro_paths, limits, uid, memory_mb, env)
                 pass_fds: tuple[int, ...] = ()
             else:
-                cmd = _plain_argv(argv, workdir, ro_paths, limits, uid, memory_mb, status_w)
+                cmd = plain_argv(argv, workdir, ro_paths, limits, uid, memory_mb, status_w)
                 pass_fds = (status_w,)
             res = _spawn_and_wait(
                 cmd, env, stdin, timeout_s + STARTUP_ALLOWANCE_S, output_limit_bytes, pass_fds, uid
@@ -311,121 +298,6 @@ def _rlimits(
     return out
 
 
-def _bwrap_argv(
-    argv: list[str],
-    workdir: str,
-    ro_paths: list[str],
-    limits: dict[str, tuple[int, int]],
-    uid: int | None,
-    memory_mb: int,
-    env: dict[str, str],
-) -> list[str]:
-    """bwrap [namespaces, mounts] -- env -i ENV prlimit LIMITS -- setpriv DROP -- argv."""
-    tmpfs_size = str(memory_mb << 20)
-    cmd = [
-        "bwrap",
-        "--unshare-ipc",
-        "--unshare-pid",
-        "--unshare-net",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--hostname",
-        "sandbox",
-        "--die-with-parent",
-        "--new-session",
-        "--ro-bind",
-        "/usr",
-        "/usr",
-    ]
-    if uid is None:
-        cmd.append("--unshare-user")  # not root: bwrap needs a user namespace to mount
-    else:
-        # Root without a user namespace keeps the leased uid real on the host (a user namespace
-        # made by root would map the program back to host root, where RLIMIT_NPROC is ignored).
-        # setpriv needs SETUID/SETGID and SETPCAP (bounding set); setuid() then clears them all.
-        cmd += [
-            "--cap-drop",
-            "ALL",
-            "--cap-add",
-            "CAP_SETUID",
-            "--cap-add",
-            "CAP_SETGID",
-            "--cap-add",
-            "CAP_SETPCAP",
-        ]
-    for link in _ROOT_LINKS:
-        if os.path.islink(link):
-            cmd += ["--symlink", os.readlink(link), link]
-        elif os.path.isdir(link):
-            cmd += ["--ro-bind", link, link]
-    for path in _ETC_FILES:
-        cmd += ["--ro-bind-try", path, path]
-    cmd += ["--proc", "/proc", "--dev", "/dev"]
-    for tmp in ("/tmp", "/dev/shm"):
-        cmd += ["--perms", "1777", "--size", tmpfs_size, "--tmpfs", tmp]
-    # bwrap would create the missing parents of a bind target with mode 0700, which the
-    # dropped uid could not traverse: create them first, world-searchable.
-    for parent in _missing_parents([*ro_paths, workdir]):
-        cmd += ["--perms", "0755", "--dir", parent]
-    for path in ro_paths:
-        cmd += ["--ro-bind", path, path]
-    cmd += ["--bind", workdir, workdir, "--chdir", workdir, "--"]
-    # bwrap adds PWD to the environment; env -i leaves exactly the three variables we promise.
-    cmd += ["/usr/bin/env", "-i", *(f"{k}={v}" for k, v in env.items())]
-    cmd += ["/usr/bin/prlimit", *(f"--{name.lower()}={s}:{h}" for name, (s, h) in limits.items())]
-    if uid is not None:
-        cmd += [
-            "--",
-            "/usr/bin/setpriv",
-            f"--reuid={uid}",
-            f"--regid={uid}",
-            "--clear-groups",
-            "--no-new-privs",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-        ]
-    return cmd + ["--", *argv]
-
-
-def _missing_parents(targets: list[str]) -> list[str]:
-    """Ancestors of ``targets`` that the bwrap root lacks (outside /usr, /tmp's own mount point,
-    /dev, /proc and the targets themselves), parents before children."""
-    made = {"/", "/usr", "/tmp", "/dev", "/dev/shm", "/proc", *_ROOT_LINKS}
-    out: list[str] = []
-    for target in targets:
-        parts = target.strip("/").split("/")[:-1]
-        for i in range(1, len(parts) + 1):
-            parent = "/" + "/".join(parts[:i])
-            inside_target = any((parent + "/").startswith(t + "/") for t in targets)
-            if parent in made or parent.startswith("/usr/") or inside_target:
-                continue
-            made.add(parent)
-            out.append(parent)
-    return out
-
-
-def _plain_argv(
-    argv: list[str],
-    workdir: str,
-    ro_paths: list[str],
-    limits: dict[str, tuple[int, int]],
-    uid: int | None,
-    memory_mb: int,
-    status_fd: int,
-) -> list[str]:
-    spec = {
-        "argv": argv,
-        "workdir": workdir,
-        "ro_paths": ro_paths,
-        "limits": limits,
-        "uid": uid,
-        "tmpfs_size": memory_mb << 20,
-        "status_fd": status_fd,
-        "parent_pid": os.getpid(),
-    }
-    return [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
-
-
 def _spawn_and_wait(
     cmd: list[str],
     env: dict[str, str],
@@ -464,7 +336,7 @@ def _spawn_and_wait(
             _kill_group(proc.pid)
             proc.wait()
     if killed_for and uid is not None:
-        _kill_uid(uid)  # the namespace dies with its init; this makes sure before the lease ends
+        kill_uid(uid)  # the namespace dies with its init; this makes sure before the lease ends
     code = proc.returncode
     if 128 < code <= 128 + 64:  # bwrap and the plain launcher report death by signal N as 128+N
         code = 128 - code
@@ -543,28 +415,6 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _kill_uid(uid: int, limit_s: float = 5.0) -> None:
-    """SIGKILL every process whose real uid is ``uid`` until none is left (``limit_s`` at most):
-    the leased uid belongs to this run only, so this is exactly the sandbox's leftovers."""
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        found = False
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/status", "rb") as f:
-                    real_uid = next(int(line.split()[1]) for line in f if line.startswith(b"Uid:"))
-                if real_uid == uid:
-                    found = True
-                    os.kill(int(name), signal.SIGKILL)
-            except (OSError, StopIteration, ValueError):
-                continue  # gone meanwhile
-        if not found:
-            return
-        time.sleep(0.01)
-
-
 def _read_report(fd: int) -> dict:
     """What the plain launcher wrote on its status pipe: JSON lines, merged into one dict
     ({"error": msg} or {"cpu_s": .., "peak_rss_mb": ..}). Non-blocking: after a kill, a dying
@@ -606,203 +456,3 @@ def _classify(res: SandboxResult, cpu_soft: int, memory_mb: int) -> tuple[str, s
     if sig:
         return "signal", f"killed by signal {sig} ({signal.Signals(sig).name})"
     return "exit_nonzero", f"exit code {res.returncode}"
-
-
-class _UidLease:
-    """Context manager yielding a uid no other sandbox on this host holds (None when not root).
-
-    One lock file per uid under ``LEASE_DIR``; ``flock`` is per open file description, so threads
-    of one process exclude each other too, and a crashed holder's lock is released by the kernel.
-    """
-
-    def __init__(self) -> None:
-        self._fd = -1
-        self.uid: int | None = None
-
-    def __enter__(self) -> int | None:
-        if os.geteuid() != 0:
-            return None
-        _ensure_lease_dir()
-        start = random.randrange(UID_COUNT)
-        for i in range(UID_COUNT):
-            uid = UID_BASE + (start + i) % UID_COUNT
-            if _uid_exists(uid):
-                continue
-            fd = os.open(os.path.join(LEASE_DIR, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._fd, self.uid = fd, uid
-            return uid
-        raise RuntimeError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are in use")
-
-    def __exit__(self, *exc) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # releases the flock
-
-
-def _ensure_lease_dir() -> None:
-    try:
-        os.mkdir(LEASE_DIR, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(LEASE_DIR)
-    if st.st_uid != 0 or not os.path.isdir(LEASE_DIR) or os.path.islink(LEASE_DIR):
-        raise RuntimeError(f"{LEASE_DIR} must be a directory owned by root")
-
-
-def _uid_exists(uid: int) -> bool:
-    try:
-        pwd.getpwuid(uid)
-        return True
-    except KeyError:
-        return False
-
-
-# ----------------------------------------------------------------------------------------------
-# Plain-mode launcher: ``python -I -S sandbox.py SPEC``. Only the standard library is used here,
-# since the launcher runs without site-packages. Process tree: L (host pid namespace, waits) ->
-# C (pid 1 of the new namespace: mounts, reaps, exits with the program) -> P (drops to the
-# leased uid, sets rlimits, exec's the program). Setup errors go to the status fd, which the
-# program never holds (close-on-exec), so a program cannot fake a sandbox error.
-
-_CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-_CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
-_LAUNCH_FAILED = 125
-
-
-class _LaunchError(Exception):
-    pass
-
-
-def _libc_call(name: str, *args) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, name)
-    if fn(*args) != 0:
-        e = ctypes.get_errno()
-        raise _LaunchError(f"{name}{args!r}: {os.strerror(e)} (errno {errno.errorcode.get(e)})")
-
-
-def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = lambda s: None if s is None else s.encode()
-    _libc_call("mount", enc(src), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
-
-
-def _launcher_main(spec: dict) -> None:
-    """L: die with the caller, unshare the namespaces, fork C and exit with its exit code."""
-    status_fd = spec["status_fd"]
-    try:
-        _libc_call("prctl", _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != spec["parent_pid"]:
-            os._exit(_LAUNCH_FAILED)  # the caller died before we armed PDEATHSIG
-        _libc_call("unshare", _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS)
-        alive_r, alive_w = os.pipe()  # C sees EOF on alive_r once L is gone
-        pid = os.fork()
-    except (_LaunchError, OSError) as e:
-        _report(status_fd, error=f"sandbox launcher: {e}")
-        os._exit(_LAUNCH_FAILED)
-    if pid == 0:
-        os.close(alive_w)
-        _init_main(spec, alive_r)
-    os.close(alive_r)
-    os.close(status_fd)  # only C and P may still report
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    os._exit(code if code >= 0 else 128 - code)
-
-
-def _init_main(spec: dict, alive_r: int) -> None:
-    """C, pid 1 of the new pid namespace: set up the mounts, fork P, reap every orphan until P
-    ends, then exit (which makes the kernel kill whatever is left in the namespace)."""
-    status_fd = spec["status_fd"]
-    try:
-        _libc_call("prctl", _PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if _readable(alive_r):
-            os._exit(_LAUNCH_FAILED)  # L died before PDEATHSIG was armed
-        os.close(alive_r)
-        _plain_mounts(spec)
-        _libc_call("sethostname", b"sandbox", 7)
-        pid = os.fork()
-    except (_LaunchError, OSError) as e:
-        _report(status_fd, error=f"sandbox init: {e}")
-        os._exit(_LAUNCH_FAILED)
-    if pid == 0:
-        _program_main(spec)
-    while True:
-        reaped, status, ru = os.wait4(-1, 0)
-        if reaped == pid:
-            _report(status_fd, cpu_s=ru.ru_utime + ru.ru_stime, peak_rss_mb=ru.ru_maxrss / 1024)
-            code = os.waitstatus_to_exitcode(status)
-            os._exit(code if code >= 0 else 128 - code)
-
-
-def _report(fd: int, **fields) -> None:
-    os.write(fd, json.dumps(fields).encode() + b"\n")
-
-
-def _readable(fd: int) -> bool:
-    return bool(select.select([fd], [], [], 0)[0])
-
-
-def _plain_mounts(spec: dict) -> None:
-    """Private mount tree; new /proc; empty tmpfs over the hidden dirs; the read-only paths and
-    the workdir bound back at their own paths (opened before hiding, bound via /proc/self/fd)."""
-    _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-    keep = [(p, True) for p in spec["ro_paths"]] + [(spec["workdir"], False)]
-    fds = [(p, ro, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p, ro in keep]
-    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    for d in _PLAIN_HIDDEN:
-        if os.path.isdir(d) and not os.path.islink(d):
-            mode = "1777" if d in ("/tmp", "/var/tmp", "/dev/shm") else "0755"
-            _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={spec['tmpfs_size']},mode={mode}")
-    os.umask(0o022)
-    for path, ro, fd in fds:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.mkdir(path)
-            else:
-                open(path, "w").close()
-        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
-        if ro:
-            _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-        os.close(fd)
-
-
-def _program_main(spec: dict) -> None:
-    """P: default signal handling, new session, leased uid, no new privileges, rlimits, cwd,
-    exec."""
-    status_fd = spec["status_fd"]
-    try:
-        # Python ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec: restore them,
-        # or a C++ program writing past RLIMIT_FSIZE would just see EFBIG and carry on.
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(sig, signal.SIG_DFL)
-        os.setsid()
-        if os.getpid() != 2:  # C is pid 1 of a fresh namespace; anything else is a bug here
-            raise _LaunchError(f"not in a fresh pid namespace (pid {os.getpid()})")
-        uid = spec["uid"]
-        if uid is not None:
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)  # clears every capability
-            if 0 in os.getresuid():
-                raise _LaunchError("still root after dropping privileges")
-        _libc_call("prctl", _PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-        for name, (soft, hard) in spec["limits"].items():
-            resource.setrlimit(getattr(resource, f"RLIMIT_{name}"), (soft, hard))
-        os.chdir(spec["workdir"])
-        os.set_inheritable(status_fd, False)
-        os.execvpe(spec["argv"][0], spec["argv"], os.environ)
-    except (_LaunchError, OSError) as e:
-        _report(status_fd, error=f"sandbox exec {spec['argv'][0]!r}: {e}")
-        os._exit(_LAUNCH_FAILED)
-
-
-if __name__ == "__main__":
-    _launcher_main(json.loads(sys.argv[1]))

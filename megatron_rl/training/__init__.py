@@ -14,15 +14,13 @@ Modules (imported directly; importing this package costs torch, not megatron-cor
 - ``config``: ``TrainerConfig``, ``OptimConfig``.
 - ``steps``: forward steps and loss closures handed to Megatron's pipeline schedule.
 - ``trainer``: ``PolicyTrainer`` (``rl_step``, ``sft_step``, ``compute_logprobs``).
-- ``checkpoint``: ``save_checkpoint``, ``load_checkpoint``, ``latest_checkpoint`` (atomic, exact
-  resume, verified against a manifest).
+- ``checkpoint``: ``save_checkpoint``, ``load_checkpoint`` (atomic, exact resume, verified
+  against a manifest); ``checkpoint_manifest``: ``latest_checkpoint``, ``list_checkpoints`` (the
+  folders on disk, the manifest, ``latest`` and the fallback); ``checkpoint_rng``,
+  ``checkpoint_collectives``, ``checkpoint_io``: the parts the save and load are built from.
 """
 
-from megatron_rl.training.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointMismatchError,
-    NonFiniteError,
-)
+from megatron_rl.training.checkpoint import CheckpointMismatchError, NonFiniteError
+from megatron_rl.training.checkpoint_manifest import CheckpointCorruptError, CheckpointError
 
 __all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "NonFiniteError"]

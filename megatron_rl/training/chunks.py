@@ -29,15 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_rl.hf.layout import (
-    HFConverter,
-    TPSplit,
-    canonical_name,
-    gather_from_tp,
-    shard_for_tp,
-    to_global_name,
-    tp_split,
-)
+from megatron_rl.hf.layout import HFConverter, canonical_name
+from megatron_rl.hf.sharding import TPSplit, gather_from_tp, shard_for_tp, to_global_name, tp_split
 
 if TYPE_CHECKING:
     # megatron-core ships no type information: to mypy these names are Any.

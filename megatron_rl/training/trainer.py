@@ -24,7 +24,6 @@ replica that holds them (last pipeline stage, TP rank 0).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -41,8 +40,8 @@ from megatron_rl.algorithms.loss import finalize_loss_metrics, reduce_loss_metri
 from megatron_rl.batching.collate import (
     Microbatch,
     build_microbatches,
-    collate,
-    filler_routing,
+    filler_microbatch,
+    pad_microbatch,
     split_for_context_parallel,
 )
 from megatron_rl.batching.config import BatchingConfig
@@ -72,7 +71,7 @@ from megatron_rl.training.steps import (
     make_forward_step,
     metric_keys,
 )
-from megatron_rl.types import TrainBatch, TrainSequence
+from megatron_rl.types import TrainBatch
 
 if TYPE_CHECKING:
     # megatron-core ships no type information: to mypy these names are Any.
@@ -82,7 +81,6 @@ if TYPE_CHECKING:
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from transformers import PretrainedConfig
 
-    from megatron_rl.batching.collate import Layout
     from megatron_rl.fileio import JsonValue
     from megatron_rl.hf.arch import HFConfigLike
 
@@ -116,66 +114,6 @@ def _ensure_parallel(cfg: TrainerConfig) -> bool:
             f"{have}, the trainer config asks for {want}"
         )
     return False
-
-
-def _filler_microbatch(layout: Layout, pad_to_multiple: int, segment_multiple: int = 1) -> Microbatch:
-    """A microbatch that contributes exactly nothing (weight 0 everywhere): a data-parallel replica
-    with fewer sequences than microbatches it must run still joins every collective."""
-    seq = TrainSequence(
-        tokens=torch.zeros(2, dtype=torch.long),
-        prompt_length=1,
-        behaviour_logprobs=torch.zeros(1),
-        versions=torch.full((1,), -1),
-        advantage=0.0,
-        weight=0.0,
-        group_id=-1,
-    )
-    return collate(
-        [seq], [-1], layout=layout, pad_to_multiple=pad_to_multiple, segment_multiple=segment_multiple
-    )
-
-
-def _pad_microbatch(mb: Microbatch, rows: int, width: int) -> Microbatch:
-    """``mb`` grown to ``[rows, width]`` by padding that carries no loss: token 0, weight 0, no
-    label mask. A packed row's tail padding stays one segment of its own in ``cu_seqlens``."""
-    r, s = mb.tokens.shape
-    if (r, s) == (rows, width):
-        return mb
-
-    def grow(t: torch.Tensor, value: int = 0) -> torch.Tensor:
-        out = torch.full((rows, width), value, dtype=t.dtype)
-        out[:r, :s] = t
-        return out
-
-    position_ids, cu_seqlens = grow(mb.position_ids), mb.cu_seqlens
-    if mb.layout == "packed":
-        bounds = mb.packed_cu_seqlens().tolist()
-        tail = len(bounds) - 1 > len(mb.seq_lengths)  # the row ends in a padding segment of its own
-        used = bounds[-2] if tail else bounds[-1]  # where the last sequence's segment ends
-        bounds = bounds[:-1] + [width] if tail else bounds + [width]
-        cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-        position_ids[0, used:] = torch.arange(width - used)
-    return dataclasses.replace(
-        mb,
-        tokens=grow(mb.tokens),
-        position_ids=position_ids,
-        labels=grow(mb.labels),
-        loss_weights=grow(mb.loss_weights),
-        advantages=grow(mb.advantages),
-        behaviour_logprobs=grow(mb.behaviour_logprobs),
-        versions=grow(mb.versions, -1),
-        loss_mask=grow(mb.loss_mask),
-        cu_seqlens=cu_seqlens,
-        routed_experts=None if mb.routed_experts is None else _grow_routing(mb.routed_experts, rows, width),
-        proximal_logprobs=None if mb.proximal_logprobs is None else grow(mb.proximal_logprobs),
-    )
-
-
-def _grow_routing(routed: torch.Tensor, rows: int, width: int) -> torch.Tensor:
-    """``routed [r, s, layers, top_k]`` grown to ``[rows, width, ...]`` with filler experts."""
-    out = filler_routing(rows, width, routed.shape[2], routed.shape[3])
-    out[: routed.shape[0], : routed.shape[1]] = routed
-    return out
 
 
 class PolicyTrainer:
@@ -698,9 +636,9 @@ class PolicyTrainer:
         self, batch: TrainBatch, b: BatchingConfig
     ) -> tuple[list[Microbatch], dict[str, float]]:
         """This replica's microbatches (``seq_index`` = indices into ``batch``) and its
-        collation figures. Pads with :func:`_filler_microbatch` to at least one microbatch, and
-        under interleaving to a multiple of the pipeline size (Megatron's interleaved schedule
-        runs microbatches in groups of ``pipeline_parallel``)."""
+        collation figures. Pads with :func:`~megatron_rl.batching.collate.filler_microbatch` to
+        at least one microbatch, and under interleaving to a multiple of the pipeline size
+        (Megatron's interleaved schedule runs microbatches in groups of ``pipeline_parallel``)."""
         ids = torch.cat([s.tokens for s in batch.sequences] or [torch.zeros(1, dtype=torch.long)])
         if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
             raise ValueError(
@@ -738,11 +676,11 @@ class PolicyTrainer:
         }
         multiple = self.pgs.pp.size() if self.cfg.parallel.virtual_pipeline else 1
         while not mbs or len(mbs) % multiple:
-            mbs.append(_filler_microbatch(b.layout, b.pad_to_multiple, seg))
+            mbs.append(filler_microbatch(b.layout, b.pad_to_multiple, seg))
         if self._uniform_shapes:
             rows = max(mb.tokens.shape[0] for mb in mbs)
             width = max(mb.tokens.shape[1] for mb in mbs)
-            mbs = [_pad_microbatch(mb, rows, width) for mb in mbs]
+            mbs = [pad_microbatch(mb, rows, width) for mb in mbs]
         if cp > 1:
             mbs = [split_for_context_parallel(mb, cp, self.pgs.cp.rank()) for mb in mbs]
         return mbs, stats

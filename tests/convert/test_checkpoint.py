@@ -10,7 +10,9 @@ import pytest
 import torch
 import transformers
 
-from megatron_rl.convert.checkpoint import McoreCheckpoint, hf_to_mcore, mcore_to_hf
+from megatron_rl.convert.checkpoint import McoreCheckpoint
+from megatron_rl.convert.from_hf import hf_to_mcore
+from megatron_rl.convert.to_hf import mcore_to_hf
 from megatron_rl.errors import OutputError
 from megatron_rl.hf.files import INDEX_FILE, HFWeights, ShardWriter, parse_size
 from megatron_rl.hf.layout import WeightsMismatchError

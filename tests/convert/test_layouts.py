@@ -150,7 +150,7 @@ def _all(rank: int, world_size: int, root: str, references: dict) -> list[dict]:
     import os
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU test by design, also where a GPU exists
-    from megatron_rl.convert.checkpoint import hf_to_mcore
+    from megatron_rl.convert.from_hf import hf_to_mcore
     from megatron_rl.training.parallel import ParallelConfig, parallel_layout
 
     results = []
@@ -168,7 +168,7 @@ def _check_export(root: Path, family: str, reference: torch.Tensor) -> None:
     """mcore_to_hf of the converted checkpoint: the source's files bit for bit, same logits."""
     import transformers
 
-    from megatron_rl.convert.checkpoint import mcore_to_hf
+    from megatron_rl.convert.to_hf import mcore_to_hf
     from tests.convert.test_checkpoint import assert_same_weights
 
     back = mcore_to_hf(root / f"{family}-mcore", root / f"{family}-back")

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.convert.checkpoint import McoreCheckpoint, hf_to_mcore
+from megatron_rl.convert.checkpoint import McoreCheckpoint
+from megatron_rl.convert.from_hf import hf_to_mcore
 from megatron_rl.errors import EXIT_INPUT, EXIT_OUTPUT, EXIT_USAGE, InputError, OutputError, UsageError
 from tests.hf.test_layout import hf_model
 

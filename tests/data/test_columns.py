@@ -17,8 +17,8 @@ import yaml
 from megatron_rl.config import ConfigError
 from megatron_rl.data.problems import DataError, read_problems
 from megatron_rl.orchestration.config import DataConfig
+from megatron_rl.orchestration.problem_sets import read_problem_sets
 from megatron_rl.orchestration.recipe import load_config
-from megatron_rl.orchestration.run import read_problem_sets
 from tests.docs_pages import section
 
 datasets = pytest.importorskip("datasets")
@@ -310,18 +310,18 @@ def test_the_quick_start_recipe_trains_on_your_own_data(tmp_path, layout):
 
 def test_a_resume_that_changes_which_problems_are_read_is_refused(tmp_path):
     from megatron_rl.config import config_to_dict
-    from megatron_rl.orchestration.run import _check_resume_config
+    from megatron_rl.orchestration.run_records import check_resume_config
 
     snapshot = tmp_path / "config.yaml"
     old = config_to_dict(load_config(None, ["data.train=t.parquet"]))
     snapshot.write_text(yaml.safe_dump(old))
-    _check_resume_config(snapshot, old)  # unchanged: resumes
+    check_resume_config(snapshot, old)  # unchanged: resumes
     for override in ("data.columns.problem=question", "data.where.source=web", "data.limit=5"):
         new = config_to_dict(load_config(None, ["data.train=t.parquet", override]))
         key = override.split("=")[0]
         with pytest.raises(ValueError, match=rf"resuming with a different {re.escape(key)} "):
-            _check_resume_config(snapshot, new)
+            check_resume_config(snapshot, new)
     # The prompt rendering may change (it is reported, not refused).
-    _check_resume_config(
+    check_resume_config(
         snapshot, config_to_dict(load_config(None, ["data.train=t.parquet", "data.chat_template=none"]))
     )

@@ -8,14 +8,11 @@ import pytest
 import torch
 import transformers
 
-from megatron_rl.hf.layout import (
-    HFConverter,
+from megatron_rl.hf.layout import HFConverter, WeightsMismatchError, canonical_name, local_spec_name
+from megatron_rl.hf.sharding import (
     TPSplit,
-    WeightsMismatchError,
-    canonical_name,
     gather_from_tp,
     layer_offset,
-    local_spec_name,
     shard_for_tp,
     to_global_name,
     to_local_name,

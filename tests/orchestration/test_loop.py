@@ -274,7 +274,7 @@ def test_nan_mid_run_skips_steps_then_stops_cleanly_with_a_finite_latest(tmp_pat
     which a plain run resumes from and trains on."""
     import sys
 
-    from megatron_rl.training.checkpoint import checkpoint_dir_name, latest_checkpoint
+    from megatron_rl.training.checkpoint_manifest import checkpoint_dir_name, latest_checkpoint
 
     path = recipe(tmp_path, policy, loop={"max_steps": 6})
     cmd = [sys.executable, "-c", _NAN_FROM_STEP_2, str(path), "--no-progress"]

@@ -25,9 +25,10 @@ from megatron_rl.generation.engine.engine import EngineConfig
 from megatron_rl.generation.engine.server import EngineServer
 from megatron_rl.generation.engine.timing import TimingConfig, TimingEngine
 from megatron_rl.orchestration.config import FleetConfig, LoopConfig
+from megatron_rl.orchestration.group_record import GroupRecord, request_seed
 from megatron_rl.orchestration.loop import staleness_stats
 from megatron_rl.orchestration.recipe import RunConfig
-from megatron_rl.orchestration.rollouts import GroupRecord, NoProgressError, Rollouts, request_seed
+from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
 from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.quickstart.tokenizer import (
     QUICKSTART_SYSTEM_PROMPT,

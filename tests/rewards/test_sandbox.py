@@ -26,7 +26,8 @@ import pytest
 
 from megatron_rl.rewards import sandbox
 from megatron_rl.rewards.code import CodeConfig, compile_cpp
-from megatron_rl.rewards.sandbox import UID_BASE, UID_COUNT, run_sandboxed, sandbox_problem
+from megatron_rl.rewards.sandbox import run_sandboxed, sandbox_problem
+from megatron_rl.rewards.sandbox_uids import UID_BASE, UID_COUNT
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET_VAR = "MEGATRON_RL_TEST_SECRET"
@@ -574,10 +575,9 @@ def test_bad_requests_are_sandbox_errors(tmp_path):
 def test_plain_mode_without_privileges_is_a_clear_sandbox_error():
     """An unprivileged caller cannot create the namespaces of plain mode: every run says so."""
     script = textwrap.dedent("""
-        import importlib.util, json, sys
-        spec = importlib.util.spec_from_file_location("sb", sys.argv[1])
-        sb = sys.modules["sb"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sb)
+        import json, sys
+        sys.path.insert(0, sys.argv[1])  # the checkout: isolated mode (-I) ignores PYTHONPATH
+        from megatron_rl.rewards import sandbox as sb
         r = sb.run_sandboxed(["/bin/true"], stdin=b"", workdir=sys.argv[2], timeout_s=1.0,
                              memory_mb=100, output_limit_bytes=1000, max_processes=4,
                              mode="plain")
@@ -595,7 +595,7 @@ def test_plain_mode_without_privileges_is_a_clear_sandbox_error():
                 "-I",
                 "-c",
                 script,
-                sandbox.__file__,
+                str(Path(sandbox.__file__).resolve().parents[2]),
                 work,
             ],
             capture_output=True,

@@ -337,12 +337,8 @@ def _names(root: Path) -> list[str]:
 def test_latest_ignores_partial_checkpoints_and_keep_last_prunes_after_completion(single_rank, tmp_path):
     import torch.distributed as dist
 
-    from megatron_rl.training.checkpoint import (
-        CheckpointError,
-        latest_checkpoint,
-        load_checkpoint,
-        save_checkpoint,
-    )
+    from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.training.checkpoint_manifest import CheckpointError, latest_checkpoint
 
     assert latest_checkpoint(tmp_path / "nothing-here") is None
     ddp, opt, sched = _build()
@@ -453,14 +449,15 @@ def test_missing_tensor_is_an_error_unless_not_strict(single_rank, tmp_path):
     assert torch.equal(
         model.embedding.word_embeddings.weight, tied[0].module.embedding.word_embeddings.weight
     )
-    from megatron_rl.training.checkpoint import CheckpointError
+    from megatron_rl.training.checkpoint_manifest import CheckpointError
 
     with pytest.raises(CheckpointError, match="no optimizer state"):
         load_checkpoint(tmp_path, untied, untied_opt, strict=False)
 
 
 def test_distributed_optimizer_saves_but_refuses_to_resume_on_cpu(single_rank, tmp_path):
-    from megatron_rl.training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.training.checkpoint_manifest import CheckpointError
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is CPU-only")

@@ -18,13 +18,8 @@ import pytest
 import torch
 
 from megatron_rl.training import CheckpointCorruptError, NonFiniteError
-from megatron_rl.training.checkpoint import (
-    MANIFEST,
-    latest_checkpoint,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-)
+from megatron_rl.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_rl.training.checkpoint_manifest import MANIFEST, latest_checkpoint, list_checkpoints
 from tests.spawn import run_ranks
 from tests.training.test_checkpoint import _build, _train_step
 
@@ -149,7 +144,7 @@ def test_checkpoint_from_before_manifests_loads_with_a_warning(single_rank, tmp_
     (step2 / MANIFEST).unlink()
     marker = json.loads((step2 / "complete").read_text())
     (step2 / "complete").write_text(json.dumps({**marker, "format": 1}))
-    with caplog.at_level(logging.WARNING, logger="megatron_rl.training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="megatron_rl.training.checkpoint_manifest"):
         assert load_checkpoint(tmp_path, ddp, opt, sched) == (2, {"step": 2})
     assert torch.equal(_weights(ddp), weights[2])
     assert any("predates manifests" in r.getMessage() for r in caplog.records)

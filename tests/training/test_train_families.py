@@ -70,7 +70,7 @@ def test_a_short_run_trains_the_family_and_syncs_its_weights(tmp_path, family):
         loaded = transformers.AutoModelForImageTextToText.from_pretrained(run / "hf")
         assert type(loaded).__name__ == "Mistral3ForConditionalGeneration"
         # The run's checkpoint keeps the vision tower: it exports whole with only a config.json.
-        from megatron_rl.convert.checkpoint import mcore_to_hf
+        from megatron_rl.convert.to_hf import mcore_to_hf
 
         config_only = tmp_path / "config_only"
         config_only.mkdir()
