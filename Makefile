@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_SRC ?= .cache/sglang-$(SGLANG_VERSION)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
 
-.PHONY: install test check docs quickstart bench clean
+.PHONY: install test test-slow check docs quickstart bench clean
 
 install: .install.stamp
 
@@ -26,9 +26,14 @@ install: .install.stamp
 	@[ -f $(SGLANG_SRC)/sglang/version.py ] || $(PIP) -q --no-deps --target $(SGLANG_SRC) "sglang==$(SGLANG_VERSION)"
 	@touch $@
 
-# The README's test command: every unmarked and `distributed` test; `gpu`/`sglang` skip without them.
+# The README's test command: every test but the `slow` ones (about 11 min on 2 cores); `gpu` and
+# `sglang` tests skip without a GPU or SGLang. `make test-slow`: the slow ones (whole RL runs
+# killed, preempted and resumed; about 12 min). CI runs both.
 test: install
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -m "not slow"
+
+test-slow: install
+	$(PYTHON) -m pytest -m slow
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a page missing
 # from the nav or an unresolved API reference fails the build.
