@@ -28,7 +28,7 @@ install: .install.stamp
 
 # The README's test command: every test but the `slow` ones (about 11 min on 2 cores); `gpu` and
 # `sglang` tests skip without a GPU or SGLang. `make test-slow`: the slow ones (whole RL runs
-# killed, preempted and resumed; about 12 min). CI runs both.
+# killed, preempted and resumed; about 11 min). CI runs both.
 test: install
 	$(PYTHON) -m pytest -m "not slow"
 
