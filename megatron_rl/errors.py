@@ -32,9 +32,11 @@ import argparse
 import contextlib
 import errno
 import os
+import re
 import sys
 import traceback
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "EXIT_RESOURCE",
     "EXIT_STOPPED",
     "EXIT_USAGE",
+    "NO_ACCELERATED_KERNELS_NOTE",
     "ArgumentParser",
     "InputError",
     "OutputError",
@@ -54,6 +57,10 @@ __all__ = [
     "UserError",
     "classify",
     "debug_enabled",
+    "float_arg",
+    "int_arg",
+    "int_list_arg",
+    "quiet_library_warnings",
     "run_cli",
     "value_errors_as_usage",
 ]
@@ -114,6 +121,78 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
+
+
+def _bounds(kind: str, lo: float | None, hi: float | None, low_open: bool) -> str:
+    if lo is not None and hi is not None:
+        return f"{kind} in {'(' if low_open else '['}{_num(lo)}, {_num(hi)}]"
+    if lo is not None:
+        return f"{kind} {'>' if low_open else '>='} {_num(lo)}"
+    return f"{kind} <= {_num(hi)}" if hi is not None else kind
+
+
+def int_arg(lo: int | None = None, hi: int | None = None, note: str = "") -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in ``[lo, hi]`` (either end None: open); anything
+    else is argparse's usage error naming the flag: ``--sequences: must be an integer >= 1, got
+    -5``. ``note`` follows the range (``" (0: no limit)"``). Every integer flag takes one: a
+    test (tests/test_cli_arguments.py) refuses a bare ``type=int``."""
+    what = _bounds("an integer", lo, hi, False) + note
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+
+    parse.__name__ = "integer"  # argparse names the type in "invalid integer value"
+    return parse
+
+
+def int_list_arg(lo: int | None = 1, hi: int | None = None) -> Callable[[str], list[int]]:
+    """An argparse ``type`` for a comma list of integers, each in ``[lo, hi]`` (``16,32,64``);
+    an empty list, an empty item or one out of range is the flag's usage error naming it."""
+    item = int_arg(lo, hi)
+    what = "a comma list of " + _bounds("integers", lo, hi, False)
+
+    def parse(text: str) -> list[int]:
+        parts = text.split(",")
+        if not text.strip() or any(not x.strip() for x in parts):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        try:
+            return [item(x.strip()) for x in parts]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+    parse.__name__ = "integer list"
+    return parse
+
+
+def float_arg(
+    lo: float | None = None, hi: float | None = None, *, low_open: bool = False, note: str = ""
+) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``low_open``;
+    either end None: open). NaN and infinities are refused with the rest."""
+    what = _bounds("a number", lo, hi, low_open) + note
+
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        below = lo is not None and (v <= lo if low_open else v < lo)
+        if v != v or v in (float("inf"), float("-inf")) or below or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return v
+
+    parse.__name__ = "number"
+    return parse
+
+
 @contextlib.contextmanager
 def value_errors_as_usage() -> Iterator[None]:
     """Inside: a plain ``ValueError`` (a library's own check of an option, a config dataclass's
@@ -164,16 +243,59 @@ def classify(exc: BaseException) -> tuple[int, str]:
     )
 
 
-def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
-    """Run ``main(argv)`` behind the boundary: the exit code it returns, or for an exception one
+# Other packages' warnings that a user of the command line cannot act on, hiding the lines that
+# matter (a train printed ~17 before its first own line). TE / Apex missing is said once, in our
+# words; the rest is dropped. The Python API (no run_cli) leaves Python's warning filters alone,
+# and --debug shows every warning as it is.
+_NO_ACCELERATED_KERNELS = re.compile(
+    r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"
+)
+_UNACTIONABLE = re.compile(
+    r"full scope is deprecated"  # megatron-core's own default (cuda_graph_scope), not ours to set
+    r"|Please use DTensor instead"  # torch's ShardedTensor deprecation, raised inside megatron-core
+    r"|torch\.distributed\._shard"
+)
+NO_ACCELERATED_KERNELS_NOTE = (
+    "note: Transformer Engine and Apex are not installed: megatron-core runs its PyTorch layers, norms, "
+    "optimizer and gradient clipping instead (as expected without a GPU; install both on a GPU "
+    "cluster for speed, docs/gpu-cluster.md)"
+)
+
+
+def quiet_library_warnings() -> None:
+    """For a command's process: show other packages' warnings except those the user cannot act
+    on (:data:`_UNACTIONABLE`); the missing TE / Apex as one note on rank 0."""
+    shown = warnings.showwarning
+    said = False
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        nonlocal said
+        text = str(message)
+        if _NO_ACCELERATED_KERNELS.search(text):
+            if not said and os.environ.get("RANK", "0") == "0":
+                print(NO_ACCELERATED_KERNELS_NOTE, file=sys.stderr)
+            said = True
+            return
+        if not _UNACTIONABLE.search(text):
+            shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
+def run_cli(prog: str, main: Callable[[list[str]], object], argv: Sequence[str] | None = None) -> int:
+    """Run ``main(argv)`` behind the boundary: the exit code it returns (an int; anything else,
+    such as a benchmark's result dict, is success), or for an exception one
     line ``prog: message`` on stderr and the exit code of its kind. ``--debug`` anywhere in
     ``argv`` is taken out and shows the stack (so does ``MEGATRON_RL_DEBUG=1``)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if "--debug" in args:
         args = [a for a in args if a != "--debug"]
         os.environ[DEBUG_ENV] = "1"  # child processes (ranks, servers) show their stacks too
+    if not debug_enabled():
+        quiet_library_warnings()
     try:
-        return int(main(args) or 0)
+        result = main(args)
+        return result if isinstance(result, int) and not isinstance(result, bool) else 0
     except SystemExit as e:  # argparse, or sys.exit("message") deep inside: keep its contract
         if isinstance(e.code, str):
             print(_one_line(e.code), file=sys.stderr)

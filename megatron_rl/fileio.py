@@ -33,6 +33,7 @@ __all__ = [
     "JsonValue",
     "JsonlCut",
     "JsonlError",
+    "LoneSurrogateError",
     "append_jsonl",
     "atomic_output_dir",
     "atomic_path",
@@ -214,9 +215,34 @@ def json_depth(value: JsonValue) -> int:
     return depth
 
 
+class LoneSurrogateError(ValueError):
+    """Valid JSON whose string holds a lone surrogate: no text can be made of it."""
+
+
+def _lone_surrogate(value: JsonValue) -> str | None:
+    """Where a string of ``value`` holds a lone UTF-16 surrogate (``"\\ud800"`` escaped alone:
+    JSON allows it, Unicode has no such character, and UTF-8 cannot encode it), e.g.
+    ``field 'completion'``; None when there is none. Iterative, like :func:`json_depth`."""
+    stack: list[tuple[JsonValue, str]] = [(value, "")]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                char = f"\\u{ord(v[e.start]):04x}"
+                return f"{where or 'the value'} holds a lone UTF-16 surrogate {char} (not a character)"
+        elif isinstance(v, dict):
+            stack.extend((x, f"field {k!r}" if not where else f"{where}.{k}") for k, x in v.items())
+            stack.extend((k, f"a key of {where or 'the record'}") for k in v)
+        elif isinstance(v, list):
+            stack.extend((x, f"{where or 'the value'}[{i}]") for i, x in enumerate(v))
+    return None
+
+
 def loads_json(text: str, *, max_depth: int = MAX_JSON_DEPTH) -> JsonValue:
-    """``json.loads`` that refuses NaN/Infinity and nesting deeper than ``max_depth`` (ValueError,
-    json.JSONDecodeError is one)."""
+    """``json.loads`` that refuses NaN/Infinity, nesting deeper than ``max_depth`` and strings
+    holding a lone surrogate (ValueError, json.JSONDecodeError is one)."""
     # The depth is checked only when the text could be that deep: one bracket per level.
     if text.count("[") + text.count("{") > max_depth:
         try:
@@ -225,8 +251,12 @@ def loads_json(text: str, *, max_depth: int = MAX_JSON_DEPTH) -> JsonValue:
             raise ValueError(f"nested deeper than {max_depth} levels") from None
         if json_depth(value) > max_depth:
             raise ValueError(f"nested deeper than {max_depth} levels")
-        return value
-    return json.loads(text, parse_constant=_refuse_constant)
+    else:
+        value = json.loads(text, parse_constant=_refuse_constant)
+    # A surrogate can only come from a \u escape (decoded UTF-8 holds none): look only then.
+    if "\\u" in text and (why := _lone_surrogate(value)) is not None:
+        raise LoneSurrogateError(why)
+    return value
 
 
 def _decode(path: PathLike, lineno: int, raw: bytes) -> JsonValue:
@@ -240,6 +270,8 @@ def _decode(path: PathLike, lineno: int, raw: bytes) -> JsonValue:
         return loads_json(text)
     except json.JSONDecodeError as e:
         raise JsonlError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+    except LoneSurrogateError as e:
+        raise JsonlError(path, lineno, str(e)) from None
     except ValueError as e:
         raise JsonlError(path, lineno, f"invalid JSON: {e}") from None
 

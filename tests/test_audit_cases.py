@@ -180,7 +180,85 @@ CASES = {
         {},
         ["reward", "--input", "x", "--output", "y", "--workers", "two"],
         EXIT_USAGE,
-        ["--workers", "invalid int"],
+        ["--workers", "must be an integer", "'two'"],
+    ),
+    # -- the audit of main 9b06f20 (issue 49) ----------------------------------------------------
+    "--port-file over the model's config.json": (
+        {"m/config.json": "{}"},
+        ["serve-engine", "--model", "m", "--port", "0", "--port-file", "m/config.json"],
+        EXIT_OUTPUT,
+        ["--port-file m/config.json lies inside the input m"],
+    ),
+    "--port-file over a file that is not a port file": (
+        {"m/config.json": "{}", "notes.txt": "my notes\n"},
+        ["serve-engine", "--model", "m", "--port", "0", "--port-file", "notes.txt"],
+        EXIT_OUTPUT,
+        ["--port-file notes.txt", "not a port file"],
+    ),
+    "fleet.urls naming no server": (
+        {"model/config.json": "{}", "p.jsonl": json.dumps({"problem": "2+2?", "answer": "4"}) + "\n"},
+        ["train", "--no-progress", "model.hf=model", "data.train=p.jsonl", "fleet.urls=[http://127.0.0.1:9]"],
+        EXIT_USAGE,
+        ["fleet.urls[0]", "http://127.0.0.1:9", "nothing answers"],
+    ),
+    "a lone surrogate in a reward record": (
+        {"in.jsonl": '{"problem": "x", "answer": "4", "completion": "\\boxed{4} \\ud800"}\n'},
+        ["reward", "--input", "in.jsonl", "--output", "out.jsonl", "--quiet"],
+        EXIT_INPUT,
+        ["in.jsonl:1", "'completion'", "lone UTF-16 surrogate", "\\ud800"],
+    ),
+    "bench collation --sequences -5": (
+        {},
+        ["bench", "collation", "--sequences", "-5"],
+        EXIT_USAGE,
+        ["--sequences", "-5"],
+    ),
+    "bench collation --budget 0": ({}, ["bench", "collation", "--budget", "0"], EXIT_USAGE, ["--budget"]),
+    "eval --limit -1": (
+        {"p.jsonl": json.dumps({"problem": "2+2?", "answer": "4"}) + "\n"},
+        ["eval", "--data", "p.jsonl", "--out", "ev", "--model", "m", "--limit", "-1"],
+        EXIT_USAGE,
+        ["--limit", "must be an integer >= 1, got -1"],
+    ),
+    "config fleet.urls=[not a url]": (
+        {},
+        ["config", "fleet.urls=[not a url]"],
+        EXIT_USAGE,
+        ["fleet.urls[0]", "'not a url'", "not a server URL"],
+    ),
+    "NaN in a model's config.json (convert)": (
+        {"m/config.json": '{"model_type": "llama",\n "rms_norm_eps": NaN}'},
+        ["convert", "hf-to-mcore", "--hf", "m", "--out", "o"],
+        EXIT_INPUT,
+        ["m/config.json:2", "NaN", "'rms_norm_eps'"],
+    ),
+    "NaN in a model's config.json (serve-engine)": (
+        {"m/config.json": '{"model_type": "llama",\n "rope_theta": Infinity}'},
+        ["serve-engine", "--model", "m", "--port", "0"],
+        EXIT_INPUT,
+        ["m/config.json:2", "Infinity", "'rope_theta'"],
+    ),
+    "an empty language in translate-mark": (
+        {"p.jsonl": json.dumps({"problem": "2+2?", "answer": "4"}) + "\n"},
+        ["curate", "translate-mark", "--input", "p.jsonl", "--output", "m.jsonl", "--languages", "fr,,de"],
+        EXIT_USAGE,
+        ["--languages", "item 2 of 'fr,,de' is empty"],
+    ),
+    "a truncated Parquet file as data.eval": (
+        {
+            "model/config.json": "{}",
+            "p.jsonl": json.dumps({"problem": "2+2?", "answer": "4"}) + "\n",
+            "e.parquet": b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x02\x15\x00\x12\x00\x00",
+        },
+        ["train", "--no-progress", "model.hf=model", "data.train=p.jsonl", "data.eval=e.parquet"],
+        EXIT_INPUT,
+        ["e.parquet", "not a readable Parquet file"],
+    ),
+    "a CSV problem file that is not UTF-8": (
+        {"model/config.json": "{}", "p.csv": b'problem,answer\n"x\xff",1\n'},
+        ["train", "--no-progress", "model.hf=model", "data.train=p.csv"],
+        EXIT_INPUT,
+        ["p.csv", "not UTF-8"],
     ),
 }
 
@@ -192,6 +270,7 @@ def test_audit_case_is_one_line_and_keeps_the_input(tmp_path, name):
         argv = ["train", str(ROOT / "examples" / "quickstart.yaml"), *argv[1:]]
     inputs = _write(tmp_path, files)
     before = _digest(inputs)
+    tree_before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     proc = _run(argv, tmp_path)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == code, proc.stderr
@@ -201,6 +280,8 @@ def test_audit_case_is_one_line_and_keeps_the_input(tmp_path, name):
         assert w in lines[0], (w, lines[0])
     assert _digest(inputs) == before
     assert not (tmp_path / "qs" / "warmup").exists()  # nothing long started
+    # Nothing written: the tree holds exactly the inputs it held before.
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == tree_before
 
 
 def test_a_byte_order_mark_is_accepted_in_a_recipe_and_in_jsonl(tmp_path):

@@ -195,3 +195,25 @@ def test_fleet_group_requests_is_auto_true_or_false(tmp_path):
     p = write(tmp_path, "fleet:\n  group_requests: sometimes\n")
     with pytest.raises(ConfigError, match=r"recipe.yaml:2: fleet.group_requests"):
         load_config(p)
+
+
+@pytest.mark.parametrize(
+    "urls, why",
+    [
+        ("['not a url']", r"fleet.urls\[0\]: 'not a url': not a server URL"),
+        ("['http://127.0.0.1:30000', 'ftp://h:1']", r"fleet.urls\[1\]: 'ftp://h:1': not a server URL"),
+        ("['http://127.0.0.1:99999']", r"fleet.urls\[0\]: .*not a server URL \(Port out of range"),
+        ("['http://127.0.0.1:0']", r"fleet.urls\[0\]: .*holds no port 0"),
+        ("['http://u:p@127.0.0.1:1']", r"fleet.urls\[0\]: .*holds no port 0, user"),
+        ("[3]", r"fleet.urls\[0\]: must be a string"),
+        ("http://127.0.0.1:1", r"fleet.urls: must be a list"),
+    ],
+)
+def test_fleet_urls_are_checked_where_the_recipe_is_read(urls, why):
+    with pytest.raises(ConfigError, match=why):
+        load_config(None, [f"fleet.urls={urls}"])
+
+
+def test_good_fleet_urls_load():
+    cfg = load_config(None, ["fleet.urls=['http://127.0.0.1:30000', 'https://[::1]:8443/v1']"])
+    assert cfg.fleet.urls == ["http://127.0.0.1:30000", "https://[::1]:8443/v1"]

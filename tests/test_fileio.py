@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -114,3 +115,21 @@ def test_truncate_puts_back_a_torn_record_from_a_copy(tmp_path):
     cut = truncate_jsonl(f, lambda r: r["step"] <= 10, restore=rows[6:])  # the checkpoint's copy: 7..10
     assert cut.torn == [8] and cut.restored == [8] and cut.dropped == 0
     assert read_jsonl(f) == rows
+
+
+@pytest.mark.fault("input")
+@pytest.mark.parametrize(
+    "line, where",
+    [
+        ('{"completion": "a\\ud800b"}', "field 'completion'"),
+        ('{"problem": {"tests": ["ok", "\\udfff"]}}', "field 'problem'.tests[1]"),
+        ('{"\\ud83d": 1}', "a key of the record"),
+    ],
+)
+def test_a_lone_surrogate_is_named_by_file_line_and_field(tmp_path, line, where):
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"ok": "\\u00e9 \\ud83d\\ude00"}\n' + line + "\n")  # a pair is a character: fine
+    with pytest.raises(JsonlError, match=rf"in.jsonl:2: {re.escape(where)} holds a lone UTF-16 surrogate"):
+        read_jsonl(f)
+    got = list(iter_jsonl(f, skip_bad=True))
+    assert got[0] == (1, {"ok": "\u00e9 \U0001f600"}) and isinstance(got[1][1], JsonlError)

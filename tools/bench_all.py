@@ -15,7 +15,6 @@ line per benchmark as it starts and ends. On 2 shared cores the whole set takes 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -27,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from doc_tables import write_table
+
+from megatron_rl.errors import ArgumentParser, float_arg, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -247,7 +248,7 @@ def _table(results: dict[str, dict[str, object]], machine: dict[str, object]) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument(
         "--only",
         default="",
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--docs", action="store_true", help="rewrite docs/performance.md's table between its markers"
     )
-    p.add_argument("--timeout-s", type=float, default=900.0, help="per benchmark")
+    p.add_argument("--timeout-s", type=float_arg(0.0, low_open=True), default=900.0, help="per benchmark")
     args = p.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(BENCHES)
     unknown = [n for n in names if n not in BENCHES]
@@ -299,5 +300,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(results[n].get("result") is not None for n in names) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench all", main))

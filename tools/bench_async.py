@@ -128,6 +128,8 @@ from async_harness import (
 )
 from async_model import Costs, calibrate, size_fleet
 
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, run_cli
+
 # ---------------------------------------------------------------------- the run
 
 
@@ -406,7 +408,7 @@ def report_real(results: dict[str, dict], w: Workload, args: argparse.Namespace)
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The bench's options, with the defaults of its mode (timing model or ``--real``)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--real",
         action="store_true",
@@ -420,59 +422,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument(
         "--steps",
-        type=int,
+        type=int_arg(1),
         help="training steps per loop mode (12: the first async step fills the pipeline, a longer run weighs it less; --real: 4)",
     )
     ap.add_argument(
         "--servers",
-        type=int,
+        type=int_arg(1),
         help="generator (engine) servers for the one trainer (default: n_async / slots, the fleet "
         "holds n_async sequences; --real: 2)",
     )
-    ap.add_argument("--slots", type=int, help="sequences per server (32; --real: 16)")
-    ap.add_argument("--group-size", type=int, help="G (8; --real: 4)")
-    ap.add_argument("--n-batch", type=int, help="sequences per step (64; --real: 16)")
-    ap.add_argument("--n-async", type=int, help="sequences in flight (2 n_batch)")
-    ap.add_argument("--l-max", type=int, help="completion token limit (512; --real: 96)")
-    ap.add_argument("--median-len", type=float, help="median completion length (64; --real: 24)")
-    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths")
-    ap.add_argument("--p-correct", type=float, default=0.5, help="share of correct completions")
-    ap.add_argument("--script", type=int, default=1024, help="completions in the script")
-    ap.add_argument("--problems", type=int, default=256, help="prompt variants")
+    ap.add_argument("--slots", type=int_arg(1), help="sequences per server (32; --real: 16)")
+    ap.add_argument("--group-size", type=int_arg(1), help="G (8; --real: 4)")
+    ap.add_argument("--n-batch", type=int_arg(1), help="sequences per step (64; --real: 16)")
+    ap.add_argument("--n-async", type=int_arg(1), help="sequences in flight (2 n_batch)")
+    ap.add_argument("--l-max", type=int_arg(1), help="completion token limit (512; --real: 96)")
+    ap.add_argument(
+        "--median-len", type=float_arg(0.0, low_open=True), help="median completion length (64; --real: 24)"
+    )
+    ap.add_argument("--sigma", type=float_arg(0.0), default=1.0, help="lognormal sigma of the lengths")
+    ap.add_argument("--p-correct", type=float_arg(0.0, 1.0), default=0.5, help="share of correct completions")
+    ap.add_argument("--script", type=int_arg(1), default=1024, help="completions in the script")
+    ap.add_argument("--problems", type=int_arg(1), default=256, help="prompt variants")
     cost = "(default: measured at the start of the run)"
-    ap.add_argument("--decode-ms", type=float, help=f"engine step, fixed part {cost}")
-    ap.add_argument("--decode-ms-per-seq", type=float, help=f"engine step, per running sequence {cost}")
-    ap.add_argument("--prefill-ms-per-token", type=float, help=f"per distinct prompt token {cost}")
-    ap.add_argument("--train-ms", type=float, help=f"trainer step, fixed part {cost}")
-    ap.add_argument("--train-ms-per-token", type=float, help=f"trainer step, per batch token {cost}")
+    ap.add_argument("--decode-ms", type=float_arg(0.0), help=f"engine step, fixed part {cost}")
+    ap.add_argument(
+        "--decode-ms-per-seq", type=float_arg(0.0), help=f"engine step, per running sequence {cost}"
+    )
+    ap.add_argument("--prefill-ms-per-token", type=float_arg(0.0), help=f"per distinct prompt token {cost}")
+    ap.add_argument("--train-ms", type=float_arg(0.0), help=f"trainer step, fixed part {cost}")
+    ap.add_argument("--train-ms-per-token", type=float_arg(0.0), help=f"trainer step, per batch token {cost}")
     ap.add_argument(
         "--train-share",
-        type=float,
+        type=float_arg(0.0, 1.0, low_open=True),
         default=0.75,
         help="size the modeled trainer so that training a batch takes this share of the fleet's "
         "time to generate it (generation dominates, as in the paper)",
     )
     ap.add_argument(
         "--train-speedup",
-        type=float,
+        type=float_arg(0.0, low_open=True),
         help="the modeled trainer is this many times the measured one (data-parallel replicas); "
         "servers / this = generator servers per measured trainer (default: from --train-share)",
     )
     ap.add_argument(
         "--max-staleness",
-        type=int,
+        type=int_arg(-1, note=" (-1: never)"),
         default=-1,
         help="loop.max_staleness: drop groups this many versions old (default -1, the loop's: "
         "never, so that both loops train the same completions)",
     )
-    ap.add_argument("--sync-ms", type=float, default=10.0, help="modeled weight transfer")
+    ap.add_argument("--sync-ms", type=float_arg(0.0), default=10.0, help="modeled weight transfer")
     add_pause_mode_arg(ap, "none")
-    ap.add_argument("--calib-rounds", type=int, default=3, help="repeats of each calibration measurement")
-    ap.add_argument("--workers", type=int, default=1, help="verifier processes")
-    ap.add_argument("--sft-steps", type=int, default=60, help="--real: SFT steps on the script")
-    ap.add_argument("--lr", type=float, default=1e-5, help="--real: RL learning rate")
+    ap.add_argument(
+        "--calib-rounds", type=int_arg(1), default=3, help="repeats of each calibration measurement"
+    )
+    ap.add_argument("--workers", type=int_arg(1), default=1, help="verifier processes")
+    ap.add_argument("--sft-steps", type=int_arg(1), default=60, help="--real: SFT steps on the script")
+    ap.add_argument("--lr", type=float_arg(0.0, low_open=True), default=1e-5, help="--real: RL learning rate")
     add_group_requests_arg(ap)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")
     args = ap.parse_args(argv)
     defaults = dict(
@@ -515,5 +523,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench async", main))

@@ -19,13 +19,14 @@ The last line is one JSON object of the figures.
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 
 import torch
 
 from megatron_rl.batching.collate import collation_stats, plan_microbatches
+from megatron_rl.errors import ArgumentParser, int_arg, run_cli
 
 
 def long_tailed_lengths(n: int, max_len: int, generator: torch.Generator) -> list[int]:
@@ -43,13 +44,17 @@ def padded_baseline_tokens(lengths: list[int], microbatches: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sequences", type=int, default=4096, help="sequences per minibatch")
-    ap.add_argument("--budget", type=int, default=32768, help="tokens per microbatch")
-    ap.add_argument("--max-len", type=int, default=32768, help="longest sequence")
-    ap.add_argument("--batches", type=int, default=5, help="random minibatches to average over")
-    ap.add_argument("--seed", type=int, default=0)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sequences", type=int_arg(1), default=4096, help="sequences per minibatch")
+    ap.add_argument("--budget", type=int_arg(1), default=32768, help="tokens per microbatch")
+    ap.add_argument("--max-len", type=int_arg(1), default=32768, help="longest sequence")
+    ap.add_argument("--batches", type=int_arg(1), default=5, help="random minibatches to average over")
+    ap.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     args = ap.parse_args(argv)
+    if args.budget < args.max_len:  # a microbatch holds at least the longest sequence
+        ap.error(
+            f"--budget {args.budget} is below --max-len {args.max_len}: raise --budget or lower --max-len"
+        )
 
     gen = torch.Generator().manual_seed(args.seed)
     batches = [long_tailed_lengths(args.sequences, args.max_len, gen) for _ in range(args.batches)]
@@ -117,5 +122,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench collation", main))

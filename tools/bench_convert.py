@@ -25,11 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from megatron_rl.errors import ArgumentParser, run_cli
 
 SIZES = {  # Llama-style shapes: ~156M parameters (~310 MB in bf16), or ~3M for --small
     "default": dict(
@@ -168,7 +171,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="a ~3M-parameter model (quick check)")
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     ap.add_argument("--max-shard-size", default="200MB", help="HF shard size, input and output")
@@ -184,5 +187,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench convert", main))

@@ -42,6 +42,7 @@ import math
 import random
 import secrets
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -49,6 +50,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import torch
+
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, int_list_arg, run_cli
 
 
 @dataclass(frozen=True)
@@ -281,51 +284,48 @@ def run(args: argparse.Namespace, folder: str) -> dict:
 
 
 def _range(text: str) -> tuple[int, int]:
+    """``LO-HI`` (or one number): token counts with 1 <= LO <= HI."""
     lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
+    try:
+        bounds = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be LO-HI token counts, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"must be LO-HI with 1 <= LO <= HI, got {text!r}")
+    return bounds
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--groups", type=int, default=16, help="prompts")
-    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt")
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int_arg(1), default=256)
+    ap.add_argument("--layers", type=int_arg(1), default=4)
+    ap.add_argument("--heads", type=int_arg(1), default=4)
+    ap.add_argument("--kv-heads", type=int_arg(1), default=2)
+    ap.add_argument("--vocab", type=int_arg(1), default=1000)
+    ap.add_argument("--groups", type=int_arg(1), default=16, help="prompts")
+    ap.add_argument("--group-size", type=int_arg(1), default=8, help="samples per prompt")
     ap.add_argument(
-        "--in-flight", type=int, default=8, help="groups outstanding at once (engine slots / group size)"
+        "--in-flight",
+        type=int_arg(1),
+        default=8,
+        help="groups outstanding at once (engine slots / group size)",
     )
     ap.add_argument("--prompt-len", type=_range, default=(48, 96), help="prompt tokens, LO-HI")
-    ap.add_argument("--median-len", type=int, default=64, help="median completion tokens")
-    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of the lengths")
-    ap.add_argument("--l-max", type=int, default=384, help="completion length cut")
-    ap.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128])
-    ap.add_argument("--threads", type=int, default=1, help="torch threads, for each generator")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs of each (median)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    sizes = (
-        args.groups,
-        args.group_size,
-        args.in_flight,
-        args.median_len,
-        args.l_max,
-        args.threads,
-        args.repeats,
+    ap.add_argument("--median-len", type=int_arg(1), default=64, help="median completion tokens")
+    ap.add_argument("--sigma", type=float_arg(0.0), default=1.0, help="lognormal sigma of the lengths")
+    ap.add_argument("--l-max", type=int_arg(1), default=384, help="completion length cut")
+    ap.add_argument(
+        "--hf-batches", type=int_list_arg(1), default=[16, 32, 64, 128], help="transformers batch sizes"
     )
-    if min(sizes) < 1 or min(args.prompt_len) < 1 or args.prompt_len[0] > args.prompt_len[1]:
-        ap.error(
-            "--groups, --group-size, --in-flight, --median-len, --l-max, --threads, --repeats must be >= 1"
-        )
-    if not args.hf_batches or min(args.hf_batches) < 1 or args.sigma < 0:
-        ap.error("--hf-batches must be sizes >= 1 and --sigma >= 0")
+    ap.add_argument("--threads", type=int_arg(1), default=1, help="torch threads, for each generator")
+    ap.add_argument("--repeats", type=int_arg(1), default=2, help="timed runs of each (median)")
+    ap.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
+    args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench-generation-") as folder:
         out = run(args, folder)
     print(json.dumps(out))
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench generation", main))

@@ -29,6 +29,7 @@ import time
 import torch
 
 from megatron_rl.algorithms.logprobs import default_chunk_size, naive_token_logprobs, token_logprobs
+from megatron_rl.errors import ArgumentParser, int_arg, run_cli
 
 
 def _rss_bytes() -> int:
@@ -90,9 +91,9 @@ def _child(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--vocab", type=int, default=131072)
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int_arg(1), default=8192)
+    ap.add_argument("--vocab", type=int_arg(1), default=131072)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backward", action="store_true", help="include the backward pass")
@@ -160,5 +161,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench logprobs", main))

@@ -26,17 +26,19 @@ activation memory over CP=1's; 1/2 and 1/4 would be a perfect split), the peaks 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_rl.errors import ArgumentParser, int_arg, int_list_arg, run_cli
 
 
 def _hf_config(args):
@@ -164,31 +166,36 @@ def _run(args, cp: int) -> dict:
     return results.get()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--tokens", type=int, default=16384, help="tokens of the one sequence (prompt 64 + completion)"
+        "--tokens", type=int_arg(1), default=16384, help="tokens of the one sequence (prompt 64 + completion)"
     )
-    p.add_argument("--cp", default="1,2,4", help="context-parallel sizes (the first is the baseline)")
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4000)
-    p.add_argument("--steps", type=int, default=2, help="timed forward + backward passes per size")
-    args = p.parse_args()
-    sizes = [int(x) for x in args.cp.split(",")]
+    p.add_argument(
+        "--cp",
+        type=int_list_arg(1),
+        default=[1, 2, 4],
+        help="context-parallel sizes (the first is the baseline)",
+    )
+    p.add_argument("--hidden", type=int_arg(1), default=128)
+    p.add_argument("--layers", type=int_arg(1), default=2)
+    p.add_argument("--heads", type=int_arg(1), default=4)
+    p.add_argument("--vocab", type=int_arg(1), default=4000)
+    p.add_argument("--steps", type=int_arg(1), default=2, help="timed forward + backward passes per size")
+    args = p.parse_args(argv)
+
     rows = {}
-    for cp in sizes:
+    for cp in args.cp:
         print(f"[long-context] CP={cp}: {cp} rank(s), {args.tokens} tokens ...", flush=True)
         rows[cp] = _run(args, cp)
-    base = rows[sizes[0]]
+    base = rows[args.cp[0]]
     print(
         f"one {args.tokens}-token sequence, tiny Llama: hidden {args.hidden}, {args.layers} layers, "
         f"{args.heads} heads, vocab {args.vocab}; GRPO forward + backward, packed; "
         f"{'GPU' if torch.cuda.is_available() else f'CPU, {os.cpu_count()} cores shared by the ranks'}"
     )
     print(
-        f"{'CP':>3} {'peak activations / rank':>24} {'÷ CP=' + str(sizes[0]):>9} {'step s':>8} {'loss':>12}"
+        f"{'CP':>3} {'peak activations / rank':>24} {'÷ CP=' + str(args.cp[0]):>9} {'step s':>8} {'loss':>12}"
     )
     for cp, r in rows.items():
         print(
@@ -206,11 +213,11 @@ def main() -> None:
         **{
             f"memory_ratio_cp{cp}": r["peak_activation_bytes"] / base["peak_activation_bytes"]
             for cp, r in rows.items()
-            if cp != sizes[0]
+            if cp != args.cp[0]
         },
     }
     print(json.dumps(out))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench long-context", main))

@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
 import urllib.request
 
 import torch
+
+from megatron_rl.errors import ArgumentParser, int_arg, run_cli
 
 
 def make_model(folder: str, max_len: int) -> None:
@@ -94,11 +97,11 @@ def trial(folder: str, args: argparse.Namespace, *, plain: bool, seed: int) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="megatron-rl bench pause-latency", description=__doc__.split("\n")[0])
-    p.add_argument("--trials", type=int, default=7)
-    p.add_argument("--max-new-tokens", type=int, default=480)
-    p.add_argument("--after-steps", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1)
+    p = ArgumentParser(prog="megatron-rl bench pause-latency", description=__doc__.split("\n")[0])
+    p.add_argument("--trials", type=int_arg(1), default=7)
+    p.add_argument("--max-new-tokens", type=int_arg(1), default=480)
+    p.add_argument("--after-steps", type=int_arg(0), default=30)
+    p.add_argument("--threads", type=int_arg(1), default=1)
     args = p.parse_args(argv)
     args.max_len = args.max_new_tokens + 8
     if args.after_steps >= args.max_new_tokens:
@@ -132,5 +135,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench pause-latency", main))

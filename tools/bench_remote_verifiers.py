@@ -25,7 +25,6 @@ figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import select
@@ -35,6 +34,7 @@ import time
 from concurrent.futures import wait
 from pathlib import Path
 
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, run_cli
 from megatron_rl.rewards.compose import RewardConfig, RewardInput, hard_timeout_s, score
 from megatron_rl.rewards.math import warm_up
 from megatron_rl.rewards.pool import VerifierPool
@@ -106,13 +106,20 @@ def start_server(workers: int) -> tuple[subprocess.Popen, str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", type=int, default=2000, help="math samples scored per side")
-    ap.add_argument("--group", type=int, default=16, help="samples per submit_many (a group)")
-    ap.add_argument("--kb", type=int, default=40, help="size of each completion in KiB (~10k tokens: 40)")
-    ap.add_argument("--workers", type=int, default=2, help="local verifier processes")
-    ap.add_argument("--server-workers", type=int, default=2, help="the server's verifier processes")
-    ap.add_argument("--code-core-s", type=float, default=1.0, help="core-seconds of one code sample")
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tasks", type=int_arg(1), default=2000, help="math samples scored per side")
+    ap.add_argument("--group", type=int_arg(1), default=16, help="samples per submit_many (a group)")
+    ap.add_argument(
+        "--kb", type=int_arg(1), default=40, help="size of each completion in KiB (~10k tokens: 40)"
+    )
+    ap.add_argument("--workers", type=int_arg(1), default=2, help="local verifier processes")
+    ap.add_argument("--server-workers", type=int_arg(1), default=2, help="the server's verifier processes")
+    ap.add_argument(
+        "--code-core-s",
+        type=float_arg(0.0, low_open=True),
+        default=1.0,
+        help="core-seconds of one code sample",
+    )
     args = ap.parse_args(argv)
 
     cfg = RewardConfig()
@@ -187,5 +194,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench remote-verifiers", main))

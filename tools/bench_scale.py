@@ -59,6 +59,8 @@ import async_harness
 import bench_async
 from async_model import Costs, size_fleet
 
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, int_list_arg, run_cli
+
 
 def _rss_kb() -> int:
     """This process's resident set size (kB)."""
@@ -138,43 +140,41 @@ def measure(servers: int, args: argparse.Namespace, root: Path) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--servers", default="4,16,64", help="fleet sizes to sweep (comma-separated)")
-    ap.add_argument("--slots", type=int, default=256, help="sequences per server")
-    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per fleet size")
-    ap.add_argument("--group-size", type=int, default=16, help="G")
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--servers", type=int_list_arg(1), default=[4, 16, 64], help="fleet sizes to sweep (comma-separated)"
+    )
+    ap.add_argument("--slots", type=int_arg(1), default=256, help="sequences per server")
+    ap.add_argument("--steps", type=int_arg(1), default=3, help="optimizer steps per fleet size")
+    ap.add_argument("--group-size", type=int_arg(1), default=16, help="G")
     async_harness.add_group_requests_arg(ap)
     async_harness.add_pause_mode_arg(ap, "in_place")  # the control calls to every server, timed
-    ap.add_argument("--decode-ms", type=float, default=60.0, help="engine step, fixed part")
-    ap.add_argument("--decode-ms-per-seq", type=float, default=0.02, help="engine step, per sequence")
-    ap.add_argument("--prefill-ms-per-token", type=float, default=0.001)
-    ap.add_argument("--train-ms", type=float, default=500.0)
-    ap.add_argument("--train-ms-per-token", type=float, default=0.002)
-    ap.add_argument("--median-len", type=float, default=64.0)
-    ap.add_argument("--l-max", type=int, default=512)
-    ap.add_argument("--sync-ms", type=float, default=10.0, help="modeled weight transfer")
-    ap.add_argument("--workers", type=int, default=1, help="verifier processes")
+    ap.add_argument("--decode-ms", type=float_arg(0.0), default=60.0, help="engine step, fixed part")
+    ap.add_argument(
+        "--decode-ms-per-seq", type=float_arg(0.0), default=0.02, help="engine step, per sequence"
+    )
+    ap.add_argument("--prefill-ms-per-token", type=float_arg(0.0), default=0.001)
+    ap.add_argument("--train-ms", type=float_arg(0.0), default=500.0)
+    ap.add_argument("--train-ms-per-token", type=float_arg(0.0), default=0.002)
+    ap.add_argument("--median-len", type=float_arg(0.0, low_open=True), default=64.0)
+    ap.add_argument("--l-max", type=int_arg(1), default=512)
+    ap.add_argument("--sync-ms", type=float_arg(0.0), default=10.0, help="modeled weight transfer")
+    ap.add_argument("--workers", type=int_arg(1), default=1, help="verifier processes")
     ap.add_argument(
         "--server-tokens-per-s",
-        type=float,
+        type=float_arg(0.0, low_open=True),
         default=20000.0,
         help="assumption: one server's decode tokens/s at full batch, for max_servers_95",
     )
     ap.add_argument(
         "--trace-tokens",
-        type=float,
+        type=float_arg(0.0, low_open=True),
         default=10000.0,
         help="assumption: mean completion length at paper scale, for max_servers_95_per_completion",
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     ap.add_argument("--dir", help="work folder (default: a temporary one, removed afterwards)")
     args = ap.parse_args(argv)
-    try:
-        args.sizes = [int(x) for x in args.servers.split(",") if x.strip()]
-    except ValueError:
-        ap.error(f"--servers: comma-separated integers, got {args.servers!r}")
-    if not args.sizes or min(args.sizes) < 1:
-        ap.error(f"--servers: need fleet sizes >= 1, got {args.servers!r}")
     return args
 
 
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-scale-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        rows = [measure(s, args, root) for s in args.sizes]
+        rows = [measure(s, args, root) for s in args.servers]
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
@@ -228,5 +228,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench scale", main))

@@ -54,6 +54,8 @@ from statistics import median
 import psutil
 import yaml
 
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, run_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM_PROMPT = "Think inside <think> </think>, then answer."  # the quick start's warm-up prompt
 CLASSES = ("orchestrator", "servers", "verifiers")
@@ -330,18 +332,20 @@ def plot(rows: list[dict], killed_at: list[int], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="megatron-rl bench soak", description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=5000, help="optimizer steps of the run")
-    ap.add_argument("--n-batch", type=int, default=8, help="sequences per step (groups of 4)")
-    ap.add_argument("--kills", type=int, default=3, help="SIGKILLs of the whole run at random steps")
-    ap.add_argument("--checkpoint-every", type=int, default=50, help="run.checkpoint_every")
-    ap.add_argument("--keep-last", type=int, default=2, help="run.keep_last")
-    ap.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
-    ap.add_argument("--warmup-steps", type=int, default=100, help="steps of each segment not judged")
+    ap = ArgumentParser(prog="megatron-rl bench soak", description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int_arg(1), default=5000, help="optimizer steps of the run")
+    ap.add_argument("--n-batch", type=int_arg(1), default=8, help="sequences per step (groups of 4)")
+    ap.add_argument("--kills", type=int_arg(0), default=3, help="SIGKILLs of the whole run at random steps")
+    ap.add_argument("--checkpoint-every", type=int_arg(1), default=50, help="run.checkpoint_every")
+    ap.add_argument("--keep-last", type=int_arg(1), default=2, help="run.keep_last")
+    ap.add_argument(
+        "--sample-s", type=float_arg(0.0, low_open=True), default=5.0, help="seconds between samples"
+    )
+    ap.add_argument("--warmup-steps", type=int_arg(0), default=100, help="steps of each segment not judged")
     ap.add_argument("--model", help="HF folder of the policy (default: the quick start's warm-up)")
     ap.add_argument("--train", help="problems JSONL (with --model)")
     ap.add_argument("--out", help="work folder (default: a temporary one, kept: it holds the rows and plot)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     args = ap.parse_args(argv)
     if bool(args.model) != bool(args.train):
         ap.error("--model and --train go together")
@@ -363,5 +367,5 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench soak", main))

@@ -40,17 +40,19 @@ one JSON object: ``tokens_per_s`` (TP=1), ``plain_torch_tokens_per_s``,
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, run_cli
 
 
 def _batch(args):
@@ -310,28 +312,30 @@ def _table(args, rows: dict[int, dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--ffn", type=int, default=0, help="MLP width (0: 4 x hidden)")
-    ap.add_argument("--vocab", type=int, default=4000)
-    ap.add_argument("--sequences", type=int, default=16, help="completions per minibatch")
-    ap.add_argument("--group-size", type=int, default=8, help="completions per prompt")
-    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens")
-    ap.add_argument("--completion", type=int, default=96, help="longest completion (half to full)")
-    ap.add_argument("--budget", type=int, default=1024, help="microbatch token budget")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps")
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int_arg(1), default=128)
+    ap.add_argument("--layers", type=int_arg(1), default=4)
+    ap.add_argument("--heads", type=int_arg(1), default=8)
+    ap.add_argument("--kv-heads", type=int_arg(1), default=4)
+    ap.add_argument(
+        "--ffn", type=int_arg(0, note=" (0: the default width)"), default=0, help="MLP width (0: 4 x hidden)"
+    )
+    ap.add_argument("--vocab", type=int_arg(1), default=4000)
+    ap.add_argument("--sequences", type=int_arg(1), default=16, help="completions per minibatch")
+    ap.add_argument("--group-size", type=int_arg(1), default=8, help="completions per prompt")
+    ap.add_argument("--prompt", type=int_arg(1), default=32, help="prompt tokens")
+    ap.add_argument("--completion", type=int_arg(1), default=96, help="longest completion (half to full)")
+    ap.add_argument("--budget", type=int_arg(1), default=1024, help="microbatch token budget")
+    ap.add_argument("--warmup", type=int_arg(1), default=2, help="untimed steps first (>= 1)")
+    ap.add_argument("--steps", type=int_arg(1), default=5, help="timed steps")
+    ap.add_argument("--threads", type=int_arg(1), default=1, help="intra-op threads per rank")
     ap.add_argument(
         "--peak-flops",
-        type=float,
+        type=float_arg(0.0, low_open=True),
         default=989e12,
         help="per-GPU peak FLOP/s for MFU (H100/H200 dense bf16: 989e12)",
     )
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     ap.add_argument("--no-baseline", action="store_true", help="skip the plain PyTorch/HF baseline")
     args = ap.parse_args(argv)
     args.warmup = max(1, args.warmup)
@@ -380,5 +384,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench train-step", main))

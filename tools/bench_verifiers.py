@@ -38,7 +38,6 @@ object of the figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -50,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.rewards.math_pairs
 
+from megatron_rl.errors import ArgumentParser, int_arg, run_cli
 from megatron_rl.rewards.code import CodeConfig, compile_cpp, verify_code
 from megatron_rl.rewards.math import MathConfig, clear_verdict_cache, verify_math, warm_up
 from megatron_rl.rewards.pool import VerifierPool
@@ -207,20 +207,23 @@ def code_capacity(runs: int, tests_per_problem: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--samples-per-prompt",
         "--repeat",  # its former name
         dest="samples_per_prompt",
-        type=int,
+        type=int_arg(1),
         default=8,
         help="completions per prompt; the batch is 68 prompts times this",
     )
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=5, help="batches timed on every side")
-    ap.add_argument("--compiles", type=int, default=3)
+    ap.add_argument("--workers", type=int_arg(1), default=2)
+    ap.add_argument("--rounds", type=int_arg(1), default=5, help="batches timed on every side")
+    ap.add_argument("--compiles", type=int_arg(1), default=3)
     ap.add_argument(
-        "--capacity-runs", type=int, default=5, help="code verifications timed per language (20 tests each)"
+        "--capacity-runs",
+        type=int_arg(1),
+        default=5,
+        help="code verifications timed per language (20 tests each)",
     )
     args = ap.parse_args(argv)
 
@@ -288,5 +291,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench verifiers", main))

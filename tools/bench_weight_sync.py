@@ -34,12 +34,15 @@ import json
 import secrets
 import socket
 import statistics
+import sys
 import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, run_cli
 
 
 def make_model(folder: str, args: argparse.Namespace) -> int:
@@ -223,16 +226,23 @@ def run(args: argparse.Namespace, folder: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--ffn", type=int, default=0, help="MLP width (0: 11/4 x hidden)")
-    ap.add_argument("--vocab", type=int, default=16384)
-    ap.add_argument("--bucket-mb", type=float, default=16.0, help="bytes per sync broadcast")
-    ap.add_argument("--servers", type=int, default=1, help="built-in engine servers to update")
-    ap.add_argument("--repeats", type=int, default=5, help="timed runs of each (median)")
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int_arg(1), default=1024)
+    ap.add_argument("--layers", type=int_arg(1), default=4)
+    ap.add_argument("--heads", type=int_arg(1), default=8)
+    ap.add_argument("--kv-heads", type=int_arg(1), default=4)
+    ap.add_argument(
+        "--ffn",
+        type=int_arg(0, note=" (0: the default width)"),
+        default=0,
+        help="MLP width (0: 11/4 x hidden)",
+    )
+    ap.add_argument("--vocab", type=int_arg(1), default=16384)
+    ap.add_argument(
+        "--bucket-mb", type=float_arg(0.0, low_open=True), default=16.0, help="bytes per sync broadcast"
+    )
+    ap.add_argument("--servers", type=int_arg(1), default=1, help="built-in engine servers to update")
+    ap.add_argument("--repeats", type=int_arg(1), default=5, help="timed runs of each (median)")
     args = ap.parse_args(argv)
     if args.servers < 1 or args.repeats < 1:
         ap.error("--servers and --repeats must be >= 1")
@@ -242,5 +252,5 @@ def main(argv: list[str] | None = None) -> dict:
     return out
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # an argument mistake: one line, exit 2 (errors.run_cli)
+    sys.exit(run_cli("megatron-rl bench weight-sync", main))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -73,6 +74,8 @@ def _bench(args: argparse.Namespace) -> int:
         )
         return 2
     sys.argv = [str(benches[args.name]), *args.args]
+    if str(TOOLS_DIR) not in sys.path:  # as `python tools/bench_x.py` has it: tools/ imports its own
+        sys.path.insert(0, str(TOOLS_DIR))
     try:
         runpy.run_path(str(benches[args.name]), run_name="__main__")
     except SystemExit as e:
@@ -98,7 +101,11 @@ def _config(args: argparse.Namespace) -> int:
         load_config,  # lazy: the recipe imports torch; the parser must not
     )
 
-    cfg = load_config(args.recipe, args.overrides, paths=args.check_paths)  # ConfigError: one line, exit 2
+    recipe, overrides = args.recipe, list(args.overrides)
+    if recipe is not None and "=" in recipe and not os.path.exists(recipe):
+        # `megatron-rl config fleet.urls=[...]`: overrides of the defaults, not a recipe file.
+        recipe, overrides = None, [recipe, *overrides]
+    cfg = load_config(recipe, overrides, paths=args.check_paths)  # ConfigError: one line, exit 2
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0
 

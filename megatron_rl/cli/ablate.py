@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.errors import ArgumentParser, OutputError, RunStopped, UsageError, run_cli
+from megatron_rl.errors import ArgumentParser, OutputError, RunStopped, UsageError, int_arg, run_cli
 from megatron_rl.evaluation.ablation import (
     RECORD_FIELDS,
     curve_at,
@@ -196,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="output folder (reused to resume)")
     p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the RL recipe (default: the quick start's)")
     p.add_argument("--ratios", default="1,2,4", help="n_async / n_batch of the async arms (default 1,2,4)")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per arm (default 3)")
-    p.add_argument("--steps", type=int, default=100, help="training steps per arm (default 100)")
+    p.add_argument("--seeds", type=int_arg(1), default=3, help="seeds per arm (default 3)")
+    p.add_argument("--steps", type=int_arg(1), default=100, help="training steps per arm (default 100)")
     p.add_argument(
-        "--evals", type=int, default=5, help="held-out evaluations per arm after step 0 (default 5)"
+        "--evals", type=int_arg(1), default=5, help="held-out evaluations per arm after step 0 (default 5)"
     )
     p.add_argument("--arms", default="", help="run only these arms (names, comma-separated; default all)")
     p.add_argument("overrides", nargs="*", help="recipe overrides for every arm, e.g. run.eval_samples=100")

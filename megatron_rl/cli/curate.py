@@ -21,12 +21,14 @@ printed at the end.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_rl.data.problems import read_problems, write_problems
 from megatron_rl.data.report import CurationReport
-from megatron_rl.errors import ArgumentParser, InputError, run_cli, value_errors_as_usage
+from megatron_rl.errors import ArgumentParser, InputError, float_arg, int_arg, run_cli, value_errors_as_usage
 from megatron_rl.fileio import atomic_write_json, check_output_apart, write_jsonl
 
 __all__ = ["build_parser", "main"]
@@ -133,7 +135,7 @@ def _sample(args, problems, pool):
         sample_and_score,
     )
     from megatron_rl.rewards.template import (
-        system_prompt,  # lazy: each verb imports only what it runs, so --help stays quick
+        resolve_system_prompt,  # lazy: each verb imports only what it runs, so --help stays quick
     )
 
     reward_cfg = reward_config(args.recipe, args.overrides, args.workers)
@@ -141,14 +143,17 @@ def _sample(args, problems, pool):
         raise ValueError("--servers needs --tokenizer (the served model's tokenizer folder)")
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     check_think_tags_in(tokenizer, reward_cfg.think_tags, name=args.tokenizer or args.model)
-    longest = max((len(render_prompt(tokenizer, p.problem, p.task)) for p in problems), default=1)
     cfg = SamplingConfig(
         k=args.k,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
-        system_prompt=system_prompt(reward_cfg.think_tags),
+        system_prompt=resolve_system_prompt(args.system_prompt, reward_cfg.think_tags),
+    )
+    longest = max(
+        (len(render_prompt(tokenizer, p.problem, p.task, system_prompt=cfg.system_prompt)) for p in problems),
+        default=1,
     )
     generator = open_generator(
         model=args.model,
@@ -178,7 +183,7 @@ def _code_tests(args) -> int:
         min_agree_to_repair=args.min_agree,
         max_solutions=args.max_solutions,
         workers=args.workers,
-        languages=args.languages.split(","),
+        languages=args.languages,
         code=CodeConfig(test_timeout_s=args.test_timeout),
     )
     kept, report = curate_code_problems(read_problems(args.input), cfg, progress=not args.quiet)
@@ -191,7 +196,7 @@ def _translate_mark(args) -> int:
     )
 
     out, report = mark_for_translation(
-        read_problems(args.input), fraction=args.fraction, languages=args.languages.split(","), seed=args.seed
+        read_problems(args.input), fraction=args.fraction, languages=args.languages, seed=args.seed
     )
     return _finish(report, args, out)
 
@@ -261,12 +266,20 @@ def _sft_traces(args) -> int:
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer folder (default: the --model folder)")
-    p.add_argument("--max-slots", type=int, default=16, help="--model only: sequences decoded together")
-    p.add_argument("--k", type=int, default=16, help="samples per problem (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=4096)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-slots", type=int_arg(1, 1 << 16), default=16, help="--model only: sequences decoded together"
+    )
+    p.add_argument("--k", type=int_arg(1, 1 << 16), default=16, help="samples per problem (default 16)")
+    p.add_argument("--max-new-tokens", type=int_arg(1, 1 << 24), default=4096)
+    p.add_argument("--temperature", type=float_arg(0.0, 100.0), default=1.0)
+    p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0)
+    p.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
+    p.add_argument(
+        "--system-prompt",
+        default="paper",
+        help='as data.system_prompt: "paper" (Magistral\'s, the default), "none", or the text '
+        "(with {think_open} {think_close} for reward.think_tags): filter with the run's prompt",
+    )
     p.add_argument("--recipe", help="YAML recipe whose reward section is used")
     p.add_argument("overrides", nargs="*", help="reward.KEY=VALUE overrides")
 
@@ -284,7 +297,7 @@ def _add_math_format(sub) -> None:
     )
     _common(m)
     m.add_argument("--no-convert", action="store_true", help="drop multiple-choice problems instead")
-    m.add_argument("--workers", type=int, default=2, help="verifier processes")
+    m.add_argument("--workers", type=int_arg(1, 4096), default=2, help="verifier processes")
     m.set_defaults(func=_guarded(_math_format))
 
 
@@ -300,47 +313,80 @@ def _add_difficulty(sub) -> None:
         "completion, correct or reason) instead of sampling",
     )
     _add_sampling(d)
-    d.add_argument("--low", type=float, default=0.0, help="keep pass rate > LOW (default 0)")
-    d.add_argument("--high", type=float, default=1.0, help="keep pass rate < HIGH (default 1)")
+    d.add_argument("--low", type=float_arg(0.0, 1.0), default=0.0, help="keep pass rate > LOW (default 0)")
+    d.add_argument("--high", type=float_arg(0.0, 1.0), default=1.0, help="keep pass rate < HIGH (default 1)")
     d.add_argument(
         "--majority",
-        type=float,
+        type=float_arg(0.0, 1.0),
         default=0.5,
         help="flag when more than this share agrees on a wrong answer (default 0.5)",
     )
     d.add_argument("--keep-flagged", action="store_true", help="do not drop flagged problems")
-    d.add_argument("--limit", type=int, help="only the first N problems")
-    d.add_argument("--workers", type=int, default=2, help="verifier processes")
+    d.add_argument("--limit", type=int_arg(1), help="only the first N problems")
+    d.add_argument("--workers", type=int_arg(1, 4096), default=2, help="verifier processes")
     d.set_defaults(func=_guarded(_difficulty))
+
+
+# fastText's lid.176 labels (the language reward's detector): ISO 639 codes of 2 or 3 letters.
+_LANGUAGE_CODE = re.compile(r"[a-z]{2,3}")
+_PROGRAM_LANGUAGE = re.compile(r"[a-z][a-z0-9+#]*")
+
+
+def _names(pattern: re.Pattern[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type for a comma-separated list, each item matching ``pattern`` (no empty
+    item: ``fr,,de`` is a typo, not a language named "")."""
+
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",")]
+        for i, item in enumerate(items):
+            if not pattern.fullmatch(item):
+                shown = repr(item) if item else "empty"
+                raise argparse.ArgumentTypeError(f"item {i + 1} of {text!r} is {shown}: expected {what}")
+        return items
+
+    return parse
 
 
 def _add_code_tests(sub) -> None:
     c = sub.add_parser("code-tests", help="keep tests the solutions agree on; repair wrong outputs")
     _common(c)
-    c.add_argument("--min-tests", type=int, default=3, help="fewer tests: drop the problem (default 3)")
+    c.add_argument(
+        "--min-tests", type=int_arg(0), default=3, help="fewer tests: drop the problem (default 3)"
+    )
     c.add_argument(
         "--min-agree",
-        type=int,
+        type=int_arg(1),
         default=2,
         help="solutions that must agree to replace an expected output (default 2)",
     )
-    c.add_argument("--max-solutions", type=int, default=8, help="solutions run per problem")
+    c.add_argument("--max-solutions", type=int_arg(1), default=8, help="solutions run per problem")
     c.add_argument(
         "--languages",
-        default="python,cpp",
+        default=["python", "cpp"],
+        type=_names(_PROGRAM_LANGUAGE, "a programming language name (python, cpp)"),
         help="statement copies for problems with no language (default python,cpp)",
     )
-    c.add_argument("--test-timeout", type=float, default=4.0, help="seconds per test (default 4)")
-    c.add_argument("--workers", type=int, default=2, help="sandbox processes")
+    c.add_argument(
+        "--test-timeout",
+        type=float_arg(0.0, 86400.0, low_open=True),
+        default=4.0,
+        help="seconds per test (default 4)",
+    )
+    c.add_argument("--workers", type=int_arg(1, 4096), default=2, help="sandbox processes")
     c.set_defaults(func=_guarded(_code_tests))
 
 
 def _add_translation(sub) -> None:
     tm = sub.add_parser("translate-mark", help="mark a share of problems for translation")
     _common(tm)
-    tm.add_argument("--fraction", type=float, default=0.1, help="share marked (default 0.1)")
-    tm.add_argument("--languages", required=True, help="comma-separated target languages, e.g. fr,de")
-    tm.add_argument("--seed", type=int, default=0)
+    tm.add_argument("--fraction", type=float_arg(0.0, 1.0), default=0.1, help="share marked (default 0.1)")
+    tm.add_argument(
+        "--languages",
+        required=True,
+        type=_names(_LANGUAGE_CODE, "a language code as the language reward names it (en, fr, zh)"),
+        help="comma-separated target languages, e.g. fr,de",
+    )
+    tm.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     tm.set_defaults(func=_guarded(_translate_mark))
     t = sub.add_parser("translate", help="translate the marked problems (adds copies)")
     _common(t)
@@ -349,9 +395,13 @@ def _add_translation(sub) -> None:
     src.add_argument("--model", help="Hugging Face model folder, run in this process")
     src.add_argument("--servers", help="comma-separated generation server URLs")
     t.add_argument("--tokenizer", help="tokenizer folder (default: the --model folder)")
-    t.add_argument("--max-new-tokens", type=int, default=2048)
-    t.add_argument("--max-len", type=int, default=8192, help="--model only: tokens per sequence")
-    t.add_argument("--max-slots", type=int, default=16, help="--model only: sequences decoded together")
+    t.add_argument("--max-new-tokens", type=int_arg(1, 1 << 24), default=2048)
+    t.add_argument(
+        "--max-len", type=int_arg(2, 1 << 24), default=8192, help="--model only: tokens per sequence"
+    )
+    t.add_argument(
+        "--max-slots", type=int_arg(1, 1 << 16), default=16, help="--model only: sequences decoded together"
+    )
     t.set_defaults(func=_guarded(_translate))
 
 
@@ -359,24 +409,24 @@ def _add_sft_traces(sub) -> None:
     s = sub.add_parser("sft-traces", help="SFT data from a run's correct completions")
     _common(s, needs_input=False)
     s.add_argument("--run", required=True, help="run directory (holding samples.jsonl) or the file")
-    s.add_argument("--min-step", type=int, default=0, help="skip samples of earlier steps")
-    s.add_argument("--max-per-problem", type=int, default=4, help="distinct traces per problem")
+    s.add_argument("--min-step", type=int_arg(0), default=0, help="skip samples of earlier steps")
+    s.add_argument("--max-per-problem", type=int_arg(1), default=4, help="distinct traces per problem")
     s.add_argument(
         "--upsample-below",
-        type=float,
+        type=float_arg(0.0, 1.0),
         default=0.5,
         help="repeat traces of problems with a lower pass rate (default 0.5)",
     )
-    s.add_argument("--max-upsample", type=int, default=4, help="most copies of a trace (default 4)")
+    s.add_argument("--max-upsample", type=int_arg(1), default=4, help="most copies of a trace (default 4)")
     s.add_argument("--general", help="general instruction data (JSONL of messages, or prompt/response)")
     s.add_argument(
         "--general-share",
-        type=float,
+        type=float_arg(0.0, 1.0, note=" (below 1: some traces stay)"),
         default=0.1,
         help="share of general examples in the output (default 0.1)",
     )
     s.add_argument("--tokenizer", help="tokenizer folder (renders --general)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     s.set_defaults(func=_guarded(_sft_traces))
 
 

@@ -33,7 +33,7 @@ from megatron_rl.data.sampling import (
     render_prompt,
     sample_and_score,
 )
-from megatron_rl.errors import ArgumentParser, OutputError, run_cli, value_errors_as_usage
+from megatron_rl.errors import ArgumentParser, OutputError, float_arg, int_arg, run_cli, value_errors_as_usage
 from megatron_rl.evaluation.metrics import default_ks
 from megatron_rl.evaluation.report import REPORT_FILES, evaluate, write_report
 from megatron_rl.fileio import check_output_apart
@@ -50,7 +50,10 @@ def add_generator_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--servers", help="comma-separated URLs of generation servers (the fleet)")
     p.add_argument("--tokenizer", help="tokenizer folder (default: the --model folder)")
     p.add_argument(
-        "--max-slots", type=int, default=16, help="--model only: sequences decoded together (default 16)"
+        "--max-slots",
+        type=int_arg(1, 1 << 16),
+        default=16,
+        help="--model only: sequences decoded together (default 16)",
     )
 
 
@@ -60,13 +63,17 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--data", required=True, help="problems or benchmark file (JSONL, CSV, Parquet, hf:NAME)")
     p.add_argument("--format", default="auto", choices=FORMATS, help="input format (default: auto)")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--k", type=int, default=16, help="samples per problem (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=4096, help="completion budget (default 4096)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="base of the per-request sampling seeds")
-    p.add_argument("--limit", type=int, help="evaluate only the first N problems")
-    p.add_argument("--workers", type=int, help="verifier processes (default: reward.workers)")
+    p.add_argument("--k", type=int_arg(1, 1 << 16), default=16, help="samples per problem (default 16)")
+    p.add_argument(
+        "--max-new-tokens", type=int_arg(1, 1 << 24), default=4096, help="completion budget (default 4096)"
+    )
+    p.add_argument("--temperature", type=float_arg(0.0, 100.0), default=1.0)
+    p.add_argument("--top-p", type=float_arg(0.0, 1.0, low_open=True), default=1.0)
+    p.add_argument(
+        "--seed", type=int_arg(0, 2**63 - 1), default=0, help="base of the per-request sampling seeds"
+    )
+    p.add_argument("--limit", type=int_arg(1), help="evaluate only the first N problems")
+    p.add_argument("--workers", type=int_arg(1, 4096), help="verifier processes (default: reward.workers)")
     p.add_argument("--recipe", help="YAML recipe whose reward section is used")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("overrides", nargs="*", help="reward.KEY=VALUE overrides, e.g. reward.l_max=32768")

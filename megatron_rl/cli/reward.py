@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from megatron_rl.data.problems import DataError, check_scorable, problem_from_json, reward_input
-from megatron_rl.errors import ArgumentParser, InputError, OutputError, ResourceError, UsageError
+from megatron_rl.errors import ArgumentParser, InputError, OutputError, ResourceError, UsageError, int_arg
 from megatron_rl.fileio import JsonlError, atomic_path, check_output_apart, iter_jsonl
 from megatron_rl.rewards.code import ensure_pch
 from megatron_rl.rewards.compose import (
@@ -188,7 +188,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or ArgumentParser(prog="megatron-rl reward", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", required=True, help="JSONL of samples")
     p.add_argument("--output", required=True, help="JSONL to write (atomically)")
-    p.add_argument("--workers", type=int, default=None, help="verifier processes (default: reward.workers)")
+    p.add_argument(
+        "--workers", type=int_arg(1, 4096), default=None, help="verifier processes (default: reward.workers)"
+    )
     p.add_argument(
         "--skip-bad",
         action="store_true",

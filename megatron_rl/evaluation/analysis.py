@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_rl.data.problems import DataError, read_records
-from megatron_rl.errors import ArgumentParser, run_cli
+from megatron_rl.errors import ArgumentParser, int_arg, run_cli
 from megatron_rl.evaluation import plots
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.hf.files import HFWeights
@@ -181,8 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     w = sub.add_parser("weight-pca", help="checkpoints' weights projected on two principal components")
     w.add_argument("--checkpoints", nargs="+", required=True, help="HF checkpoint folders, in order")
     w.add_argument("--out", required=True, help="PNG to write (a .json of the coordinates next to it)")
-    w.add_argument("--max-coords", type=int, default=2_000_000, help="coordinates sampled per checkpoint")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--max-coords", type=int_arg(1), default=2_000_000, help="coordinates sampled per checkpoint"
+    )
+    w.add_argument("--seed", type=int_arg(0, 2**63 - 1), default=0)
     return p
 
 

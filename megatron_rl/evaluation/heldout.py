@@ -6,7 +6,9 @@ runs past its limits scores 0 with the reason (``timeout``, ``verifier_error``, 
 or ``scoring_timeout`` when its score is not in by the pool's deadline); with a ``deadline`` (the
 run's ``run.time_limit_min``) the evaluation stops there, its unscored samples count as
 ``time_limit`` and those never generated as ``not_generated``, and the record says ``partial``.
-pass@1 is the mean correctness of the samples generated (a failed one counts as wrong).
+pass@1 is the mean correctness of the samples generated (a failed one counts as wrong);
+``pass@1_se`` its standard error over problems (the spread of the per-problem means over the
+square root of the number of problems: the samples of one problem are not independent draws).
 
     record = held_out_pass_at_1(fleet, pool, tok, problems, sampling, reward, label="after")
     record["pass@1"], record["reasons"]          # e.g. 0.75, {"ok": 6, "timeout": 2}
@@ -14,6 +16,8 @@ pass@1 is the mean correctness of the samples generated (a failed one counts as 
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -43,7 +47,7 @@ def held_out_pass_at_1(
     deadline: float | None = None,
 ) -> dict[str, JsonValue]:
     """One evaluation record (see the module docstring): ``label``, ``pass@1`` (None when no
-    sample was generated), ``format_rate``, ``length/mean``, ``problems``, ``samples`` (generated
+    sample was generated), ``pass@1_se``, ``format_rate``, ``length/mean``, ``problems``, ``samples`` (generated
     and scored), ``reasons`` (samples per reason), ``seconds``, and ``partial`` when ``deadline``
     (``time.monotonic()``) cut it short."""
     t0 = time.monotonic()
@@ -64,9 +68,11 @@ def held_out_pass_at_1(
     if len(flat) < expected:
         reasons["not_generated"] = expected - len(flat)
     n = len(flat)
+    means = [sum(a.correct for a in v) / len(v) for v in attempts.values() if v]
     record: dict[str, JsonValue] = {
         "label": label,
         "pass@1": sum(a.correct for a in flat) / n if n else None,
+        "pass@1_se": statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else None,
         "format_rate": sum(a.reason != "format_error" for a in flat) / n if n else None,
         "length/mean": sum(a.num_tokens for a in flat) / n if n else None,
         "problems": len(attempts),

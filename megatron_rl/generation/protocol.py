@@ -71,6 +71,7 @@ import json
 import math
 import operator
 import os
+import urllib.parse
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -100,6 +101,7 @@ __all__ = [
     "auth_headers",
     "bucket_layout",
     "check_api_key",
+    "check_server_url",
     "dtype_name",
     "fused_partner",
     "generate_batch_payload",
@@ -178,6 +180,25 @@ class ProtocolError(ValueError):
 def api_key_from_env() -> str:
     """The key in ``$MEGATRON_RL_API_KEY``; "" when it is unset (no key)."""
     return check_api_key(os.environ.get(API_KEY_ENV, ""))
+
+
+def check_server_url(url: object) -> str:
+    """``url`` if it can name a generation server (``http://HOST[:PORT][/PATH]``, or https), else
+    ``ValueError`` saying what is wrong: checked where a recipe is read, before anything starts."""
+    if not isinstance(url, str):
+        raise ValueError(f"must be a string http://HOST[:PORT], got {url!r}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # a port that is not a number or out of range
+        raise ValueError(f"{url!r}: not a server URL ({e}); expected http://HOST[:PORT]") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r}: not a server URL (expected http://HOST[:PORT])")
+    if port == 0 or parts.query or parts.fragment or parts.username is not None:
+        raise ValueError(
+            f"{url!r}: a server URL holds no port 0, user, query or fragment (expected http://HOST[:PORT])"
+        )
+    return url
 
 
 def check_api_key(key: str) -> str:

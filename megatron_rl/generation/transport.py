@@ -39,6 +39,7 @@ __all__ = [
     "parse_json",
     "post_json",
     "settle",
+    "unreachable",
 ]
 
 log = logging.getLogger("megatron_rl.generation.client")
@@ -224,3 +225,24 @@ def post_json(
     if resp.status != 200:
         raise ServerError(url, route, resp.status, payload)
     return payload
+
+
+def unreachable(url: str, timeout_s: float) -> str | None:
+    """Why nothing answers at ``url`` within ``timeout_s`` (no connection, or no HTTP answer to
+    ``GET /health``), or None when a server answers. Any HTTP status counts as an answer: a
+    server that is up but still loading, or that wants a key, is the fleet client's to wait for;
+    an address where nothing listens is a mistake to name before the run starts."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    conn_type = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", parts.path.rstrip("/") + "/health")
+        conn.getresponse().read()
+        return None
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except (OSError, http.client.HTTPException) as e:
+        return (getattr(e, "strerror", None) or str(e) or type(e).__name__).lower()
+    finally:
+        conn.close()

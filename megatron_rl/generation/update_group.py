@@ -12,11 +12,19 @@ One difference: rank 0's store listens on ``master_address`` only. torch's ``TCP
 binds every interface (``::``) whatever host it is given, which opens the rendezvous (and with it
 a seat in the group that broadcasts the weights) to anyone who can reach the trainer's host; here
 rank 0 binds the listening socket itself and hands it to the store (``master_listen_fd``).
+
+A joining rank (rank > 0) first checks that rank 0's store answers at all: a TCP connection to
+``master_address:master_port`` within ``connect_timeout_s`` (retried, since a caller may start its
+store just after it asked the servers to join), else a :class:`ConnectionError` naming that
+address. Without it a wrong master address surfaced after 205 s, as torch's connect timeout
+message: the store client retries its connect, with backoff, for the whole ``timeout_s`` (120 s)
+and overshoots it by up to one more backoff and attempt.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
 
@@ -26,7 +34,22 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import GroupName
 
-__all__ = ["broadcast", "destroy_update_group", "init_update_group", "listen"]
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "broadcast",
+    "destroy_update_group",
+    "init_update_group",
+    "listen",
+    "probe_master",
+]
+
+# How long a joining rank waits for rank 0's store to accept a connection. Our trainer listens
+# before it asks the servers to join (weight_sync.broadcast), so its store answers at once; the
+# margin is for callers that start their store just after asking (SGLang's own pattern), and it
+# matches the fleet client's HTTP connect timeout.
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+# Between two connect attempts to a master that refused: short against the timeout above.
+_PROBE_RETRY_S = 0.1
 
 
 def init_update_group(
@@ -38,10 +61,14 @@ def init_update_group(
     world_size: int,
     group_name: str,
     timeout_s: float = 120.0,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     listen_fd: int | None = None,
 ) -> dist.ProcessGroup:
-    """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined.
+    """Join (rank > 0) or host (rank 0) the group; blocks until all ``world_size`` ranks joined
+    (``timeout_s`` at most).
 
+    ``connect_timeout_s`` (rank > 0): how long rank 0's store may take to accept a connection;
+    past it a :class:`ConnectionError` naming ``master_address:master_port`` (:func:`probe_master`).
     ``listen_fd`` (rank 0): a socket already listening on ``master_port`` (:func:`listen`), so
     that the port the other ranks were told is held from the moment it was chosen; the store
     takes it over. Without it rank 0 binds ``master_port`` here."""
@@ -56,7 +83,12 @@ def init_update_group(
         raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
     if not group_name:
         raise ValueError("group_name: must not be empty")
+    if not (connect_timeout_s > 0 and timeout_s > 0):
+        raise ValueError(f"timeout_s, connect_timeout_s: must be > 0, got {timeout_s}, {connect_timeout_s}")
     timeout = timedelta(seconds=timeout_s)
+    connect_s = min(connect_timeout_s, timeout_s)  # the connect is part of the whole join
+    if rank > 0:
+        probe_master(master_address, int(master_port), connect_s)
     # What SGLang's tcp:// rendezvous builds, made directly: under torchrun the rendezvous would
     # reuse the elastic agent's store (TORCHELASTIC_USE_AGENT_STORE) and rank 0 would wait for
     # a master that never comes. Here rank 0 always hosts the group's own store.
@@ -65,7 +97,9 @@ def init_update_group(
         int(master_port),
         world_size,
         is_master=rank == 0,
-        timeout=timeout,
+        # A joining rank's connect is bounded by connect_timeout_s too (the master could go
+        # between the probe and here); the store's operations get the whole timeout after.
+        timeout=timeout if rank == 0 else timedelta(seconds=connect_s),
         wait_for_workers=False,
         master_listen_fd=(
             (listen_fd if listen_fd is not None else listen(master_address, int(master_port))[0])
@@ -73,6 +107,7 @@ def init_update_group(
             else None
         ),
     )
+    tcp_store.set_timeout(timeout)
     store = PrefixStore(group_name, tcp_store)
     pg, _ = _new_process_group_helper(
         world_size,
@@ -88,6 +123,28 @@ def init_update_group(
     # Group ranks are the ranks given here (no default world to translate from).
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+def probe_master(host: str, port: int, timeout_s: float) -> None:
+    """Return once a TCP connection to ``host:port`` opens (it is closed at once: a store drops a
+    client that says nothing); retry a refused one for ``timeout_s`` at most, then raise a
+    :class:`ConnectionError` that names ``host:port`` and the last reason."""
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            with socket.create_connection((host, port), timeout=left):
+                return
+        except OSError as e:  # refused, unreachable, timed out: rank 0 may not listen yet
+            last = e
+        time.sleep(min(_PROBE_RETRY_S, max(0.0, deadline - time.monotonic())))
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    reason = (last.strerror or str(last) or type(last).__name__) if last is not None else "no attempt"
+    raise ConnectionError(
+        f"master_address:master_port: nothing accepted a connection at {where} within {timeout_s:g} s "
+        f"({reason}): is master_address the trainer's address as this host reaches it, and "
+        "master_port the port its update group listens on?"
+    )
 
 
 def listen(host: str, port: int) -> tuple[int, int]:

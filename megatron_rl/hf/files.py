@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_rl.errors import InputError, UsageError
-from megatron_rl.fileio import atomic_output_dir
+from megatron_rl.fileio import JsonValue, atomic_output_dir, loads_json
 
 __all__ = [
     "CARRIED_FILE",
@@ -42,6 +42,7 @@ __all__ = [
     "nonfinite_problem",
     "parse_dtype",
     "parse_size",
+    "read_config_json",
     "write_carried",
     "write_hf_folder",
 ]
@@ -378,3 +379,39 @@ def nonfinite_problem(name: str, tensor: torch.Tensor, where: str) -> str | None
         f"{where}: tensor {name} holds non-finite values ({nan} NaN, {inf} Inf of "
         f"{tensor.numel()}, dtype {str(tensor.dtype).removeprefix('torch.')})"
     )
+
+
+_JSON_CONSTANT = re.compile(r"-?\b(NaN|Infinity)\b")
+
+
+def read_config_json(folder: str | os.PathLike[str], *, flag: str) -> dict[str, JsonValue]:
+    """``folder/config.json`` as a dict; InputError naming the option, the file and the line. A
+    number written NaN or Infinity (Python's json writes them; JSON has no such numbers) is refused
+    with its field's line: a NaN norm epsilon or rope base would load, convert and serve as NaN."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{flag} {folder}: no such folder")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise InputError(f"{flag} {folder}: no config.json in it (an HF model folder has one)")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    try:
+        config = loads_json(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except ValueError as e:
+        bad = _JSON_CONSTANT.search(text)
+        if bad is None:
+            raise InputError(f"{path}: {e}") from None
+        line = text.count("\n", 0, bad.start()) + 1
+        field = re.findall(r'"([^"]+)"\s*:', text[: bad.start()])
+        where = f" in field {field[-1]!r}" if field else ""
+        raise InputError(
+            f"{path}:{line}: {bad.group(0)}{where} is not a number a model config can hold"
+        ) from None
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config

@@ -11,7 +11,7 @@ from typing import Literal
 
 from megatron_rl.config import ConfigFieldError, YamlValue, check_choice, check_range
 from megatron_rl.data.problems import MAPPABLE_FIELDS
-from megatron_rl.generation.protocol import api_key_from_env, check_api_key
+from megatron_rl.generation.protocol import api_key_from_env, check_api_key, check_server_url
 
 __all__ = [
     "DataConfig",
@@ -20,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "RunDirConfig",
     "StageConfig",
+    "check_server_urls",
 ]
 
 
@@ -163,6 +164,18 @@ class DataConfig:
                 check_range(name, value)
 
 
+def check_server_urls(value: object, field: str) -> None:
+    """A list of server URLs, each ``http://HOST[:PORT][/PATH]`` (or https): no port 0, user,
+    query or fragment; the entry named (``urls[1]``) when one is not."""
+    if not isinstance(value, list):
+        raise ConfigFieldError(field, f"must be a list of server URLs, got {value!r}")
+    for i, url in enumerate(value):
+        try:
+            check_server_url(url)
+        except ValueError as e:
+            raise ConfigFieldError(f"{field}[{i}]", str(e)) from None
+
+
 @dataclass(kw_only=True)
 class FleetConfig:
     """Where generation runs: servers already up (``urls``), or built-in engines we start."""
@@ -214,6 +227,8 @@ class FleetConfig:
         check_choice("group_requests", self.group_requests, ("auto", True, False))
         if not self.urls and not self.local_servers:
             raise ConfigFieldError("local_servers", "must be >= 1 when no urls are given")
+        check_server_urls(self.urls, "urls")
+        check_server_urls(self.update_urls, "update_urls")
 
     def resolved_api_key(self) -> str:
         """``api_key``, else ``$MEGATRON_RL_API_KEY``; "" when neither is set."""
@@ -224,8 +239,10 @@ class FleetConfig:
 class ModelConfig:
     """The initial policy: an HF folder (config, safetensors, tokenizer)."""
 
-    hf: str = ""  # HF folder the trainer starts from and local servers load
-    tokenizer: str = ""  # tokenizer folder; "" = the hf folder
+    # HF folder the trainer starts from and local servers load, or a Hub id (owner/name) that the
+    # local Hugging Face cache holds (never downloaded; a GGUF file: megatron-rl convert gguf-to-hf)
+    hf: str = ""
+    tokenizer: str = ""  # tokenizer folder or cached Hub id; "" = the hf folder
 
 
 @dataclass(kw_only=True)

@@ -17,6 +17,7 @@ from typing import Any
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.config import ConfigError, ConfigFieldError, config_from_dict, config_to_dict, load_dataclass
+from megatron_rl.hf.hub import cached_snapshot, looks_like_hub_id
 from megatron_rl.orchestration.config import (
     DataConfig,
     FleetConfig,
@@ -131,13 +132,21 @@ PATH_FIELDS = ("model.hf", "model.tokenizer", "data.train", "data.eval")
 def check_paths(cfg: RunConfig) -> None:
     """Raise ConfigFieldError naming the first path field that is set but does not exist
     (``hf:NAME`` data sets are resolved by their reader, not here), or ``run.dir`` when the run
-    would write where it reads: the run directory is, or holds, one of those paths."""
+    would write where it reads: the run directory is, or holds, one of those paths. A Hub id in
+    ``model.hf`` / ``model.tokenizer`` that names no path here is replaced by its snapshot in the
+    local Hugging Face cache (:mod:`megatron_rl.hf.hub`; never downloaded)."""
     run_dir = Path(cfg.run.dir).resolve()
     for dotted in PATH_FIELDS:
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
         if not value or str(value).startswith("hf:"):
             continue
+        if not Path(value).exists() and section == "model" and looks_like_hub_id(str(value)):
+            try:
+                value = cached_snapshot(str(value), dotted)
+            except ValueError as e:
+                raise ConfigFieldError(dotted, str(e)) from None
+            setattr(cfg.model, name, value)
         if not Path(value).exists():
             raise ConfigFieldError(dotted, f"no such file or folder: {value}")
         if Path(value).resolve().is_relative_to(run_dir):  # the run writes files and folders there

@@ -54,6 +54,7 @@ from megatron_rl.orchestration.curriculum import Curriculum
 from megatron_rl.orchestration.fleet_health import FleetDoctor
 from megatron_rl.orchestration.loop import Orchestrator, TimeLimitReached
 from megatron_rl.orchestration.preempt import STOP_FILE, Preemption
+from megatron_rl.orchestration.preflight import check_fleet_reachable, check_prompt_lengths, check_vocabulary
 from megatron_rl.orchestration.problem_sets import read_problem_sets
 from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.orchestration.rollouts import NoProgressError, Rollouts
@@ -62,7 +63,7 @@ from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.orchestration.trackers import Tracker, open_trackers
 from megatron_rl.rewards.pool import VerifierPool
 from megatron_rl.rewards.remote import verifier_pool
-from megatron_rl.rewards.template import fill_think_tags, system_prompt
+from megatron_rl.rewards.template import resolve_system_prompt
 from megatron_rl.training.checkpoint import NonFiniteError
 from megatron_rl.training.checkpoint_manifest import (
     CheckpointCorruptError,
@@ -83,17 +84,11 @@ if TYPE_CHECKING:
     from megatron_rl.orchestration.loop import StepResult
     from megatron_rl.orchestration.recipe import RunConfig
 
-__all__ = ["main", "run_training"]
+__all__ = ["held_out_sampling", "main", "run_training"]
 
 # Records of metrics.jsonl a checkpoint keeps (those since the previous checkpoint, at most this
 # many): what a resume can rewrite of a line torn in the file.
 _METRICS_TAIL = 100
-
-
-def _system_prompt(value: str, think_tags: list[str]) -> str:
-    """``data.system_prompt``: "paper" is Magistral's, with the run's ``reward.think_tags``; a
-    text of the recipe's own has its ``{think_open}``/``{think_close}`` filled with them."""
-    return {"paper": system_prompt(think_tags), "none": ""}.get(value, fill_think_tags(value, think_tags))
 
 
 def _evaluate(
@@ -108,16 +103,29 @@ def _evaluate(
     deadline: float | None,
 ) -> dict[str, JsonValue]:
     """Held-out pass@1 over ``run.eval_k`` samples per problem, cut at ``deadline`` (the time limit)."""
-    sc = SamplingConfig(
+    return held_out_pass_at_1(
+        fleet,
+        pool,
+        tok,
+        problems,
+        held_out_sampling(cfg),
+        cfg.reward,
+        label=label,
+        progress=progress,
+        deadline=deadline,
+    )
+
+
+def held_out_sampling(cfg: RunConfig) -> SamplingConfig:
+    """How a run samples its held-out problems (``run.eval_k`` each, its temperature, top-p,
+    completion budget and system prompt): what anything compared with its evaluations uses."""
+    return SamplingConfig(
         k=cfg.run.eval_k,
         max_new_tokens=cfg.reward.l_max,
         temperature=cfg.algorithm.temperature,
         top_p=cfg.loop.top_p,
         seed=cfg.loop.seed + 7919,
-        system_prompt=_system_prompt(cfg.data.system_prompt, cfg.reward.think_tags),
-    )
-    return held_out_pass_at_1(
-        fleet, pool, tok, problems, sc, cfg.reward, label=label, progress=progress, deadline=deadline
+        system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.reward.think_tags),
     )
 
 
@@ -130,6 +138,8 @@ def run_training(
     if not cfg.model.hf:
         raise ValueError("model.hf: required (an HF folder with config.json, weights, tokenizer)")
     problems, eval_problems = read_problem_sets(cfg.data, needs_reference=not cfg.reward.replaces_correctness)
+    if int(os.environ.get("RANK", "0")) == 0:
+        check_fleet_reachable(cfg)  # before anything starts: a server that is not there is named
     # SIGTERM / SIGUSR1 / RUN/STOP from here on: the run stops at its next step boundary, saved
     # (orchestration/preempt.py). Rank 0 (torchrun's RANK) looks for the stop file.
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -197,6 +207,14 @@ class _Run:
             cfg.model.tokenizer or cfg.model.hf, chat_template=cfg.data.chat_template
         )
         check_think_tags_in(self.tok, cfg.reward.think_tags, name=cfg.model.tokenizer or cfg.model.hf)
+        # Mistakes that would surface minutes later (a failed generation, a sync to no server),
+        # named by their field before the trainer or any server starts.
+        check_vocabulary(self.tok, cfg)
+        if int(os.environ.get("RANK", "0")) == 0:
+            sets = [("data.train", problems)] + ([("data.eval", eval_problems)] if eval_problems else [])
+            check_prompt_lengths(
+                self.tok, cfg, resolve_system_prompt(cfg.data.system_prompt, cfg.reward.think_tags), sets
+            )
         self.trainer = PolicyTrainer(cfg.model.hf, cfg.trainer, cfg.algorithm, cfg.batching)
         stack.callback(self.trainer.close)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -369,7 +387,7 @@ class _Run:
             pool=pool,
             sampler=sampler,
             tokenizer=self.tok,
-            system_prompt=_system_prompt(self.cfg.data.system_prompt, self.cfg.reward.think_tags),
+            system_prompt=resolve_system_prompt(self.cfg.data.system_prompt, self.cfg.reward.think_tags),
             version=lambda: int(trainer.step),
         )
 
@@ -583,6 +601,9 @@ class _Run:
             "eval_after_reasons": latest("after").get("reasons"),
             "eval_after_partial": bool(latest("after").get("partial")),
             "train_reasons": {k[7:]: v for k, v in sorted(scored.items()) if k.startswith("reason/")},
+            # All of this invocation's server restarts; a step's fleet/restarts counts only those
+            # before it (a server killed after the last rollout is started again after it).
+            "fleet_restarts": self.doctor.total_restarts if self.doctor is not None else None,
             "plots": [str(p) for p in plots],
             "run_dir": str(run_dir),
         }

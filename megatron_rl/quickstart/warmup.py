@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rl.data.problems import write_problems
-from megatron_rl.errors import ArgumentParser, run_cli
+from megatron_rl.errors import ArgumentParser, float_arg, int_arg, run_cli
 from megatron_rl.fileio import atomic_write_json
 from megatron_rl.generation.api import LocalGenerator
 from megatron_rl.quickstart.evaluate import EvalConfig, EvalReport, evaluate
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m megatron_rl.quickstart.warmup", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--sft-steps", type=int, default=SFTConfig().steps)
-    parser.add_argument("--slip-rate", type=float, default=SFTConfig().slip_rate)
-    parser.add_argument("--eval-problems", type=int, default=200)
+    parser.add_argument("--sft-steps", type=int_arg(1), default=SFTConfig().steps)
+    parser.add_argument("--slip-rate", type=float_arg(0.0, 1.0), default=SFTConfig().slip_rate)
+    parser.add_argument("--eval-problems", type=int_arg(1), default=200)
     parser.add_argument(
         "--think-tags",
         nargs=2,

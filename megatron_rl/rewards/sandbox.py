@@ -15,11 +15,12 @@ Two modes, chosen by ``mode`` ("auto" takes bubblewrap when ``bwrap`` is on PATH
     read-write.  Inside, ``prlimit`` sets the rlimits and ``setpriv`` drops to the leased uid with
     no capabilities and ``no_new_privs`` before exec'ing ``argv`` (two tiny exec's, ~2 ms).
 ``plain`` (:mod:`~megatron_rl.rewards.sandbox_plain`)
-    No bubblewrap: a launcher (``python -I -S sandbox_plain.py``, ~70 ms) unshares the same
-    namespaces (mount, pid, net, IPC, UTS), mounts a fresh ``/proc``, hides ``/tmp``,
-    ``/var/tmp``, ``/dev/shm``, ``/run``, ``/root`` and ``/home`` under empty tmpfs, binds
-    ``workdir`` (read-write) and the read-only paths back at their own paths, and forks the
-    program as pid 2 under the same rlimits and uid drop.  Needs root.
+    No bubblewrap: a launcher (``python -I -S sandbox_plain.py``) unshares the same namespaces
+    (mount, pid, net, IPC, UTS), builds the same root as bwrap does on a small tmpfs (the same
+    allowlist: ``/usr`` and its links, the loader's files of ``/etc``, the read-only paths,
+    ``workdir``, a fresh ``/proc``, minimal ``/dev``, size-capped ``/tmp`` and ``/dev/shm``),
+    ``pivot_root``'s into it and detaches the host's tree, and forks the program as pid 2 under
+    the same rlimits and uid drop.  Needs root.
 
 Both modes, as root (the CI case): the program runs as a uid/gid leased for this one run from
 ``UID_BASE`` .. ``UID_BASE + UID_COUNT - 1`` (:mod:`~megatron_rl.rewards.sandbox_uids`: an
@@ -32,7 +33,8 @@ What it protects against:
   - network access of any kind: the new network namespace has no interface but its own loopback
     (down in plain mode; up in bwrap mode, which always configures it, but private to the
     sandbox), so the host's 127.0.0.1 services and abstract unix sockets are unreachable;
-  - reading or writing the host's files: bwrap shows only the paths above; writes can land only
+  - reading or writing the host's files: both modes show only the paths above (the rest of the
+    host's file system is absent, not merely unreadable); writes can land only
     in ``workdir`` and the private, size-capped tmpfs mounts, which vanish with the sandbox;
   - the caller's environment: the program sees only ``PATH=/usr/bin:/bin``, ``LANG=C.UTF-8`` and
     ``HOME=<workdir>``;
@@ -56,8 +58,7 @@ What it does NOT protect against:
   - disk usage in ``workdir`` beyond ``RLIMIT_FSIZE`` per file (many files can fill the disk
     holding ``workdir``); put temporary roots on a size-limited file system if that matters;
   - information in ``/proc`` and ``/sys`` that is global to the host (CPU, memory, kernel version,
-    mounts); in ``plain`` mode the rest of the host's file system (``/etc``, ``/work``, ...) stays
-    readable where unix permissions allow, and only the hidden directories above are private;
+    mounts);
   - a non-root caller in bwrap mode gets no uid of its own: the program runs as the caller (inside
     a user namespace), so the no-survivor sweep after a kill is skipped;
   - exit codes above 128: bubblewrap reports death by signal N as exit 128+N, so a program that
@@ -67,6 +68,7 @@ What it does NOT protect against:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import resource
@@ -83,6 +85,8 @@ from dataclasses import dataclass
 from megatron_rl.rewards.sandbox_bwrap import bwrap_argv
 from megatron_rl.rewards.sandbox_plain import plain_argv
 from megatron_rl.rewards.sandbox_uids import UidLease, kill_uid
+
+log = logging.getLogger(__name__)
 
 __all__ = ["STATUSES", "SandboxResult", "resolve_mode", "run_sandboxed", "sandbox_problem"]
 
@@ -122,8 +126,16 @@ def resolve_mode(mode: str) -> str:
     if mode not in ("auto", "bwrap", "plain"):
         raise ValueError(f"sandbox mode must be 'auto', 'bwrap' or 'plain', got {mode!r}")
     if mode == "auto":
-        return "bwrap" if shutil.which("bwrap") else "plain"
+        chosen = "bwrap" if shutil.which("bwrap") else "plain"
+        if chosen not in _AUTO_LOGGED:
+            _AUTO_LOGGED.add(chosen)
+            why = "bubblewrap is on PATH" if chosen == "bwrap" else "bubblewrap is not installed"
+            log.info("code sandbox: %s mode (%s)", chosen, why)
+        return chosen
     return mode
+
+
+_AUTO_LOGGED: set[str] = set()
 
 
 def sandbox_problem(mode: str = "auto") -> str | None:

@@ -15,16 +15,9 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["bwrap_argv"]
+from megatron_rl.rewards.sandbox_plain import ETC_FILES, ROOT_LINKS
 
-_ETC_FILES = (
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/alternatives",
-    "/etc/localtime",
-)
-_ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+__all__ = ["bwrap_argv"]
 
 
 def bwrap_argv(
@@ -69,12 +62,15 @@ def bwrap_argv(
             "--cap-add",
             "CAP_SETPCAP",
         ]
-    for link in _ROOT_LINKS:
+    for link in ROOT_LINKS:
         if os.path.islink(link):
             cmd += ["--symlink", os.readlink(link), link]
         elif os.path.isdir(link):
             cmd += ["--ro-bind", link, link]
-    for path in _ETC_FILES:
+    # bwrap would create /etc with mode 0700, where the dropped uid could not reach the loader
+    # cache or /etc/alternatives.
+    cmd += ["--perms", "0755", "--dir", "/etc"]
+    for path in ETC_FILES:
         cmd += ["--ro-bind-try", path, path]
     cmd += ["--proc", "/proc", "--dev", "/dev"]
     for tmp in ("/tmp", "/dev/shm"):
@@ -106,7 +102,7 @@ def bwrap_argv(
 def _missing_parents(targets: list[str]) -> list[str]:
     """Ancestors of ``targets`` that the bwrap root lacks (outside /usr, /tmp's own mount point,
     /dev, /proc and the targets themselves), parents before children."""
-    made = {"/", "/usr", "/tmp", "/dev", "/dev/shm", "/proc", *_ROOT_LINKS}
+    made = {"/", "/usr", "/etc", "/tmp", "/dev", "/dev/shm", "/proc", *ROOT_LINKS}
     out: list[str] = []
     for target in targets:
         parts = target.strip("/").split("/")[:-1]

@@ -26,9 +26,20 @@ import select
 import signal
 import sys
 
-__all__ = ["plain_argv"]
+__all__ = ["DEVICES", "ETC_FILES", "ROOT_LINKS", "plain_argv"]
 
-_PLAIN_HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/root", "/home")
+#: What the sandbox's root holds besides /usr, the read-only paths and the workdir, in both
+#: backends: the loader's files of /etc, the root-level links into /usr, the devices of /dev.
+ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/localtime",
+)
+ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWPID, _CLONE_NEWNET = 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
@@ -135,28 +146,76 @@ def _readable(fd: int) -> bool:
 
 
 def _plain_mounts(spec: dict) -> None:
-    """Private mount tree; new /proc; empty tmpfs over the hidden dirs; the read-only paths and
-    the workdir bound back at their own paths (opened before hiding, bound via /proc/self/fd)."""
+    """Build the sandbox's root the way bubblewrap does and pivot into it: a private mount tree,
+    a small tmpfs as the new root holding only the allowlist (read-only ``/usr`` and its root
+    links, :data:`ETC_FILES`, the read-only paths, ``workdir`` read-write, a new ``/proc``, a
+    minimal ``/dev``, size-capped ``/tmp`` and ``/dev/shm``), then ``pivot_root`` and detach the
+    host's tree, so nothing else of the host's file system is reachable."""
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
     keep = [(p, True) for p in spec["ro_paths"]] + [(spec["workdir"], False)]
+    # Opened before /tmp is covered (the workdir and the read-only paths may live under it).
     fds = [(p, ro, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p, ro in keep]
-    _mount("proc", "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
-    for d in _PLAIN_HIDDEN:
-        if os.path.isdir(d) and not os.path.islink(d):
-            mode = "1777" if d in ("/tmp", "/var/tmp", "/dev/shm") else "0755"
-            _mount("tmpfs", d, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={spec['tmpfs_size']},mode={mode}")
+    root = "/tmp"
+    _mount("tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,mode=0755")
     os.umask(0o022)
+    tmpfs = f"size={spec['tmpfs_size']},mode=1777"
+    _bind(root, "/usr", "/usr")
+    for link in ROOT_LINKS:
+        if os.path.islink(link):
+            os.symlink(os.readlink(link), root + link)
+        elif os.path.isdir(link):
+            _bind(root, link, link)
+    for path in ETC_FILES:
+        if os.path.exists(path):
+            _bind(root, path, path)
+    os.mkdir(root + "/proc")
+    _mount("proc", root + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC)
+    os.mkdir(root + "/dev")
+    _mount("tmpfs", root + "/dev", "tmpfs", _MS_NOSUID, "size=64k,mode=0755")
+    for dev in DEVICES:
+        if os.path.exists(f"/dev/{dev}"):
+            open(f"{root}/dev/{dev}", "w").close()
+            _mount(f"/dev/{dev}", f"{root}/dev/{dev}", None, _MS_BIND)
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        os.symlink(target, f"{root}/dev/{name}")
+    for tmp in ("/tmp", "/dev/shm"):
+        os.makedirs(root + tmp, mode=0o755, exist_ok=True)
+        _mount("tmpfs", root + tmp, "tmpfs", _MS_NOSUID | _MS_NODEV, tmpfs)
     for path, ro, fd in fds:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            if os.path.isdir(f"/proc/self/fd/{fd}"):
-                os.mkdir(path)
-            else:
-                open(path, "w").close()
-        _mount(f"/proc/self/fd/{fd}", path, None, _MS_BIND | _MS_REC)
-        if ro:
-            _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+        _bind(root, f"/proc/self/fd/{fd}", path, writable=not ro)
         os.close(fd)
+    os.chdir(root)
+    _libc_call("syscall", ctypes.c_long(_pivot_root_nr()), b".", b".")
+    _libc_call("umount2", b".", 2)  # MNT_DETACH: the host's tree, now stacked under ".", goes
+    os.chdir("/")
+    _mount(None, "/", None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+
+
+def _bind(root: str, src: str, path: str, writable: bool = False) -> None:
+    """Bind ``src`` at ``root + path`` (creating the target, parents 0755), nosuid and nodev,
+    read-only unless ``writable``."""
+    target = root + path
+    if not os.path.lexists(target):
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        if os.path.isdir(src):
+            os.mkdir(target)
+        else:
+            open(target, "w").close()
+    _mount(src, target, None, _MS_BIND | _MS_REC)
+    ro = 0 if writable else _MS_RDONLY
+    _mount(None, target, None, _MS_BIND | _MS_REMOUNT | ro | _MS_NOSUID | _MS_NODEV)
+
+
+def _pivot_root_nr() -> int:
+    machine = os.uname().machine
+    if machine not in _SYS_PIVOT_ROOT:
+        raise _LaunchError(f"plain mode does not know pivot_root's syscall number on {machine}")
+    return _SYS_PIVOT_ROOT[machine]
 
 
 def _program_main(spec: dict) -> None:

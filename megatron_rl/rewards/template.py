@@ -25,6 +25,7 @@ __all__ = [
     "fill_think_tags",
     "merge_system",
     "render_plain",
+    "resolve_system_prompt",
     "system_prompt",
 ]
 
@@ -70,6 +71,15 @@ CODE_INSTRUCTION = (
     "Give your solution as one fenced code block with its language, e.g. ```python "
     "or ```cpp, reading from standard input and writing to standard output."
 )
+
+
+def resolve_system_prompt(value: str, tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS) -> str:
+    """A recipe's ``data.system_prompt``: "paper" is Magistral's with ``tags``, "none" is no
+    system prompt, anything else is the text itself with its ``{think_open}``/``{think_close}``
+    filled with ``tags``."""
+    if value == "paper":
+        return system_prompt(tags)
+    return "" if value == "none" else fill_think_tags(value, tags)
 
 
 def build_messages(problem: str, task: str = "math", *, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:

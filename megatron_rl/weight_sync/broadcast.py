@@ -216,16 +216,24 @@ class WeightBroadcaster:
             os.close(fd)  # not handed to a store yet: ours to close
             raise
         # From here the store owns the descriptor (and closes it), whether or not it comes up.
-        self.group = init_update_group(
-            backend=self.cfg.backend,
-            master_address=self.cfg.master_address,
-            master_port=self._port,
-            rank=0,
-            world_size=self.fleet.update_world_size(),
-            group_name=self.cfg.group_name,
-            timeout_s=self.cfg.timeout_s,
-            listen_fd=fd,
-        )
+        try:
+            self.group = init_update_group(
+                backend=self.cfg.backend,
+                master_address=self.cfg.master_address,
+                master_port=self._port,
+                rank=0,
+                world_size=self.fleet.update_world_size(),
+                group_name=self.cfg.group_name,
+                timeout_s=self.cfg.timeout_s,
+                listen_fd=fd,
+            )
+        except RuntimeError as e:
+            # torch says only how many ranks joined; a server that refused to join (a master
+            # address it cannot reach, say) has answered why by now: that is the message.
+            refused = [f.exception() for f in futs if f.done() and f.exception() is not None]
+            if refused:
+                raise RuntimeError(f"weight sync: the update group did not form: {refused[0]}") from e
+            raise
         for f in futs:
             f.result()
         self._members = tuple(self.fleet.update_urls)

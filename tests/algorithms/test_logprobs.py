@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_rl.algorithms.logprobs import naive_token_logprobs, token_logprobs
@@ -32,6 +32,7 @@ def test_two_word_vocabulary_by_hand():
     temperature=st.sampled_from([1.0, 0.7, 1.3]),
     seed=st.integers(0, 10_000),
 )
+@example(n=9, v=3, chunk=1, temperature=0.7, seed=9)  # the gradient differs by 1.34e-6 (fp32 ulps)
 def test_matches_naive_forward_and_backward(n, v, chunk, temperature, seed):
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(n, v, generator=g) * 4).requires_grad_()
@@ -44,7 +45,9 @@ def test_matches_naive_forward_and_backward(n, v, chunk, temperature, seed):
     (ref_grad,) = torch.autograd.grad((ref_logp * upstream).sum(), ref_logits)
     torch.testing.assert_close(logp, ref_logp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grad, ref_grad, atol=1e-6, rtol=1e-5)
+    # fp32: the chunked softmax's gradient and the naive one round differently by a few ulps of
+    # the upstream gradient's scale (|upstream| reaches ~3): 1.34e-6 found by hypothesis.
+    torch.testing.assert_close(grad, ref_grad, atol=3e-6, rtol=1e-5)
     assert not ent.requires_grad
 
 

@@ -127,7 +127,11 @@ def test_heads_that_do_not_divide_the_hidden_size_name_the_fields(tmp_path, mode
 @pytest.mark.fault("input")
 @pytest.mark.parametrize(
     "flag, size, field",
-    [("--tp", "3", "num_attention_heads=4"), ("--pp", "3", "num_hidden_layers=2"), ("--tp", "0", ">= 1")],
+    [
+        ("--tp", "3", "num_attention_heads=4"),
+        ("--pp", "3", "num_hidden_layers=2"),
+        ("--tp", "0", "in [1, 4096]"),
+    ],
 )
 def test_parallel_size_that_does_not_fit_the_config_is_refused_before_any_rank(
     tmp_path, models, flag, size, field

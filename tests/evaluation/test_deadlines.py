@@ -5,6 +5,8 @@ pools, so that what is tested is the waiting, in a second or two."""
 
 from __future__ import annotations
 
+import math
+import statistics
 import threading
 import time
 from concurrent.futures import Future
@@ -16,7 +18,7 @@ from megatron_rl.data.sampling import SamplingConfig, sample_and_score
 from megatron_rl.evaluation.heldout import held_out_pass_at_1
 from megatron_rl.generation.api import GenResult
 from megatron_rl.rewards.compose import RewardConfig
-from megatron_rl.rewards.pool import PoolBroken, PoolTaskError
+from megatron_rl.rewards.pool import PoolBroken, PoolTaskError, VerifierPool
 from tests.data.tinylm import make_tokenizer
 
 PROBLEMS = [
@@ -130,3 +132,22 @@ def test_a_custom_reward_evaluates_problems_without_a_reference(tok):
     cfg = RewardConfig(custom="tests.evaluation.test_deadlines:always_one")
     got = sample_and_score(bare, Instant(tok), tok, SamplingConfig(k=1), cfg, pool=Stuck(0.2), progress=False)
     assert [a.reason for a in got["q"]] == ["scoring_timeout"]
+
+
+def test_pass_at_1_has_its_standard_error_over_problems_not_samples(tok):
+    # The real verifier pool: only p2 ("What is 2 + 2?") is answered right, both of its samples.
+    with VerifierPool(1) as pool:
+        rec = held_out_pass_at_1(
+            Instant(tok),
+            pool,
+            tok,
+            PROBLEMS,
+            SamplingConfig(k=2),
+            RewardConfig(),
+            label="after",
+            progress=False,
+        )
+    assert rec["reasons"] == {"ok": 2, "wrong_answer": 4}
+    assert rec["pass@1"] == pytest.approx(1 / 3)
+    # Per-problem means 0, 0, 1: stdev 0.577 over sqrt(3) problems (over 6 samples it would be 0.211).
+    assert rec["pass@1_se"] == pytest.approx(statistics.stdev([0.0, 0.0, 1.0]) / math.sqrt(3))

@@ -1,13 +1,18 @@
 """The engine server against hostile clients and bad arguments, over real HTTP on 127.0.0.1:
 stalled and dribbling clients cut at the read deadline while others are served, a client
 address over its connection limit refused, every control route answering a bad value at once
-with a 400 naming the field, a tensor in another dtype cast and said so, and every bad
-``serve-engine`` argument one line naming the flag, before the model loads."""
+with a 400 naming the field (versions out of range included), a master that does not answer
+refused by address within the connect timeout, every /generate field it does not implement
+refused by name (lora_path above all) and every integer that would reach torch range-checked,
+each leaving the weights and the version as they were, a tensor in another dtype cast and said
+so, and every bad ``serve-engine`` argument one line naming the flag, before the model loads."""
 
 from __future__ import annotations
 
+import ast
 import http.client
 import json
+import os
 import select
 import socket
 import subprocess
@@ -23,12 +28,21 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_rl.generation.engine.launch import EngineProcess
+from megatron_rl.generation.engine.requests import (
+    _GENERATE_INERT,
+    _GENERATE_KEYS,
+    _GENERATE_OFF,
+    ROUTER_FIELDS,
+)
 from megatron_rl.generation.protocol import (
+    FLAT_LOGPROBS,
+    SGLANG_VERSION,
     serialize_named_tensors,
     tensor_digest,
     update_weights_from_tensor_payload,
 )
-from tests.generation.conftest import TINY, prompt
+from megatron_rl.generation.update_group import init_update_group, probe_master
+from tests.generation.conftest import TINY, free_port, prompt
 from tests.generation.test_server_hygiene import _Group
 
 pytestmark = pytest.mark.distributed  # real server processes (and a real gloo group below)
@@ -210,6 +224,9 @@ BAD_CONTROL: list[tuple[str, dict, str]] = [
     ("/init_weights_update_group", {"master_address": "a host"}, "master_address"),
     ("/init_weights_update_group", {"world_size": 1}, "world_size"),
     ("/init_weights_update_group", {"world_size": -3}, "world_size"),
+    ("/init_weights_update_group", {"world_size": 2**70}, "world_size"),
+    ("/init_weights_update_group", {"master_port": -1}, "master_port"),
+    ("/init_weights_update_group", {"rank_offset": 1.5}, "rank_offset"),
     ("/init_weights_update_group", {"rank_offset": 0}, "rank_offset"),
     ("/init_weights_update_group", {"rank_offset": 2}, "rank_offset"),  # world_size 2
     ("/init_weights_update_group", {"rank_offset": None}, "rank_offset"),
@@ -226,11 +243,24 @@ BAD_CONTROL: list[tuple[str, dict, str]] = [
     ("/update_weights_from_distributed", {"weight_version": [1]}, "weight_version"),
     ("/update_weight_version", {"new_version": "1", "abort_all_requests": "no"}, "abort_all_requests"),
     ("/update_weight_version", {"new_version": {"v": 1}}, "new_version"),
+    # Versions feed the staleness metrics: integers in [0, 2**63 - 1] (or their digits) only.
+    ("/update_weight_version", {"new_version": -5}, "new_version"),
+    ("/update_weight_version", {"new_version": 1.5}, "new_version"),
+    ("/update_weight_version", {"new_version": True}, "new_version"),
+    ("/update_weight_version", {"new_version": 2**70}, "new_version"),
+    ("/update_weight_version", {"new_version": 2**63}, "new_version"),
+    ("/update_weight_version", {"new_version": "-5"}, "new_version"),
+    ("/update_weight_version", {"new_version": "1.5"}, "new_version"),
+    ("/update_weight_version", {"new_version": "+5"}, "new_version"),
+    ("/update_weight_version", {"new_version": ""}, "new_version"),
+    ("/update_weights_from_distributed", {"weight_version": -1}, "weight_version"),
+    ("/update_weights_from_distributed", {"weight_version": str(2**64)}, "weight_version"),
     ("/megatron_rl/receive_raw", {"numel": -1}, "numel"),
     ("/megatron_rl/receive_raw", {"numel": "lots"}, "numel"),
     ("/megatron_rl/receive_raw", {"numel": 10**15}, "numel"),
     ("/megatron_rl/receive_raw", {"numel": True}, "numel"),
     ("/megatron_rl/receive_raw", {"numel": 8, "group_name": 3}, "group_name"),
+    ("/megatron_rl/receive_raw", {"numel": 2.5}, "numel"),
     ("/megatron_rl/update_weights_stream", {"buckets": [], "weight_version": 1}, "buckets"),
     ("/megatron_rl/update_weights_stream", {"buckets": [{}]}, "weight_version"),
     ("/pause_generation", {"mode": "sideways"}, "mode"),
@@ -276,9 +306,192 @@ def test_every_control_route_answers_a_bad_value_with_a_400_naming_it(server):
             assert status == 400 and field in out["message"], (route, bad, status, out)
     finally:
         assert _call(server.url, "POST", "/end_weight_update", {})[0] == 200
-    state = _call(server.url, "GET", "/server_info")[1]["internal_states"][0]
+    info = _call(server.url, "GET", "/server_info")[1]
+    state = info["internal_states"][0]
     assert not state["paused"] and state["weight_updates"] == 0
+    assert info["weight_version"] == "0", info  # no refused version was set
     assert _generate(server.url)[0] == 200
+
+
+@pytest.mark.fault("input")
+def test_a_streamed_update_with_a_version_out_of_range_is_refused_before_any_receive(server, hf_weights):
+    """A manifest valid but for its version: refused naming weight_version, nothing received
+    (the group it names does not even exist: the version is checked first)."""
+    name = sorted(hf_weights)[0]
+    t = hf_weights[name]
+    bucket = {"names": [name], "dtypes": [str(t.dtype).removeprefix("torch.")], "shapes": [list(t.shape)]}
+    for version in (-1, 2**63, "1.5"):
+        body = {"group_name": "no_such_group", "weight_version": version, "buckets": [bucket]}
+        status, out = _call(server.url, "POST", "/megatron_rl/update_weights_stream", body, timeout=30)
+        assert status == 400 and "weight_version" in out["message"], (version, out)
+    assert _call(server.url, "POST", "/end_weight_update", {})[0] == 400  # no session was opened
+    assert _call(server.url, "GET", "/server_info")[1]["weight_version"] == "0"
+
+
+# ---------------------------------------------------------------------- a master that does not answer
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released: a connect to it is refused)."""
+    return free_port()
+
+
+@pytest.mark.fault("input")
+def test_joining_a_master_that_does_not_answer_fails_within_the_connect_timeout_naming_it():
+    """The joining side as a function: the connect timeout is a parameter, and the error names
+    the address and port that did not answer (not torch's connect retries for the whole 120 s
+    group timeout, which took 205 s)."""
+    port = _closed_port()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}.*within 0.5 s"):
+        init_update_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=1,
+            world_size=2,
+            group_name="nobody_home",
+            connect_timeout_s=0.5,
+        )
+    with pytest.raises(ConnectionError, match=r"\[::1\]:"):  # an IPv6 address in brackets
+        probe_master("::1", port, 0.2)
+    with socket.socket() as s:  # a listening master is found at once
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        probe_master("127.0.0.1", s.getsockname()[1], 5.0)
+
+
+@pytest.mark.fault("input")
+def test_init_group_with_a_master_that_does_not_answer_is_a_400_naming_it(server):
+    """Over HTTP: refused within the server's connect timeout (10 s by default; the bound here is
+    only the generous one that tells it from the old 205 s), naming master_address:master_port;
+    the server then joins a group, of the same name, whose master does answer."""
+    port = _closed_port()
+    body = {**_GROUP, "master_port": port, "group_name": "hostile_closed"}
+    t0 = time.monotonic()
+    status, out = _call(server.url, "POST", "/init_weights_update_group", body, timeout=MARGIN_S)
+    assert time.monotonic() - t0 < MARGIN_S
+    assert status == 400 and f"127.0.0.1:{port}" in out["message"], out
+    assert "master_address" in out["message"], out
+    group = _Group(server.url, "hostile_closed")  # nothing of the failed join was left behind
+    group.close()
+    assert _generate(server.url)[0] == 200
+
+
+# ---------------------------------------------------------------------- /generate fields
+
+_ADAPTER = "/adapters/math-lora"
+BAD_GENERATE: list[tuple[dict, str]] = [
+    ({"lora_path": _ADAPTER}, "lora_path: no LoRA adapter is loaded on this server"),
+    ({"lora_path": [_ADAPTER]}, "lora_path: no LoRA adapter is loaded on this server"),
+    ({"lora_id": "math"}, "lora_id: no LoRA adapter is loaded"),
+    ({"return_hidden_states": True}, "return_hidden_states:"),  # unimplemented, set
+    ({"logprob_start_len": 0}, "logprob_start_len:"),  # prompt log-probs
+    ({"top_logprobs_num": 5}, "top_logprobs_num:"),
+    ({"custom_logit_processor": "x"}, "custom_logit_processor:"),
+    ({"input_embeds": [[0.0]]}, "input_embeds:"),
+    ({"routed_dp_rank": 1}, "routed_dp_rank:"),  # one worker: rank 0 only
+    ({"priority": 2**70}, "priority:"),  # inert, but range-checked as SGLang does
+    ({"log_metrics": "yes"}, "log_metrics:"),  # inert, but typed
+    ({"tempreature": 0.7}, "tempreature: not a /generate field"),  # unknown
+    ({"sampling_params": {"max_new_tokens": 2, "sampling_seed": 2**64}}, "sampling_params.sampling_seed:"),
+    ({"sampling_params": {"max_new_tokens": 2, "sampling_seed": -(2**64)}}, "sampling_params.sampling_seed:"),
+    ({"sampling_params": {"max_new_tokens": 2, "sampling_seed": 2**63}}, "sampling_params.sampling_seed:"),
+    ({"sampling_params": {"max_new_tokens": 2, "top_k": 2**40}}, "sampling_params.top_k:"),
+    (
+        {"sampling_params": {"max_new_tokens": 2, "stop_token_ids": [3, TINY["vocab_size"]]}},
+        "sampling_params.stop_token_ids[1]:",
+    ),
+    ({"input_ids": [1, 2, TINY["vocab_size"]]}, "input_ids[2]: token id 97"),
+    ({"input_ids": [1, 2**70]}, "input_ids[1]:"),
+    ({"input_ids": [[1, 2], [3, TINY["vocab_size"]]]}, "input_ids[1][1]:"),
+    ({"rid": "r" * 5000}, "rid:"),
+]
+
+
+@pytest.mark.fault("input")
+def test_each_unimplemented_or_out_of_range_generate_field_is_a_400_naming_it(server):
+    """Nothing of /generate is ignored: a LoRA adapter (never loaded here) is refused, not
+    answered from the base model; an unimplemented field set, an unknown one, an integer that
+    would overflow in torch or index past the vocabulary: each a 400 naming it (and its index),
+    with nothing queued, the weights and the version as they were, and the server serving."""
+    digest = _call(server.url, "GET", "/megatron_rl/weights_digest")[1]
+    sp = {"max_new_tokens": 2}
+    for extra, field in BAD_GENERATE:
+        body = {"input_ids": prompt(5, 3), "sampling_params": sp, **extra}
+        if isinstance(body["input_ids"][0], list):
+            body["sampling_params"] = [sp] * len(body["input_ids"])
+        status, out = _call(server.url, "POST", "/generate", body, timeout=30)
+        assert status == 400 and field in out["message"], (extra, status, out)
+    status, out = _call(server.url, "POST", "/generate", {"input_ids": [1], "lora_path": _ADAPTER})
+    assert _ADAPTER in out["message"], out  # the adapter asked for is named
+    info = _call(server.url, "GET", "/server_info")[1]
+    state = info["internal_states"][0]
+    assert (state["num_waiting_reqs"], state["num_running_reqs"]) == (0, 0), state
+    assert info["weight_version"] == "0", info
+    assert _call(server.url, "GET", "/megatron_rl/weights_digest")[1] == digest
+    assert _generate(server.url)[0] == 200
+
+
+@pytest.mark.fault("input")
+def test_generate_fields_at_their_off_values_or_inert_are_served(server):
+    """What changes nothing is accepted: the unimplemented fields at their off values (null,
+    false, -1, per-prompt lists of them) and the inert ones (priority, metrics and logging flags,
+    tracking ids), and the extreme seeds SGLang takes; the tokens are those of the plain request."""
+    sp = {"max_new_tokens": 4, "sampling_seed": 11}
+    plain = {"input_ids": prompt(5, 4), "sampling_params": sp}
+    status, want = _call(server.url, "POST", "/generate", plain)
+    assert status == 200, want
+    neutral = {
+        "lora_path": None,
+        "lora_id": None,
+        "return_hidden_states": False,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "return_text_in_logprobs": False,
+        "routed_dp_rank": 0,
+        "input_embeds": None,
+        "modalities": [],
+        "priority": 5,
+        "log_metrics": False,
+        "no_logs": True,
+        "session_id": "s",
+        "conversation_id": "c",
+        "custom_labels": {"team": "rl"},
+        "model": None,  # what sglang-router forwards
+    }
+    status, out = _call(server.url, "POST", "/generate", {**plain, **neutral})
+    assert status == 200 and out["output_ids"] == want["output_ids"], out
+    batch = {
+        "input_ids": [prompt(5, 4)] * 2,
+        "sampling_params": [sp] * 2,
+        "lora_path": [None, None],
+        "return_logprob": [True, True],
+    }
+    status, out = _call(server.url, "POST", "/generate", batch)
+    assert status == 200 and [o["output_ids"] for o in out] == [want["output_ids"]] * 2, out
+    for seed in (-(2**63), 2**63 - 1):
+        body = {"input_ids": prompt(5, 4), "sampling_params": {"max_new_tokens": 2, "sampling_seed": seed}}
+        assert _call(server.url, "POST", "/generate", body)[0] == 200, seed
+
+
+def test_the_generate_fields_are_sglangs():
+    """Every top-level key the server knows is a field of SGLang 0.5.23's ``GenerateReqInput``
+    (but ours, FLAT_LOGPROBS, and sglang-router's ``model``), and every field of it is known:
+    implemented, inert or refused unless off, none ignored. A new SGLang field fails here until
+    it is given one of the three."""
+    root = os.environ.get("MEGATRON_RL_SGLANG_SRC") or REPO / ".cache" / f"sglang-{SGLANG_VERSION}"
+    path = Path(root) / "sglang" / "srt" / "managers" / "io_struct.py"
+    if not path.is_file():
+        pytest.skip(f"no SGLang source at {path} (tests/generation/test_sglang_contract.py says how)")
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenerateReqInput"]
+    fields = {
+        s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+    }
+    ours = {FLAT_LOGPROBS} | ROUTER_FIELDS
+    assert _GENERATE_KEYS - ours == fields, (_GENERATE_KEYS ^ fields) - ours
+    assert not set(_GENERATE_INERT) & set(_GENERATE_OFF)
 
 
 # ---------------------------------------------------------------------- dtypes

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from megatron_rl.generation.transport import Connections, ServerLost, post_json
+from megatron_rl.generation.transport import Connections, ServerLost, post_json, unreachable
 
 
 class _Server(ThreadingHTTPServer):
@@ -117,3 +117,36 @@ def test_idle_connections_are_bounded_and_expire(server):
     assert not stale.take("127.0.0.1", port, 5.0)[1]  # idle past idle_s: dropped, a new one made
     conns.close()
     stale.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed when the block ends: nothing listens there
+
+
+def test_unreachable_names_why_nothing_answers(server):
+    assert unreachable(_url(server), timeout_s=5) is None
+    assert "refused" in (unreachable(f"http://127.0.0.1:{_closed_port()}", timeout_s=5) or "")
+    with socket.socket() as silent:  # accepts (the backlog) but never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        why = unreachable(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_s=0.5)
+    assert why == "no answer within 0.5 s"
+
+
+def test_unreachable_counts_any_http_status_as_an_answer():
+    class _NoHealth(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_error(401)  # up, but wants a key: the fleet client's to handle, not pre-flight's
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = _Server(("127.0.0.1", 0), _NoHealth)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert unreachable(_url(srv), timeout_s=5) is None
+    finally:
+        srv.shutdown()
+        srv.server_close()

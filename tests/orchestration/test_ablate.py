@@ -91,7 +91,7 @@ def test_ablate_async_runs_arms_writes_results_and_resumes(tmp_path, policy):
         (["--ratios", "0"], "expected positive numbers"),
         (["--ratios", "0.3"], "not a whole number of groups"),
         (["--arms", "sync,async-r9"], "no arm 'async-r9'"),
-        (["--seeds", "0"], "--seeds must be at least 1"),
+        (["--seeds", "0"], "--seeds: must be an integer >= 1, got 0"),
         (["loop.n_batch=abc"], "loop.n_batch"),
     ],
 )

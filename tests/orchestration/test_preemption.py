@@ -353,11 +353,15 @@ def test_the_only_local_server_killed_twice_comes_back_with_the_trainers_weights
     assert err.count("died (exit") == 2 and "starting it again (2/3)" in err, err[-3000:]
     metrics = read_jsonl(run / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
-    assert metrics[-1]["fleet/restarts"] == 2.0
+    # The second kill may land after the last rollout was generated: the steps count restarts
+    # as they happen, the summary counts them all.
+    assert [m["fleet/restarts"] for m in metrics] == sorted(m["fleet/restarts"] for m in metrics)
+    assert 1.0 <= metrics[-1]["fleet/restarts"] <= 2.0
     # Every update that found the server (not mid-restart) left it with the trainer's weights.
     assert all(m["weight_sync/verified"] == 1.0 for m in metrics if not m.get("weight_sync/skipped"))
     assert metrics[-1]["weight_sync/verified"] == 1.0
-    assert json.loads(out.strip().splitlines()[-1])["steps"] == 5
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["steps"] == 5 and summary["fleet_restarts"] == 2
 
 
 @pytest.mark.slow

@@ -4,8 +4,10 @@ logs, a tokenizer folder without tokenizer files, a policy holding a NaN weight.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -87,3 +89,45 @@ def test_a_policy_holding_a_nan_weight_is_refused_before_any_server_starts(tmp_p
     line = _one_line(proc, 3)
     assert line.startswith(f"megatron-rl train: model.hf: {bad}: tensor ") and "1 NaN" in line, line
     assert not (tmp_path / "run" / "logs" / "pids.json").exists()  # no server was started
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.fault("input")
+def test_a_tokenizer_of_another_model_is_refused_before_any_server_starts(tmp_path, model):
+    from megatron_rl.quickstart.tokenizer import build_tokenizer
+
+    texts = [
+        f"What is {i}+{7 * i}? a quick brown fox <think> hmm </think> \\boxed{{{8 * i}}}" for i in range(300)
+    ]
+    other = build_tokenizer(texts, tmp_path / "other")
+    before = _digest(other)
+    line = _one_line(_train(tmp_path, model, f"model.tokenizer={other}"), 2)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    assert (
+        line.startswith("megatron-rl train: model.tokenizer: the tokenizer of")
+        and f"embeds only {vocab}" in line
+    )
+    assert not (tmp_path / "run" / "logs" / "pids.json").exists()  # no server was started
+    assert _digest(other) == before
+
+
+@pytest.mark.fault("input")
+def test_a_context_shorter_than_a_prompt_and_its_completion_is_refused_at_load(tmp_path, model):
+    line = _one_line(_train(tmp_path, model, "fleet.max_len=40", "reward.l_max=32", "reward.l_cache=8"), 2)
+    assert line.startswith("megatron-rl train: fleet.max_len: 40 is too short for data.train: its problem")
+    assert "raise fleet.max_len" in line
+    assert not (tmp_path / "run" / "logs" / "pids.json").exists()
+
+
+@pytest.mark.fault("input")
+def test_a_fleet_url_where_nothing_listens_is_named_before_the_run_starts(tmp_path, model):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed below: nothing listens there
+    url = f"http://127.0.0.1:{port}"
+    line = _one_line(_train(tmp_path, model, f"fleet.urls=[{url}]"), 2)
+    assert line.startswith(f"megatron-rl train: fleet.urls[0]: nothing answers at {url} (connection refused)")
+    assert "internal error" not in line

@@ -311,8 +311,8 @@ def test_cli_serves_health_and_exits_0_on_sigterm():
 def test_cli_bad_flags_are_one_line(capsys, monkeypatch):
     monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
     for args, message in [
-        (["--workers", "0"], "workers: must be in"),
-        (["--port", "70000"], "--port: must be in"),
+        (["--workers", "0"], "--workers: must be an integer in [1, 4096], got 0"),
+        (["--port", "70000"], "--port: must be an integer in [0, 65535] (0: any free port), got 70000"),
         (["--api-key-env", "NO_SUCH_KEY_VAR"], "NO_SUCH_KEY_VAR: that environment variable is not set"),
         (["--host", "0.0.0.0", "--port", "0", "--workers", "1"], "needs an API key"),
         (["--allow-custom", "no_such_module_xyz:fn", "--port", "0"], "--allow-custom no_such_module_xyz:fn"),

@@ -27,6 +27,7 @@ import pytest
 from megatron_rl.rewards import sandbox
 from megatron_rl.rewards.code import CodeConfig, compile_cpp
 from megatron_rl.rewards.sandbox import run_sandboxed, sandbox_problem
+from megatron_rl.rewards.sandbox_plain import ETC_FILES, ROOT_LINKS
 from megatron_rl.rewards.sandbox_uids import UID_BASE, UID_COUNT
 
 REPO = Path(__file__).resolve().parents[2]
@@ -195,12 +196,20 @@ PY_HOSTILE = {
         _py("""
         import json, os
         result = {}
-        for path in ['@SECRET_FILE@', '/etc/shadow', '@REPO@/setup.py']:
+        for path in ['@SECRET_FILE@', '@PUBLIC_FILE@', '/etc/shadow', '/etc/passwd',
+                     '@REPO@/setup.py', '@REPO@/README.md', '/etc/ld.so.cache']:
             try:
-                result[path] = open(path).read()
+                result[path] = 'read %d bytes' % len(open(path, 'rb').read())
             except OSError as e:
                 result[path] = type(e).__name__
         result['root_listing'] = sorted(os.listdir('/root')) if os.path.isdir('/root') else []
+        listings = {}
+        for d in ['/', '/etc', '@SCRATCH@', '@REPO_PARENT@']:
+            try:
+                listings[d] = sorted(os.listdir(d))
+            except OSError as e:
+                listings[d] = type(e).__name__
+        result['listings'] = listings
         print(json.dumps(result))
         """),
         "ok",
@@ -257,6 +266,7 @@ class Suite:
         self.listener_reached = False
         self.workdirs: dict[str, str] = {}
         self.secret_file = os.path.join(scratch, "private", f"secret-{token}")
+        self.public_file = os.path.join(scratch, "public", f"notes-{token}")
         self.escape_paths = [
             os.path.join(d, f"escape-{token}")
             for d in (
@@ -293,11 +303,17 @@ def _prepare(suite: Suite, listener_port: int) -> list[tuple[str, list[str]]]:
     os.makedirs(os.path.dirname(suite.secret_file), 0o700)
     Path(suite.secret_file).write_text(f"the secret {suite.token}")
     os.chmod(suite.secret_file, 0o600)
+    os.makedirs(os.path.dirname(suite.public_file), 0o755)
+    Path(suite.public_file).write_text(f"world-readable, outside the workdir {suite.token}")
+    os.chmod(suite.public_file, 0o644)
     subs = {
         "@TOKEN@": suite.token,
         "@PORT@": str(listener_port),
         "@REPO@": str(REPO),
         "@SECRET_FILE@": suite.secret_file,
+        "@PUBLIC_FILE@": suite.public_file,
+        "@SCRATCH@": suite.scratch,
+        "@REPO_PARENT@": str(REPO.parent),
         "@ESCAPE_PATHS@": json.dumps(suite.escape_paths),
     }
     jobs = []
@@ -455,11 +471,29 @@ def test_program_cannot_kill_its_supervisors_or_gain_privileges(suite):
 
 @pytest.mark.fault("abuse")
 def test_host_secrets_and_repo_are_out_of_reach(suite):
+    """Both modes show only the allowlist: the host's files are absent, not merely unreadable
+    (a world-readable file outside the workdir, /etc/passwd, the repository), and the loader's
+    own files of /etc stay readable by the dropped uid."""
     seen = _json(suite.results["read_secrets"])
-    assert seen[suite.secret_file] in ("FileNotFoundError", "PermissionError")
-    assert seen["/etc/shadow"] in ("FileNotFoundError", "PermissionError")
-    if suite.mode == "bwrap":
-        assert seen[f"{REPO}/setup.py"] == "FileNotFoundError"
+    for path in (suite.secret_file, suite.public_file, "/etc/shadow", "/etc/passwd"):
+        assert seen[path] == "FileNotFoundError", (path, seen[path])
+    assert seen[f"{REPO}/setup.py"] == seen[f"{REPO}/README.md"] == "FileNotFoundError"
+    if os.path.exists("/etc/ld.so.cache"):
+        assert seen["/etc/ld.so.cache"].startswith("read "), seen["/etc/ld.so.cache"]
+    listings = seen["listings"]
+    assert set(listings["/etc"]) <= {os.path.basename(p) for p in ETC_FILES}, listings["/etc"]
+    bound = (*ROOT_LINKS, sys.prefix, sys.base_prefix, suite.scratch)
+    allowed = {"usr", "etc", "proc", "dev", "tmp"} | {p.strip("/").split("/")[0] for p in bound}
+    assert set(listings["/"]) <= allowed, listings["/"]
+    # Only what the sandbox binds lies under the scratch dir: the programs, not the files beside.
+    assert listings[suite.scratch] == ["cpp", "progs", "work"], listings
+    # The folder above the checkout holds only the way down to what is bound (in CI's clone the
+    # interpreter lives in REPO/.ci/venv, so REPO itself appears, holding only that path).
+    above = str(REPO.parent)
+    if listings[above] != "FileNotFoundError":
+        real = [os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, suite.scratch)]
+        way_down = {p[len(above) + 1 :].split("/")[0] for p in real if p.startswith(above + "/")}
+        assert set(listings[above]) <= way_down, listings
     host_root = set(os.listdir("/root")) if os.path.isdir("/root") else set()
     on_path = {p.split("/")[2] for p in (sys.prefix, sys.base_prefix) if p.startswith("/root/")}
     assert not (set(seen["root_listing"]) & (host_root - on_path))

@@ -26,6 +26,7 @@ REL_TOL = 1e-6
 # ~1.3e-6 of a tensor's scale (measured here: cp2_tp2's worst against TP 1, 1.3e-6 on layer 0's
 # linear_proj; against TP 2 without CP, cp2_tp2_vs_tp2, 1.05e-6 on the same tensor).
 TP_REL_TOL = 1.5e-6
+CP4_REL_TOL = 2e-6  # the attention op alone over four CP ranks (test_zigzag_attention_...)
 PACKED = dict(token_budget=160, layout="packed")  # per rank: CP=2 plans micro-batches of 320
 
 LAYOUTS = (
@@ -320,6 +321,10 @@ def _attention(rank: int, world_size: int) -> dict:
 @pytest.mark.parametrize("size", [2, 4])
 def test_zigzag_attention_equals_whole_sequence_attention(size):
     per_rank = run_ranks(_attention, size, timeout=120)
+    # Four ranks merge four partial log-sum-exps and add K/V gradient parts in yet another order:
+    # measured 1.46e-6 of the scale on grad v (a 2-core x86 machine, torch 2.13 CPU); two ranks
+    # stay within REL_TOL.
+    tol = REL_TOL if size == 2 else CP4_REL_TOL
     for rank, diffs in enumerate(per_rank):
         for what, (err, scale) in diffs.items():
-            assert err <= REL_TOL * scale, f"rank {rank} {what}: {err:.3g} (scale {scale:.3g})"
+            assert err <= tol * scale, f"rank {rank} {what}: {err:.3g} (scale {scale:.3g})"

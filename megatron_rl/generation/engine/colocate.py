@@ -61,7 +61,7 @@ from torch.multiprocessing import reductions
 
 from megatron_rl.generation.engine.engine import Engine
 from megatron_rl.generation.engine.routes import ServerServices
-from megatron_rl.generation.engine.weights import cast_note, checked_update, dtype_casts
+from megatron_rl.generation.engine.weights import cast_note, checked_update, dtype_casts, version_of
 from megatron_rl.generation.protocol import MEMORY_TAGS
 
 if TYPE_CHECKING:
@@ -418,14 +418,5 @@ def _tensor_update_spec(body: Body) -> tuple[str, int | None, bool]:
     _flag(body, "torch_empty_cache", False)
     abort_all = _flag(body, "abort_all_requests", False)
     v = body.get("weight_version")
-    version: int | None = None
-    if v is not None:
-        if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise ValueError(f"weight_version: the built-in engine takes integer versions, got {v!r}")
-        try:
-            version = int(v)
-        except ValueError:
-            raise ValueError(
-                f"weight_version: the built-in engine takes integer versions, got {v!r}"
-            ) from None
+    version = None if v is None else version_of(v)  # a ManifestError is a ValueError: 400
     return entries[0], version, abort_all

@@ -29,7 +29,6 @@ output head runs on the last position only (a prefill needs no other logits).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -54,7 +53,7 @@ from megatron_rl.hf.arch import (
     moe_settings,
     yarn_settings,
 )
-from megatron_rl.hf.files import HFWeights
+from megatron_rl.hf.files import HFWeights, read_config_json
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -554,7 +553,7 @@ class Decoder(nn.Module):
     def from_pretrained(cls, folder: str | os.PathLike) -> Decoder:
         """Load ``config.json`` and the safetensors weights (single file or sharded index)."""
         folder = Path(folder)
-        cfg = DecoderConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        cfg = DecoderConfig.from_hf(read_config_json(folder, flag="model"))
         model = cls(cfg)
         weights = HFWeights(folder)
         try:

@@ -3,7 +3,8 @@
 A bad argument is one line naming the flag and what is allowed (:mod:`megatron_rl.errors`):
 a number out of its range or not a number (exit 2), a ``--model`` folder without a readable
 ``config.json`` or a ``--timing-model`` file that is missing or bad (3), a ``--port-file`` whose
-folder does not exist (4), a port in use (5). The listening socket is bound here too, before the
+folder does not exist or that would replace a file no engine server wrote -- an input of the
+model's folder above all (4), a port in use (5). The listening socket is bound here too, before the
 model loads, so that a port in use is reported in a second rather than after the load.
 """
 
@@ -11,14 +12,23 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
-import math
 import os
+import re
+import secrets
 import socket
-from collections.abc import Callable
+import stat
 from dataclasses import dataclass
 
-from megatron_rl.errors import ArgumentParser, InputError, OutputError, ResourceError, UsageError
+from megatron_rl.errors import (
+    ArgumentParser,
+    InputError,
+    OutputError,
+    ResourceError,
+    UsageError,
+    float_arg,
+    int_arg,
+)
+from megatron_rl.fileio import check_output_apart, fsync_dir
 from megatron_rl.generation.engine.http import (
     DEFAULT_MAX_CONNS_PER_CLIENT,
     DEFAULT_READ_TIMEOUT_S,
@@ -26,8 +36,9 @@ from megatron_rl.generation.engine.http import (
 )
 from megatron_rl.generation.engine.timing import TimingConfig
 from megatron_rl.generation.protocol import API_KEY_ENV, api_key_from_env, check_api_key
+from megatron_rl.hf.files import read_config_json
 
-__all__ = ["ServeArgs", "bind", "parse_serve_args"]
+__all__ = ["ServeArgs", "bind", "parse_serve_args", "write_port_file"]
 
 # Ranges of the numeric flags. The upper ends are far past any real use; they are there so that a
 # typo (an extra zero or two) is refused by name rather than failing as an allocation later.
@@ -37,34 +48,8 @@ _MAX_THREADS = 4096
 _MAX_BODY_MB = 1 << 20  # 1 TiB
 _MAX_TIMEOUT_S = 86400.0
 _MAX_CONNS = 1 << 20
-
-
-def _int_in(lo: int, hi: int, what: str = "") -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer in [{lo}, {hi}]{what}, got {text!r}"
-            ) from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}]{what}, got {v}")
-        return v
-
-    return parse
-
-
-def _positive_float(hi: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            v = math.nan
-        if not (math.isfinite(v) and 0 < v <= hi):
-            raise argparse.ArgumentTypeError(f"must be a number in (0, {hi:.0f}], got {text!r}")
-        return v
-
-    return parse
+# What a port file holds: the decimal port and nothing else (see write_port_file).
+_PORT_FILE_TEXT = re.compile(rb"[0-9]{1,5}\n?")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -73,30 +58,34 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="HF model folder (config.json + safetensors)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
-    p.add_argument("--port", type=_int_in(0, 65535, " (0 picks a free port)"), default=30000)
-    p.add_argument("--max-slots", type=_int_in(1, _MAX_SLOTS), default=16, help="sequences decoded together")
+    p.add_argument("--port", type=int_arg(0, 65535, " (0 picks a free port)"), default=30000)
+    p.add_argument("--max-slots", type=int_arg(1, _MAX_SLOTS), default=16, help="sequences decoded together")
     p.add_argument(
-        "--max-len", type=_int_in(2, _MAX_LEN), default=2048, help="prompt + completion tokens per slot"
+        "--max-len", type=int_arg(2, _MAX_LEN), default=2048, help="prompt + completion tokens per slot"
     )
     p.add_argument(
         "--threads",
-        type=_int_in(0, _MAX_THREADS, " (0: torch default)"),
+        type=int_arg(0, _MAX_THREADS, " (0: torch default)"),
         default=0,
         help="torch CPU threads (0: torch default)",
     )
     p.add_argument(
-        "--weight-version", type=_int_in(0, 2**63 - 1), default=0, help="version of the loaded weights"
+        "--weight-version", type=int_arg(0, 2**63 - 1), default=0, help="version of the loaded weights"
     )
-    p.add_argument("--port-file", help="write the bound port here (atomic) once serving")
+    p.add_argument(
+        "--port-file",
+        help="write the bound port here (atomic) once serving; an existing file is replaced only "
+        "when it holds a port number (an earlier server's), and never inside --model",
+    )
     p.add_argument(
         "--max-body-mb",
-        type=_positive_float(_MAX_BODY_MB),
+        type=float_arg(0.0, _MAX_BODY_MB, low_open=True),
         default=64.0,
         help="largest request body read; larger: 413 unread",
     )
     p.add_argument(
         "--read-timeout-s",
-        type=_positive_float(_MAX_TIMEOUT_S),
+        type=float_arg(0.0, _MAX_TIMEOUT_S, low_open=True),
         default=DEFAULT_READ_TIMEOUT_S,
         help="seconds a client has to send a whole request, line, headers and body together "
         "(and to take its answer); past it: 408, or closed. An idle keep-alive connection is "
@@ -104,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-conns-per-client",
-        type=_int_in(0, _MAX_CONNS, " (0: no limit)"),
+        type=int_arg(0, _MAX_CONNS, " (0: no limit)"),
         default=DEFAULT_MAX_CONNS_PER_CLIENT,
         help="connections one client address may hold at once; the next is answered 503 and "
         "closed (a trainer opens one per in-flight sample: size it for that)",
@@ -169,7 +158,7 @@ def parse_serve_args(argv: list[str] | None) -> ServeArgs:
         max_len=a.max_len,
         threads=a.threads,
         weight_version=a.weight_version,
-        port_file=_port_file(a.port_file),
+        port_file=_port_file(a.port_file, [a.model, a.timing_model]),
         max_body_mb=a.max_body_mb,
         read_timeout_s=a.read_timeout_s,
         max_conns_per_client=a.max_conns_per_client,
@@ -179,19 +168,7 @@ def parse_serve_args(argv: list[str] | None) -> ServeArgs:
 
 
 def _hf_config(folder: str) -> dict[str, object]:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isdir(folder):
-        raise InputError(f"--model {folder}: no such folder (an HF model folder is expected)")
-    if not os.path.isfile(path):
-        raise InputError(f"--model {folder}: no config.json (an HF model folder is expected)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise InputError(f"--model {path}: not readable JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise InputError(f"--model {path}: a JSON object is expected, got {type(obj).__name__}")
-    return obj
+    return read_config_json(folder, flag="--model")
 
 
 def _timing(path: str | None) -> TimingConfig | None:
@@ -205,7 +182,7 @@ def _timing(path: str | None) -> TimingConfig | None:
         raise InputError(f"--timing-model {e}") from None
 
 
-def _port_file(path: str | None) -> str | None:
+def _port_file(path: str | None, inputs: list[str | None]) -> str | None:
     if path is None:
         return None
     folder = os.path.dirname(os.path.abspath(path))
@@ -213,7 +190,56 @@ def _port_file(path: str | None) -> str | None:
         raise OutputError(f"--port-file {path}: is a folder; a file path is expected")
     if not os.path.isdir(folder):
         raise OutputError(f"--port-file {path}: its folder {folder} does not exist")
+    check_output_apart(path, inputs, what="--port-file")
+    _check_replaceable(path)
     return path
+
+
+def _check_replaceable(path: str) -> None:
+    """Refuse a port file path that holds anything but an earlier server's port file: a file whose
+    whole content is a port number (what :func:`write_port_file` writes; replacing it lets a
+    restarted server reuse its flag). Anything else -- a symlink, a config, a file of some other
+    program -- is the user's, and is never replaced."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"--port-file {path}: exists and is not a regular file; choose another path")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise OutputError(f"--port-file {path}: exists and cannot be read ({e.strerror})") from None
+    if not _PORT_FILE_TEXT.fullmatch(head):
+        raise OutputError(
+            f"--port-file {path}: exists and is not a port file (it would be replaced); "
+            "choose another path, or remove it"
+        )
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Write ``port`` to ``path`` atomically, never over a file that is not a port file: checked
+    again now, since the model's load may have taken minutes. A path that is absent is claimed
+    with a hard link of the written temporary file (fails if the path appeared meanwhile) rather
+    than a rename over it."""
+    _check_replaceable(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "x", encoding="ascii") as f:
+            f.write(str(port))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except OSError:  # it appeared meanwhile, or the file system has no hard links
+            _check_replaceable(path)
+            os.replace(tmp, path)
+        fsync_dir(folder)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def bind(args: ServeArgs) -> EngineHTTPServer:

@@ -16,16 +16,21 @@ weight loads, abort) land *between* steps.
   of the triples, which take the client twice as long to read. ``sampling_params`` are read as SGLang
   0.5.23 reads them and checked as strictly: a key that is not SGLang's, a wrong type or range, a
   parameter we do not implement at other than its "off" value, or ``n`` other than 1 is a 400
-  naming the field. ``top_k`` -1 is no cut; a temperature below 1e-6 is greedy. A batch is
-  checked whole and queued all or nothing. A client that disconnects while it waits has its
-  requests aborted.
+  naming the field. So are the top-level fields (``engine/requests.py``): each is implemented,
+  accepted where it changes nothing here (``priority``, ``log_metrics``, ...), or refused unless
+  off (``lora_path``: no adapter is loaded here; ``return_hidden_states``, ...); a token id
+  outside the vocabulary is a 400 naming ``input_ids[i][j]``. ``top_k`` -1 is no cut; a
+  temperature below 1e-6 is greedy. A batch is checked whole and queued all or nothing. A client
+  that disconnects while it waits has its requests aborted.
 - ``/pause_generation`` ``in_place``: the loop stops after the step in progress; running requests
   keep their slots and KV cache. ``abort``: every request ends (``finish_reason`` abort) and the
   loop stops. ``retract`` is refused (it recomputes prefixes, which we never want).
   ``/continue_generation`` restarts the loop.
 - ``/init_weights_update_group``: joins the update group (``generation/update_group.py``) as rank
-  ``rank_offset`` (one worker per server). ``/begin_weight_update`` ... ``/end_weight_update``
-  bracket the updates, as SGLang 0.5.23 requires. ``/update_weights_from_distributed``: receives
+  ``rank_offset`` (one worker per server); a master that accepts no connection within
+  ``connect_timeout_s`` (10 s) is a 400 naming its ``master_address:master_port``.
+  ``/begin_weight_update`` ... ``/end_weight_update`` bracket the updates, as SGLang 0.5.23
+  requires. ``/update_weights_from_distributed``: receives
   one bucket (``flattened_bucket``) or one broadcast per tensor into fresh buffers, checks every
   tensor (name, shape, dtype, finite), and only then copies them into the model's HF-named
   parameters under the engine lock and, with ``weight_version``, sets the version that later
@@ -85,7 +90,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_rl.errors import run_cli
-from megatron_rl.fileio import atomic_write_text
 from megatron_rl.generation.engine.colocate import ColocateRoutes
 from megatron_rl.generation.engine.engine import Engine, EngineConfig, Finished
 from megatron_rl.generation.engine.http import (
@@ -97,7 +101,7 @@ from megatron_rl.generation.engine.http import (
     make_handler,
 )
 from megatron_rl.generation.engine.requests import GenerateBody, Job, parse_generate_body
-from megatron_rl.generation.engine.serve_args import bind, parse_serve_args
+from megatron_rl.generation.engine.serve_args import bind, parse_serve_args, write_port_file
 from megatron_rl.generation.engine.timing import TimingEngine
 from megatron_rl.generation.engine.updates import UpdateRoutes
 from megatron_rl.generation.engine.weights import (
@@ -113,6 +117,7 @@ from megatron_rl.generation.protocol import (
     check_api_key,
     tensor_digest,
 )
+from megatron_rl.generation.update_group import DEFAULT_CONNECT_TIMEOUT_S
 from megatron_rl.hf.arch import language_model_dict
 
 if TYPE_CHECKING:
@@ -257,15 +262,20 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         max_body_mb: float = 64.0,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         max_conns_per_client: int = DEFAULT_MAX_CONNS_PER_CLIENT,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         httpd: EngineHTTPServer | None = None,
     ) -> None:
         """``api_key`` "": no key (every route open). ``max_body_mb``: the largest request body
         read; a larger one is answered 413 unread. ``read_timeout_s``: a request's read deadline
         (line, headers and body); ``max_conns_per_client``: connections per client address (0:
-        no limit); see ``engine/http.py``. ``httpd``: a server already listening (``host``,
-        ``port`` and the two limits are then its own)."""
+        no limit); see ``engine/http.py``. ``connect_timeout_s``: how long an update group's
+        master may take to accept a connection (``/init_weights_update_group``). ``httpd``: a
+        server already listening (``host``, ``port`` and the two limits are then its own)."""
         if not (math.isfinite(max_body_mb) and max_body_mb > 0):
             raise ValueError(f"max_body_mb: must be a finite number > 0, got {max_body_mb}")
+        if not (math.isfinite(connect_timeout_s) and connect_timeout_s > 0):
+            raise ValueError(f"connect_timeout_s: must be a finite number > 0, got {connect_timeout_s}")
+        self._connect_timeout_s = connect_timeout_s
         self.engine = engine
         self._api_key = check_api_key(api_key).encode()
         self.max_body_bytes = int(max_body_mb * 2**20)
@@ -419,7 +429,7 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
         batch stream), so a group's short samples come back while its long ones still decode.
         Unlike SGLang, which also streams partial outputs every ``stream_interval`` tokens, only
         finished requests are sent: the RL loop has no use for partial ones."""
-        parsed = parse_generate_body(body)
+        parsed = parse_generate_body(body, vocab_size=self._vocab_size())
         jobs = parsed.jobs
         for job in jobs:
             job.rid = job.rid or self._next_rid()
@@ -435,6 +445,11 @@ class EngineServer(UpdateRoutes, ColocateRoutes):
                     raise ClientGone
         out = [self._reply(w.finished(), parsed) for w in waiters]
         return out if parsed.batch else out[0]
+
+    def _vocab_size(self) -> int | None:
+        """The model's vocabulary size (the timing engine's from its config; None: unknown)."""
+        e = self.engine
+        return e.model.cfg.vocab_size if isinstance(e, Engine) else e.vocab_size
 
     def _enqueue(
         self, jobs: list[Job], routed: bool, ready: queue.SimpleQueue[int] | None = None
@@ -713,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         engine, model_path=args.model, api_key=args.api_key, max_body_mb=args.max_body_mb, httpd=httpd
     )
     if args.port_file:
-        atomic_write_text(args.port_file, str(server.port))
+        write_port_file(args.port_file, server.port)
     log.info(
         "serving %s on %s (KV capacity %d tokens, %s; read deadline %g s, %s connections per client)",
         args.model,

@@ -8,6 +8,12 @@ before it changes anything: a body is checked before a byte of the broadcast is 
 received tensors (``weights.checked_update``) before any is copied in, in one section between
 engine steps; a bad one is a 400 naming it, with the weights and the version untouched. The
 streamed update's manifest, receiver and all-or-nothing apply are in ``engine/weights.py``.
+
+Every number a body carries has a range, checked first: versions in ``[0, 2**63 - 1]`` (they feed
+the staleness metrics, and ``--weight-version`` takes the same), ports, ranks, world sizes and
+byte counts (see :func:`_group_spec`, :func:`_update_spec`, ``receive_raw``). Joining an update
+group whose master does not answer fails within the server's ``connect_timeout_s``, naming the
+``master_address:master_port`` (``generation/update_group.py``).
 """
 
 from __future__ import annotations
@@ -34,9 +40,15 @@ from megatron_rl.generation.engine.weights import (
     dtype_casts,
     install,
     parse_manifest,
+    version_of,
 )
 from megatron_rl.generation.protocol import bucket_layout, unpack_bucket
-from megatron_rl.generation.update_group import broadcast, destroy_update_group, init_update_group
+from megatron_rl.generation.update_group import (
+    DEFAULT_CONNECT_TIMEOUT_S,
+    broadcast,
+    destroy_update_group,
+    init_update_group,
+)
 
 if TYPE_CHECKING:
     from megatron_rl.fileio import JsonValue
@@ -59,8 +71,10 @@ class UpdateRoutes(ServerServices):
 
     The server provides what is declared here: its engine and stats, the update groups by name,
     the weight-update session flag, the streamed update being received and the lock that starts
-    one at a time, the engine lock (taken through ``_between_steps``) and ``_abort_all``."""
+    one at a time, the engine lock (taken through ``_between_steps``) and ``_abort_all``.
+    ``_connect_timeout_s``: how long a group's master may take to accept a connection."""
 
+    _connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     engine: Engine | TimingEngine
     stats: dict[str, float]
     _groups: dict[str, dist.ProcessGroup]
@@ -70,7 +84,8 @@ class UpdateRoutes(ServerServices):
 
     def init_group(self, body: Body) -> Body:
         """Join the update group. Every field is checked before the rendezvous (which waits up
-        to the group's timeout for rank 0): a bad one is a 400 naming it, at once."""
+        to the group's timeout for rank 0): a bad one is a 400 naming it, at once. A master that
+        accepts no connection within ``_connect_timeout_s`` is a 400 naming its address."""
         spec = _group_spec(body, self.engine.cache.k.device)
         if spec["group_name"] in self._groups:
             raise BadRequest(f"group_name: {spec['group_name']!r} already initialised")
@@ -82,8 +97,9 @@ class UpdateRoutes(ServerServices):
                 rank=int(spec["rank_offset"]),
                 world_size=int(spec["world_size"]),
                 group_name=str(spec["group_name"]),
+                connect_timeout_s=self._connect_timeout_s,
             )
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, ConnectionError) as e:
             raise BadRequest(f"Failed to initialize custom process group: {e}") from None
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
@@ -265,14 +281,11 @@ class UpdateRoutes(ServerServices):
 
 
 def int_version(v: JsonValue, field: str = "weight_version") -> int:
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    if isinstance(v, str):  # SGLang's versions are strings; ours are their integers
-        try:
-            return int(v)
-        except ValueError:
-            pass
-    raise BadRequest(f"{field}: the built-in engine takes integer versions, got {v!r}")
+    """:func:`~megatron_rl.generation.engine.weights.version_of` as a 400 naming ``field``."""
+    try:
+        return version_of(v, field)
+    except ManifestError as e:
+        raise BadRequest(str(e)) from None
 
 
 def _group_name(body: Body) -> str:
@@ -296,7 +309,8 @@ def _int_field(body: Body, key: str, *, lo: int, hi: int, what: str = "") -> int
     if key not in body or body[key] is None:
         raise BadRequest(f"{key}: required, an integer in [{lo}, {hi}]{what}")
     v = body[key]
-    if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+    digits = v[1:] if isinstance(v, str) and v.startswith("-") else v
+    if isinstance(digits, str) and 0 < len(digits) <= 20 and digits.isascii() and digits.isdigit():
         v = int(v)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise BadRequest(f"{key}: must be an integer in [{lo}, {hi}]{what}, got {v!r}")

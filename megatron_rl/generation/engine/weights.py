@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENGINE_CAPABILITY",
+    "MAX_VERSION",
     "STREAM_ABORT",
     "STREAM_CONTINUE",
     "STREAM_ROUTE",
@@ -71,6 +72,7 @@ __all__ = [
     "parse_manifest",
     "read_trailer",
     "stream_payload",
+    "version_of",
     "write_trailer",
 ]
 
@@ -121,15 +123,25 @@ def read_trailer(flat: torch.Tensor, at: int) -> int:
     return int(flat[at : at + TRAILER_BYTES].cpu().clone().view(torch.int64).item())
 
 
-def _version(v: JsonValue) -> int:
+MAX_VERSION = 2**63 - 1  # a signed 64-bit integer: what a staleness metric and SGLang's int take
+
+
+def version_of(v: JsonValue, field: str = "weight_version") -> int:
+    """A weight version in ``[0, MAX_VERSION]``: an integer, or a string of its digits (SGLang's
+    versions are strings; ours are their integers); :class:`ManifestError` naming ``field``
+    otherwise (a bool, a float such as 1.5, a negative or a 70-bit number). One rule for every
+    route that sets a version: streamed, colocated and ``/update_weight_version``."""
+    n: int | None = None
     if isinstance(v, int) and not isinstance(v, bool):
-        return v
-    if isinstance(v, str):
-        try:
-            return int(v)
-        except ValueError:
-            pass
-    raise ManifestError(f"weight_version: an integer version is required, got {v!r}")
+        n = v
+    elif isinstance(v, str) and 0 < len(v) <= 20 and v.isascii() and v.isdigit():
+        n = int(v)  # ASCII digits only: int() also reads "+7", " 7", "7_0" and other scripts' digits
+    if n is None or not 0 <= n <= MAX_VERSION:
+        raise ManifestError(
+            f"{field}: the built-in engine takes integer versions in [0, 2**63 - 1] "
+            f"(or a string of their digits), got {v!r}"
+        )
+    return n
 
 
 def parse_manifest(
@@ -142,7 +154,7 @@ def parse_manifest(
         raise ManifestError(f"group_name: must be a non-empty string, got {group_name!r}")
     if body.get("weight_version") is None:
         raise ManifestError("weight_version: required")
-    version = _version(body["weight_version"])
+    version = version_of(body["weight_version"])
     buckets = body.get("buckets")
     if not isinstance(buckets, list) or not buckets:
         raise ManifestError("buckets: must be a non-empty list of {names, dtypes, shapes}")
