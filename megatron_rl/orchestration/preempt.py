@@ -37,6 +37,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _POLL_S = 0.5  # how often the stop file is looked for
 
 
+def _ignore(reason: str) -> None:
+    """``on_request`` of a run that is over."""
+
+
 class Preemption:
     """Stop requests for one run: :meth:`install` while the run runs, :meth:`uninstall` after.
 
@@ -78,10 +82,25 @@ class Preemption:
             self._poller.start()
 
     def uninstall(self) -> None:
-        """The run is over (stopped in time or not asked to): handlers back, watchdog off."""
-        self._done.set()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        """The run is over (stopped in time or not asked to): handlers back, watchdog off, the
+        stop-file thread joined and ``on_request`` dropped.
+
+        The join and the drop matter at exit: a daemon thread still running when the interpreter
+        finalizes is ended inside ``take_gil`` by ``pthread_exit``, and if the last reference to
+        the run (``on_request`` is its bound method: the model's tensors behind it) is released
+        there, torch's tensor destructor is unwound by force and the process aborts ("terminate
+        called without an active exception", SIGABRT) after a run that succeeded.
+        """
+        with self._lock:
+            self._done.set()
+            watchdog, self._watchdog = self._watchdog, None
+            self.on_request = _ignore
+        if watchdog is not None:
+            watchdog.cancel()
+            watchdog.join()
+        if self._poller is not None and self._poller is not threading.current_thread():
+            self._poller.join()  # it wakes at once: _done is set
+        self._poller = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)  # type: ignore[arg-type]  # what signal.signal returned
         self._previous = {}

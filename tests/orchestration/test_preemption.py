@@ -297,6 +297,49 @@ def test_past_the_grace_the_watchdog_ends_the_process_and_says_why(tmp_path, cap
     assert q.reason == f"{tmp_path / 'STOP'} exists" and exits == []
 
 
+def test_uninstall_leaves_no_thread_that_holds_the_run(tmp_path):
+    """After uninstall no thread of the preemption runs and nothing of it keeps the run alive: a
+    daemon thread that dropped the run's last reference while the interpreter finalized aborted
+    a finished torchrun (SIGABRT, "terminate called without an active exception": the stop-file
+    thread held ``on_request``, the run's bound method, and the model's tensors behind it)."""
+    import gc
+    import threading
+    import weakref
+
+    import torch
+
+    from megatron_rl.orchestration.preempt import Preemption
+
+    class Run:
+        def __init__(self) -> None:
+            self.weights = [torch.zeros(4)]
+
+        def preempt(self, reason: str) -> None:
+            pass
+
+    for asked in (False, True):
+        run = Run()
+        gone = weakref.ref(run)
+        p = Preemption(30.0, stop_file=tmp_path / "STOP", on_request=run.preempt, exit=lambda code: None)
+        p.install()
+        if asked:  # the watchdog's timer thread is started too
+            (tmp_path / "STOP").touch()
+            deadline = time.monotonic() + 5
+            while p.reason is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert p.reason is not None
+        p.uninstall()
+        del run
+        gc.collect()
+        assert gone() is None  # nothing the preemption keeps refers to the run
+        alive = [
+            t.name
+            for t in threading.enumerate()
+            if t.name == "rl-stop-file" or isinstance(t, threading.Timer)
+        ]
+        assert alive == []
+
+
 def _engine_pid(run: Path) -> int:
     return json.loads((run / "logs" / "pids.json").read_text())["engines"][0]["pid"]
 
