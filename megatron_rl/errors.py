@@ -255,6 +255,16 @@ _UNACTIONABLE = re.compile(
     r"|Please use DTensor instead"  # torch's ShardedTensor deprecation, raised inside megatron-core
     r"|torch\.distributed\._shard"
 )
+# A CUDA setting megatron-core recommends for TP's async gradient all-reduce: meaningful on a GPU,
+# noise on CPU (where each rank of a TP run printed it at every step).
+_CUDA_ONLY = re.compile(r"CUDA_DEVICE_MAX_CONNECTIONS")
+
+
+def _have_cuda() -> bool:
+    torch = sys.modules.get("torch")  # the warning comes from megatron-core, so torch is imported
+    return bool(torch is not None and torch.cuda.is_available())
+
+
 NO_ACCELERATED_KERNELS_NOTE = (
     "note: Transformer Engine and Apex are not installed: megatron-core runs its PyTorch layers, norms, "
     "optimizer and gradient clipping instead (as expected without a GPU; install both on a GPU "
@@ -276,8 +286,9 @@ def quiet_library_warnings() -> None:
                 print(NO_ACCELERATED_KERNELS_NOTE, file=sys.stderr)
             said = True
             return
-        if not _UNACTIONABLE.search(text):
-            shown(message, category, filename, lineno, file, line)
+        if _UNACTIONABLE.search(text) or (_CUDA_ONLY.search(text) and not _have_cuda()):
+            return
+        shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
 
