@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_SRC ?= .cache/sglang-$(SGLANG_VERSION)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
 
-.PHONY: install install-smollm2 test test-slow check docs quickstart bench clean
+.PHONY: install install-smollm2 test test-slow check docs quickstart quickstart-smollm2 bench clean
 
 install: .install.stamp
 
@@ -65,6 +65,11 @@ check: install docs
 QUICKSTART_OUT ?= runs/quickstart
 quickstart: install
 	$(PYTHON) -m megatron_rl quickstart --out $(QUICKSTART_OUT)
+
+# The same path on a real pretrained model, SmolLM2-135M-Instruct: convert, cold-start SFT,
+# difficulty filter, GRPO; held-out pass@1 as shipped, after SFT and after RL (<= 45 min, 2 cores).
+quickstart-smollm2: install-smollm2
+	$(PYTHON) -m megatron_rl quickstart --model smollm2 --out runs/quickstart-smollm2
 
 # Every benchmark program (each prints a table and a JSON line of ratios).
 bench: install

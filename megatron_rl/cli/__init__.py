@@ -31,7 +31,7 @@ from megatron_rl.errors import ArgumentParser, UsageError, run_cli
 _PASSTHROUGH = {
     "quickstart": (
         "megatron_rl.quickstart.pipeline",
-        "the CPU quick start: SFT warm-up of a tiny model, then GRPO, pass@1 before/after and plots",
+        "the CPU quick start: SFT warm-up of a tiny model (or --model smollm2: a real one), then GRPO, pass@1 and plots",
     ),
     "train": ("megatron_rl.orchestration.run", "run the GRPO loop (async or sync) from a YAML recipe"),
     "curate": (

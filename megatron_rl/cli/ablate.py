@@ -45,7 +45,8 @@ from megatron_rl.evaluation.ablation import (
 from megatron_rl.evaluation.plots import ablation_plot
 from megatron_rl.fileio import JsonValue, atomic_write_json, atomic_write_text, check_output_apart, loads_json
 from megatron_rl.orchestration.recipe import RunConfig, load_config
-from megatron_rl.quickstart.pipeline import DEFAULT_RECIPE, ensure_warmup, train_command
+from megatron_rl.quickstart.pipeline import DEFAULT_RECIPE, ensure_warmup
+from megatron_rl.quickstart.stages import train_command
 
 __all__ = ["Arm", "main", "plan_arms"]
 

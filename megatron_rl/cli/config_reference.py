@@ -252,6 +252,17 @@ def reference_markdown() -> str:
         "line sets one field (see [Recipes](recipes.md)). Each check below is read from the",
         "section's source; the error it raises names the file, the line and the field.",
         "",
+        "**On a real pretrained model** (`examples/quickstart_smollm2.yaml`, SmolLM2-135M-Instruct),",
+        "the fields that matter first: `reward.l_max` and `reward.l_cache` in that model's tokens",
+        "(its completions, not the tiny model's), and `fleet.max_len` at least the longest prompt",
+        "plus `reward.l_max` (`train` checks it before it starts); `trainer.optim.lr` far below a",
+        "from-scratch model's (2e-5 there, 1e-4 for the tiny quick start); `data.system_prompt`, the",
+        "prompt its cold start trained on; `reward.think_tags`, which need not be single tokens of",
+        "its tokenizer (the format check reads text: SmolLM2 writes `<think>` as `<`, `think`, `>`),",
+        "only the same in SFT, RL and evaluation; `batching.token_budget`, the tokens of one",
+        "micro-batch (activation memory); and `loop.max_dropped_batches`, since a real model's",
+        "early groups are often all right or all wrong.",
+        "",
     ]
     for f in dataclasses.fields(RunConfig):
         section_type = typing.get_type_hints(RunConfig)[f.name]

@@ -16,6 +16,7 @@ __all__ = [
     "pass_at_k_curve",
     "pass_rate_histogram",
     "reward_length_plot",
+    "stage_bars",
     "trajectory_plot",
 ]
 
@@ -116,6 +117,30 @@ def language_bars(
     ax.set_ylim(0, 1.02)
     ax.set_ylabel(metric)
     ax.set_title(title)
+    _save(fig, path)
+
+
+def stage_bars(
+    values: Mapping[str, float],
+    errors: Mapping[str, float | None],
+    path,
+    *,
+    metric: str = "held-out pass@1",
+    title: str = "",
+) -> None:
+    """One bar per stage of a pipeline (e.g. base, SFT, RL), in the mapping's order, each with its
+    standard error as an error bar (none where ``errors`` has None) and its value written above."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(4, 1.1 * len(values) + 2), 4))
+    names = list(values)
+    heights = [values[n] for n in names]
+    yerr = [errors.get(n) or 0.0 for n in names]
+    ax.bar(names, heights, yerr=yerr, capsize=6, color="#4477aa")
+    for i, (h, e) in enumerate(zip(heights, yerr)):
+        ax.text(i, h + e + 0.01, f"{h:.3f}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, min(1.02, max(heights + [0.0]) + max(yerr + [0.0]) + 0.12))
+    ax.set_ylabel(metric)
+    ax.set_title(title, fontsize=10)
     _save(fig, path)
 
 

@@ -1,6 +1,11 @@
 """``megatron-rl quickstart``: the whole recipe on a laptop, from nothing to an RL-trained policy.
 
     megatron-rl quickstart [--out runs/quickstart] [--recipe examples/quickstart.yaml] [k=v ...]
+    megatron-rl quickstart --model smollm2 [--out runs/quickstart-smollm2] [k=v ...]
+
+``--model smollm2`` is the same path on a real pretrained model, with the cold start, difficulty
+filter and three-stage report of :mod:`megatron_rl.quickstart.pretrained`; the tiny model below
+is the default.
 
 1. **Warm-up** (:mod:`megatron_rl.quickstart.warmup`, reused when ``OUT/warmup/warmup.json``
    exists): generated arithmetic and linear-equation problems (train / held-out), a small BPE
@@ -20,18 +25,19 @@ current one, and running the command again resumes the RL run from its last chec
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.errors import ArgumentParser, OutputError, run_cli
+from megatron_rl.errors import ArgumentParser, OutputError, UsageError, run_cli
 from megatron_rl.fileio import atomic_write_json, check_output_apart
 from megatron_rl.orchestration.recipe import RunConfig, load_config
+from megatron_rl.quickstart.pretrained import PLAN_SIZES, add_plan_args, plan_of, run_pretrained
+from megatron_rl.quickstart.stages import run_stage, train_command
 from megatron_rl.rewards.template import DEFAULT_THINK_TAGS
 
-__all__ = ["ensure_warmup", "main", "train_command"]
+__all__ = ["ensure_warmup", "main"]
 
 DEFAULT_RECIPE = Path(__file__).resolve().with_name("recipe.yaml")  # examples/quickstart.yaml links to it
 
@@ -48,36 +54,12 @@ def _check_inputs(out: Path, recipe: str, overrides: list[str]) -> RunConfig:
     return cfg
 
 
-def _stage(title: str, cmd: list[str]) -> None:
-    print(f"\n== {title}\n$ {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd)
-    if proc.returncode:
-        raise SystemExit(f"quickstart: {title} failed (exit {proc.returncode})")
-
-
-def train_command(recipe: str, paths: dict[str, str], run_dir: Path, overrides: list[str]) -> list[str]:
-    """``megatron-rl train`` of ``recipe`` on a warm-up's policy and problems (``paths``: its
-    ``sft``, ``train``, ``held_out``) into ``run_dir``, with ``overrides`` after."""
-    return [
-        sys.executable,
-        "-m",
-        "megatron_rl",
-        "train",
-        recipe,
-        f"model.hf={paths['sft']}",
-        f"data.train={paths['train']}",
-        f"data.eval={paths['held_out']}",
-        f"run.dir={run_dir}",
-        *overrides,
-    ]
-
-
 def ensure_warmup(warm: Path, tags: list[str]) -> dict[str, Any]:
     """The warm-up in ``warm`` (run in a process of its own unless ``warm/warmup.json`` exists):
     its record, with ``paths`` (``sft``, ``train``, ``held_out``) and ``seconds``. OutputError
     when the folder's warm-up taught other think tags than ``tags``."""
     if not (warm / "warmup.json").exists():
-        _stage(
+        run_stage(
             "warm-up: data, tokenizer, tiny model, SFT",
             [
                 sys.executable,
@@ -103,18 +85,32 @@ def ensure_warmup(warm: Path, tags: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog="megatron-rl quickstart", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="runs/quickstart", help="output folder (reused to resume)")
-    p.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="the RL recipe")
+    p.add_argument("--out", help="output folder (reused to resume; default runs/quickstart[-MODEL])")
+    p.add_argument("--recipe", help="the RL recipe (default: the model's, examples/quickstart*.yaml)")
+    add_plan_args(p)
     p.add_argument("overrides", nargs="*", help="overrides for the RL recipe, e.g. loop.max_steps=20")
     args = p.parse_intermixed_args(argv)
-    out = Path(args.out).absolute()
+    if args.model != "tiny":
+        plan = plan_of(args)
+        out = Path(args.out or f"runs/quickstart-{args.model}").absolute()
+        report = run_pretrained(plan, out, args.recipe or str(plan.recipe), args.overrides)
+        _say_pretrained(report)
+        print(json.dumps(report))
+        return 0
+    sizes = [f"--{k.replace('_', '-')}" for k in PLAN_SIZES if getattr(args, k) is not None]
+    if sizes:
+        raise UsageError(f"{sizes[0]}: only the real-model quick start (--model smollm2) takes it")
+    args.recipe = args.recipe or str(DEFAULT_RECIPE)
+    out = Path(args.out or "runs/quickstart").absolute()
     cfg = _check_inputs(out, args.recipe, args.overrides)
     warm = out / "warmup"
     t0 = time.monotonic()
     warmup = ensure_warmup(warm, list(cfg.reward.think_tags))
     paths = warmup["paths"]
     rl = out / "rl"
-    _stage(f"GRPO ({cfg.loop.mode} loop, full reward)", train_command(args.recipe, paths, rl, args.overrides))
+    run_stage(
+        f"GRPO ({cfg.loop.mode} loop, full reward)", train_command(args.recipe, paths, rl, args.overrides)
+    )
     summary = json.loads((rl / "summary.json").read_text())
     report = {
         "pass@1_sft": summary["pass@1_before"],
@@ -144,6 +140,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(report))
     return 0
+
+
+def _say_pretrained(report: dict[str, Any]) -> None:
+    fmt = lambda key: "-" if report.get(key) is None else f"{report[key]:.3f}"
+    if report["rl_stopped"] == "time_limit":
+        print(
+            f"\nRL stopped at its time limit (run.time_limit_min) after {report['rl_steps']} "
+            "steps; run the same command again to continue",
+            file=sys.stderr,
+        )
+    print(
+        f"\nheld-out pass@1 ({report['held_out_problems']} problems): shipped {fmt('pass@1_base')} "
+        f"-> after SFT {fmt('pass@1_sft')} -> after GRPO {fmt('pass@1_rl')}\n"
+        f"plots: {', '.join(report['plots'])}\nRL policy (HF folder): {report['policy']}\n"
+        f"this run: {report['total_s'] / 60:.1f} min",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from megatron_rl.config import ConfigFieldError, check_range
 from megatron_rl.quickstart.problems import Problem
 from megatron_rl.quickstart.tokenizer import QUICKSTART_PROMPT, load_tokenizer, prompt_ids, text_ids
 from megatron_rl.rewards.format import check_think_tags
-from megatron_rl.rewards.template import DEFAULT_THINK_TAGS, fill_think_tags
+from megatron_rl.rewards.template import DEFAULT_THINK_TAGS, resolve_system_prompt
 from megatron_rl.training.config import OptimConfig, TrainerConfig
 from megatron_rl.training.trainer import PolicyTrainer
 
@@ -81,6 +81,9 @@ class SFTConfig:
     threads: int = 0  # torch intra-op threads; 0 = chosen by measured step time (ThreadGovernor)
     token_budget: int = 8192  # tokens per microbatch (all of a step fits in one here)
     think_tags: tuple[str, str] = DEFAULT_THINK_TAGS  # the traces' (the run's reward.think_tags)
+    # The prompts' system prompt, as a recipe's data.system_prompt ("paper", "none" or a text with
+    # {think_open} {think_close}): SFT trains on the prompts the RL run will send.
+    system_prompt: str = QUICKSTART_PROMPT
 
     def __post_init__(self):
         check_range("steps", self.steps, low=1)
@@ -141,11 +144,13 @@ def sft_pairs(
     slip_rate: float = 0.0,
     rng: random.Random | None = None,
     think_tags: tuple[str, str] | list[str] = DEFAULT_THINK_TAGS,
+    system_prompt: str = QUICKSTART_PROMPT,
 ) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``: the quick
-    start's prompt and traces with ``think_tags``; each trace slips with probability
+    """``(prompt_ids, trace_ids + [EOS])`` per problem, for ``build_sft_batch``: the prompt with
+    ``system_prompt`` (as ``data.system_prompt``: "paper", "none" or a text; the quick start's
+    one line by default) and traces with ``think_tags``; each trace slips with probability
     ``slip_rate`` (drawn from ``rng``)."""
-    system_prompt = fill_think_tags(QUICKSTART_PROMPT, think_tags)
+    system_prompt = resolve_system_prompt(system_prompt, think_tags)
     rng = rng or random.Random(0)
     eos = tokenizer.eos_token_id
     pairs = []
@@ -288,7 +293,14 @@ def run_sft(
         losses = []
         bar = tqdm(total=cfg.steps, desc="sft", unit="step", disable=not progress)
         for _step, batch in zip(range(cfg.steps), _batches(problems, cfg.batch_size, cfg.seed)):
-            pairs = sft_pairs(tokenizer, batch, slip_rate=cfg.slip_rate, rng=slips, think_tags=cfg.think_tags)
+            pairs = sft_pairs(
+                tokenizer,
+                batch,
+                slip_rate=cfg.slip_rate,
+                rng=slips,
+                think_tags=cfg.think_tags,
+                system_prompt=cfg.system_prompt,
+            )
             governor.before_step()
             metrics = trainer.sft_step(build_sft_batch(pairs))
             governor.after_step(metrics["step_time_s"])
