@@ -267,7 +267,7 @@ class RunDirConfig:
     # Wall-clock limit of one invocation (set-up included), in minutes: the run ends by then as if
     # it had reached max_steps (checkpoint, export, final eval, summary); running it again
     # resumes. Training stops early enough to leave the final evaluation the time the latest one
-    # took; whatever still runs at the limit stops there: a step waiting for its batch (not
+    # took (a step starts only if, trained as long as the latest, it ends before that); whatever still runs at the limit stops there: a step waiting for its batch (not
     # trained, its prompts re-issued on resume), an evaluation (its unscored samples counted as
     # time_limit, the record marked partial). 0: no limit.
     time_limit_min: float = 0.0

@@ -188,6 +188,9 @@ class _Run:
         limit_s = 60.0 * cfg.run.time_limit_min
         self.deadline: float | None = self.t_start + limit_s if limit_s else None
         self.eval_s = 0.0  # how long the latest evaluation took: the final one is given as long
+        # The latest step's work once its batch was in (optimizer step, weight update, checkpoint):
+        # a step is started only if it can end before the final evaluation's share of the limit.
+        self.step_tail_s = 0.0
         self.saved_step: int | None = None  # the step of the latest checkpoint saved or resumed
         self.evals: list[dict[str, JsonValue]] = []  # eval.jsonl so far (rank 0)
         self.curriculum = Curriculum(cfg)
@@ -416,8 +419,11 @@ class _Run:
             if stop_after is not None and steps_here >= stop_after:
                 self.stopped = "stop_after"
                 break
-            # Training stops early enough to leave the final evaluation the time the latest took.
-            stop_at = None if self.deadline is None else self.deadline - self.eval_s
+            # Training stops early enough to leave the final evaluation the time the latest took:
+            # the batch must be in by then less the time the latest step took to train on its
+            # batch (on a real model on CPU that is a minute: without it the last step ran into
+            # the evaluation's share and the final evaluation was cut short).
+            stop_at = None if self.deadline is None else self.deadline - self.eval_s - self.step_tail_s
             orch.deadline = stop_at
             if self.preempted is not None:
                 orch.deadline = 0.0
@@ -447,8 +453,16 @@ class _Run:
             # A step whose optimizer steps were all skipped (non-finite) leaves nothing new to save.
             moved = trainer.step > before
             due = moved and cfg.run.checkpoint_every and trainer.step % cfg.run.checkpoint_every == 0
+            t_save = time.monotonic()
             if due or (moved and trainer.step >= cfg.loop.max_steps):
                 self._checkpoint()
+            m = result.metrics
+            self.step_tail_s = (
+                float(m.get("train/step_time_s", 0.0))
+                + float(m.get("weight_sync/seconds", 0.0))
+                + time.monotonic()
+                - t_save
+            )
             if (
                 rank0
                 and cfg.run.eval_every
