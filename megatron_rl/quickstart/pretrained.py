@@ -46,6 +46,7 @@ folder was built with (a rerun with others is refused: use another ``--out``).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -55,7 +56,7 @@ from typing import Any
 from megatron_rl.data.problems import write_problems
 from megatron_rl.errors import ArgumentParser, OutputError, float_arg, int_arg, run_cli
 from megatron_rl.fileio import atomic_write_json, check_output_apart, loads_json, read_jsonl
-from megatron_rl.orchestration.recipe import load_config
+from megatron_rl.orchestration.recipe import RunConfig, load_config
 from megatron_rl.quickstart.problems import Problem, ProblemConfig, generate_problems, split_problems
 from megatron_rl.quickstart.stages import run_stage, train_command
 
@@ -149,9 +150,7 @@ def _module(*args: str) -> list[str]:
     return [sys.executable, "-m", "megatron_rl.quickstart.pretrained", *args]
 
 
-def run_pretrained(
-    plan: PretrainedPlan, out: Path, recipe: str, overrides: list[str], *, progress: bool = True
-) -> dict[str, Any]:
+def run_pretrained(plan: PretrainedPlan, out: Path, recipe: str, overrides: list[str]) -> dict[str, Any]:
     """Every stage of the module docstring into ``out`` (each reused when done); the report
     written to ``out/quickstart.json``."""
     cfg = load_config(recipe, overrides)
@@ -163,79 +162,14 @@ def run_pretrained(
     t0 = time.monotonic()
     stages_path = out / "stages.json"
     seconds: dict[str, float] = _read_json(stages_path) if stages_path.exists() else {}
-
-    def stage(name: str, title: str, cmd: list[str]) -> None:
-        seconds[name] = run_stage(title, cmd)
-        atomic_write_json(stages_path, seconds)
-
-    base, sft, stage1 = out / "base", out / "sft", out / "filter" / "stage1.jsonl"
-    if not (base / "config.json").exists():
-        stage(
-            "convert",
-            f"convert: {plan.gguf} GGUF -> HF",
-            [
-                sys.executable,
-                "-m",
-                "megatron_rl",
-                "convert",
-                "gguf-to-hf",
-                "--gguf",
-                plan.gguf,
-                "--out",
-                str(base),
-            ],
-        )
     problems = out / "problems"
     if not (problems / "problems.json").exists():
-        held_out, pool, cold = plan_problems(plan)
-        write_problem_files(problems, held_out, pool, cold)
-    held_out_file, pool_file = problems / "held_out.jsonl", problems / "pool.jsonl"
-    passthrough = ["--recipe", recipe, *overrides]
-    if not (out / "eval_base.json").exists():
-        stage(
-            "eval_base",
-            "held-out pass@1 of the model as shipped",
-            _module(
-                "eval",
-                "--model",
-                str(base),
-                "--problems",
-                str(held_out_file),
-                "--out",
-                str(out / "eval_base.json"),
-                *passthrough,
-            ),
-        )
-    if not (out / "sft.json").exists():
-        stage(
-            "sft",
-            f"cold start: {plan.sft_steps} SFT steps x {plan.sft_batch} traces",
-            _module(
-                "sft",
-                "--base",
-                str(base),
-                "--out",
-                str(sft),
-                "--record",
-                str(out / "sft.json"),
-                "--plan",
-                str(out / "plan.json"),
-                *passthrough,
-            ),
-        )
-    if not stage1.exists():
-        stage(
-            "filter",
-            f"difficulty filter: {plan.pool_problems} pool problems x {plan.filter_k} samples",
-            [
-                sys.executable, "-m", "megatron_rl", "curate", "difficulty",
-                "--model", str(sft), "--input", str(pool_file), "--output", str(stage1),
-                "--k", str(plan.filter_k), "--max-new-tokens", str(cfg.reward.l_max),
-                "--temperature", str(cfg.algorithm.temperature), "--system-prompt", cfg.data.system_prompt,
-                "--max-slots", str(cfg.fleet.max_slots), "--workers", str(cfg.reward.workers),
-                "--recipe", recipe, *(o for o in overrides if o.startswith("reward.")),
-            ],
-        )  # fmt: skip
+        write_problem_files(problems, *plan_problems(plan))
+    for name, done, title, cmd in _stages(plan, cfg, out, recipe, overrides):
+        if not done.exists():
+            seconds[name] = run_stage(title, cmd)
+            atomic_write_json(stages_path, seconds)
+    stage1 = out / "filter" / "stage1.jsonl"
     kept = sum(1 for line in stage1.read_text().splitlines() if line.strip())
     if not kept:
         raise OutputError(
@@ -244,15 +178,59 @@ def run_pretrained(
             "the cold start with more --sft-steps"
         )
     rl = out / "rl"
-    paths = {"sft": str(sft), "train": str(stage1), "held_out": str(held_out_file)}
-    stage(
-        "rl",
-        f"GRPO ({cfg.loop.mode} loop, full reward) on {kept} filtered problems",
-        train_command(recipe, paths, rl, overrides),
-    )
+    paths = {"sft": str(out / "sft"), "train": str(stage1), "held_out": str(problems / "held_out.jsonl")}
+    title = f"GRPO ({cfg.loop.mode} loop, full reward) on {kept} filtered problems"
+    seconds["rl"] = run_stage(title, train_command(recipe, paths, rl, overrides))  # resumes: always run
+    atomic_write_json(stages_path, seconds)
     report = _report(plan, out, rl, seconds, total_s=time.monotonic() - t0, kept=kept)
     atomic_write_json(out / "quickstart.json", report)
     return report
+
+
+def _stages(
+    plan: PretrainedPlan, cfg: RunConfig, out: Path, recipe: str, overrides: list[str]
+) -> list[tuple[str, Path, str, list[str]]]:
+    """The stages before RL, in order: ``(name, the file whose presence says it is done, title,
+    command)``."""
+    base, sft, problems = out / "base", out / "sft", out / "problems"
+    stage1 = out / "filter" / "stage1.jsonl"
+    passthrough = ["--recipe", recipe, *overrides]
+    cli = [sys.executable, "-m", "megatron_rl"]
+    return [
+        (
+            "convert",
+            base / "config.json",
+            f"convert: {plan.gguf} GGUF -> HF",
+            [*cli, "convert", "gguf-to-hf", "--gguf", plan.gguf, "--out", str(base)],
+        ),
+        (
+            "eval_base",
+            out / "eval_base.json",
+            "held-out pass@1 of the model as shipped",
+            _module("eval", "--model", str(base), "--problems", str(problems / "held_out.jsonl"),
+                    "--out", str(out / "eval_base.json"), *passthrough),
+        ),
+        (
+            "sft",
+            out / "sft.json",
+            f"cold start: {plan.sft_steps} SFT steps x {plan.sft_batch} traces",
+            _module("sft", "--base", str(base), "--out", str(sft), "--record", str(out / "sft.json"),
+                    "--plan", str(out / "plan.json"), *passthrough),
+        ),
+        (
+            "filter",
+            stage1,
+            f"difficulty filter: {plan.pool_problems} pool problems x {plan.filter_k} samples",
+            [
+                *cli, "curate", "difficulty",
+                "--model", str(sft), "--input", str(problems / "pool.jsonl"), "--output", str(stage1),
+                "--k", str(plan.filter_k), "--max-new-tokens", str(cfg.reward.l_max),
+                "--temperature", str(cfg.algorithm.temperature), "--system-prompt", cfg.data.system_prompt,
+                "--max-slots", str(cfg.fleet.max_slots), "--workers", str(cfg.reward.workers),
+                "--recipe", recipe, *(o for o in overrides if o.startswith("reward.")),
+            ],
+        ),
+    ]  # fmt: skip
 
 
 def write_problem_files(
@@ -345,7 +323,7 @@ def _eval_main(argv: list[str]) -> int:
     from megatron_rl.orchestration.run import held_out_sampling  # lazy: as above
     from megatron_rl.rewards.pool import VerifierPool  # lazy: as above
 
-    torch.set_num_threads(max(1, cfg.fleet.threads + cfg.trainer.cpu_threads))  # nothing else runs now
+    torch.set_num_threads(os.cpu_count() or 1)  # nothing else runs in this stage
     problems = read_problems(args.problems)
     tokenizer = load_tokenizer(args.model)
     generator = LocalGenerator.from_pretrained(
@@ -406,44 +384,32 @@ def _plan_from(path: Path) -> PretrainedPlan:
     return replace(plan, **fields)
 
 
+#: The plan's fields the command line may change: flag type and help (``--eval-problems`` ...).
+_SIZE_FLAGS: dict[str, tuple[Any, str]] = {
+    "eval_problems": (int_arg(2, 100_000), "held-out problems"),
+    "pool_problems": (int_arg(1, 100_000), "problems the difficulty filter samples"),
+    "filter_k": (int_arg(2, 1024), "the filter's samples per problem"),
+    "sft_steps": (int_arg(2, 1_000_000), "cold-start SFT steps"),
+    "sft_lr": (float_arg(0.0, 1.0, low_open=True), "cold-start peak lr"),
+}
+PLAN_SIZES = tuple(_SIZE_FLAGS)
+
+
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     """The quick start's ``--model`` and the real model's sizes (defaults: :data:`PRETRAINED`)."""
-    d = PretrainedPlan(name="", title="", gguf="", recipe=Path())
+    default = PRETRAINED["smollm2"]
     p.add_argument(
         "--model",
         default="tiny",
         choices=["tiny", *PRETRAINED],
         help="tiny (default: a 0.6M Llama built here) or a real pretrained model",
     )
-    p.add_argument(
-        "--eval-problems",
-        type=int_arg(2, 100_000),
-        help=f"real model: held-out problems (default {d.eval_problems})",
-    )
-    p.add_argument(
-        "--pool-problems",
-        type=int_arg(1, 100_000),
-        help=f"real model: problems the difficulty filter samples (default {d.pool_problems})",
-    )
-    p.add_argument(
-        "--filter-k",
-        type=int_arg(2, 1024),
-        help=f"real model: the filter's samples per problem (default {d.filter_k})",
-    )
-    p.add_argument(
-        "--sft-steps",
-        type=int_arg(2, 1_000_000),
-        help=f"real model: cold-start SFT steps (default {d.sft_steps})",
-    )
-    p.add_argument(
-        "--sft-lr",
-        type=float_arg(0.0, 1.0, low_open=True),
-        help=f"real model: cold-start peak lr (default {d.sft_lr:g})",
-    )
-
-
-#: The plan's fields the command line may change (``--eval-problems`` ...).
-PLAN_SIZES = ("eval_problems", "pool_problems", "filter_k", "sft_steps", "sft_lr")
+    for field, (kind, what) in _SIZE_FLAGS.items():
+        p.add_argument(
+            f"--{field.replace('_', '-')}",
+            type=kind,
+            help=f"real model: {what} (default {getattr(default, field):g})",
+        )
 
 
 def plan_of(args: argparse.Namespace) -> PretrainedPlan:
