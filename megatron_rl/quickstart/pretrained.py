@@ -65,6 +65,7 @@ __all__ = [
     "PRETRAINED",
     "PretrainedPlan",
     "add_plan_args",
+    "cold_start",
     "plan_of",
     "plan_problems",
     "run_pretrained",
@@ -154,21 +155,8 @@ def run_pretrained(plan: PretrainedPlan, out: Path, recipe: str, overrides: list
     """Every stage of the module docstring into ``out`` (each reused when done); the report
     written to ``out/quickstart.json``."""
     cfg = load_config(recipe, overrides)
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"--out {out}: is a file; the quick start writes a folder there")
-    for written in ("base", "problems", "sft", "filter", "rl", "quickstart.json", "pass_at_1.png"):
-        check_output_apart(out / written, [recipe], what="the quick start's output")
-    _check_plan(out, plan)
     t0 = time.monotonic()
-    stages_path = out / "stages.json"
-    seconds: dict[str, float] = _read_json(stages_path) if stages_path.exists() else {}
-    problems = out / "problems"
-    if not (problems / "problems.json").exists():
-        write_problem_files(problems, *plan_problems(plan))
-    for name, done, title, cmd in _stages(plan, cfg, out, recipe, overrides):
-        if not done.exists():
-            seconds[name] = run_stage(title, cmd)
-            atomic_write_json(stages_path, seconds)
+    seconds = _run_stages(plan, cfg, out, recipe, overrides)
     stage1 = out / "filter" / "stage1.jsonl"
     kept = sum(1 for line in stage1.read_text().splitlines() if line.strip())
     if not kept:
@@ -178,13 +166,55 @@ def run_pretrained(plan: PretrainedPlan, out: Path, recipe: str, overrides: list
             "the cold start with more --sft-steps"
         )
     rl = out / "rl"
-    paths = {"sft": str(out / "sft"), "train": str(stage1), "held_out": str(problems / "held_out.jsonl")}
+    paths = {
+        "sft": str(out / "sft"),
+        "train": str(stage1),
+        "held_out": str(out / "problems" / "held_out.jsonl"),
+    }
     title = f"GRPO ({cfg.loop.mode} loop, full reward) on {kept} filtered problems"
     seconds["rl"] = run_stage(title, train_command(recipe, paths, rl, overrides))  # resumes: always run
-    atomic_write_json(stages_path, seconds)
+    atomic_write_json(out / "stages.json", seconds)
     report = _report(plan, out, rl, seconds, total_s=time.monotonic() - t0, kept=kept)
     atomic_write_json(out / "quickstart.json", report)
     return report
+
+
+def cold_start(plan: PretrainedPlan, out: Path, recipe: str, overrides: list[str] | None = None) -> Path:
+    """The quick start's stages up to its cold start only (convert, SFT) into ``out`` (each
+    reused when done, as a quick start into that folder would); the SFT policy's folder. What a
+    benchmark trains from: a real model that has the answer format, without the evaluations and
+    the filter."""
+    overrides = overrides or []
+    _run_stages(plan, load_config(recipe, overrides), out, recipe, overrides, only=("convert", "sft"))
+    return out / "sft"
+
+
+def _run_stages(
+    plan: PretrainedPlan,
+    cfg: RunConfig,
+    out: Path,
+    recipe: str,
+    overrides: list[str],
+    *,
+    only: tuple[str, ...] | None = None,
+) -> dict[str, float]:
+    """Every stage before RL (or those named in ``only``) not done yet in ``out``; the seconds
+    each took (``out/stages.json``, this run's and earlier runs')."""
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"--out {out}: is a file; the quick start writes a folder there")
+    for written in ("base", "problems", "sft", "filter", "rl", "quickstart.json", "pass_at_1.png"):
+        check_output_apart(out / written, [recipe], what="the quick start's output")
+    _check_plan(out, plan)
+    stages_path = out / "stages.json"
+    seconds: dict[str, float] = _read_json(stages_path) if stages_path.exists() else {}
+    problems = out / "problems"
+    if not (problems / "problems.json").exists():
+        write_problem_files(problems, *plan_problems(plan))
+    for name, done, title, cmd in _stages(plan, cfg, out, recipe, overrides):
+        if (only is None or name in only) and not done.exists():
+            seconds[name] = run_stage(title, cmd)
+            atomic_write_json(stages_path, seconds)
+    return seconds
 
 
 def _stages(
