@@ -340,9 +340,6 @@ def run_trl(args: argparse.Namespace, policy: Path, problems: list[Any], recipe:
         if not timed:
             raise SystemExit(f"megatron-rl bench vs-trl: no TRL generation back-end ran: {backends}")
         winner = min(timed, key=lambda k: timed[k])
-        clock["reward_mean"].clear()
-        for k in ("tokens", "completion_tokens", "sum_sq"):
-            clock[k].clear()
         t = trainer(winner == "generate_batch", 1 + args.trl_steps)
         t.train()
     finally:
