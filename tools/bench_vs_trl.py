@@ -172,20 +172,161 @@ def workload(args: argparse.Namespace, root: Path) -> tuple[list[Any], Path, Any
 # -------------------------------------------------------------------------------------------- TRL
 
 
+class _TrlClock:
+    """Where TRL's steps go: the reward function records each step's reward and token counts,
+    the timed trainer's methods add their seconds to the step being run, and the step callback
+    closes the step. ``prompt_tokens``: each problem's rendered prompt length (what TRL fed)."""
+
+    def __init__(self, prompt_tokens: dict[str, int], total_steps: int):
+        self.prompt_tokens = prompt_tokens
+        self.total_steps = total_steps
+        keys = ("step", "generate", "reward", "reward_mean", "tokens", "completion_tokens", "sum_sq")
+        self.series: dict[str, list[float]] = {k: [] for k in keys}
+        self.pending = {"generate": 0.0, "reward": 0.0}
+        self.t0 = 0.0
+
+    def reward_fn(self, tok: Any, rcfg: Any, pool: Any) -> Any:
+        """TRL's reward function: our full reward (:func:`score_many`) on the decoded completions."""
+        from megatron_rl.data.sampling import decode_completion  # lazy: as above
+        from megatron_rl.rewards.compose import RewardInput, score_many  # lazy: as above
+
+        def megatron_rl_reward(prompts, completions, completion_ids, problem, answer, **_):
+            inputs = [
+                RewardInput(
+                    problem=q,
+                    completion=decode_completion(tok, ids),
+                    task="math",
+                    answer=a,
+                    num_tokens=len(ids),
+                )
+                for q, ids, a in zip(problem, completion_ids, answer)
+            ]
+            values = [r.reward for r in score_many(inputs, rcfg, pool)]
+            lengths = [self.prompt_tokens[q] + len(ids) for q, ids in zip(problem, completion_ids)]
+            self.series["reward_mean"].append(statistics.fmean(values))
+            self.series["tokens"].append(float(sum(lengths)))
+            self.series["completion_tokens"].append(float(sum(len(ids) for ids in completion_ids)))
+            self.series["sum_sq"].append(float(sum(n * n for n in lengths)))
+            return values
+
+        return megatron_rl_reward
+
+    def timed(self, name: str, fn: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            self.pending[name] += time.perf_counter() - t0
+
+    def step_begin(self) -> None:
+        self.t0 = time.perf_counter()
+        self.pending.update(generate=0.0, reward=0.0)
+
+    def step_end(self) -> None:
+        s = self.series
+        s["step"].append(time.perf_counter() - self.t0)
+        s["generate"].append(self.pending["generate"])
+        s["reward"].append(self.pending["reward"])
+        print(
+            f"trl step {len(s['step'])}/{self.total_steps}: {s['step'][-1]:.1f} s (generation "
+            f"{self.pending['generate']:.1f} s), reward {s['reward_mean'][-1]:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def summary(self, per_step: int) -> dict:
+        """The timed steps' figures (the first step is the warm-up)."""
+        s = {k: v[1:] for k, v in self.series.items()}
+        wall = sum(s["step"])
+        gen, rew = sum(s["generate"]), sum(s["reward"])
+        return {
+            "completions_per_s": per_step * len(s["step"]) / wall,
+            "steps": len(s["step"]),
+            "step_s": statistics.median(s["step"]),
+            "where": {"generation": gen / wall, "scoring": rew / wall, "train": (wall - gen - rew) / wall},
+            "train_s": (wall - gen - rew) / len(s["step"]),
+            "tokens_per_step": statistics.fmean(s["tokens"]),
+            "completion_tokens_per_step": statistics.fmean(s["completion_tokens"]),
+            "sum_sq_per_step": statistics.fmean(s["sum_sq"]),
+            "curve": list(zip([sum(s["step"][: i + 1]) for i in range(len(s["step"]))], s["reward_mean"])),
+            "reward_warmup_step": self.series["reward_mean"][0],
+        }
+
+
+def _trl_config(args: argparse.Namespace, recipe: Any, root: Path, steps: int, continuous: bool) -> Any:
+    """TRL's ``GRPOConfig`` for the workload (module docstring) at its fastest CPU settings."""
+    from trl import GRPOConfig  # lazy: the bench extra
+
+    optim, algo = recipe.trainer.optim, recipe.algorithm
+    return GRPOConfig(
+        output_dir=str(root / "trl"),
+        per_device_train_batch_size=args.prompts * args.group,
+        gradient_accumulation_steps=1,
+        num_generations=args.group,
+        max_completion_length=args.max_new,
+        temperature=algo.temperature,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=optim.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_epsilon=optim.adam_eps,
+        weight_decay=optim.weight_decay,
+        max_grad_norm=optim.clip_grad,
+        beta=0.0,
+        loss_type="dapo",
+        epsilon=algo.eps_low,
+        epsilon_high=algo.eps_high,
+        scale_rewards="batch",
+        num_iterations=1,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_transformers_continuous_batching=continuous,
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+
+
+def _fastest_generation(
+    probe: Any, prompt_ids: list[list[int]], group: int
+) -> tuple[str, dict[str, float | str]]:
+    """TRL's two generation back-ends timed warm on one batch, through the trainer's own call:
+    the faster's name, and every back-end's seconds (or why it failed)."""
+    backends: dict[str, float | str] = {}
+    for name, continuous in (("generate", False), ("generate_batch", True)):
+        probe.use_transformers_continuous_batching = continuous  # what _generate_single_turn reads
+        try:
+            probe._generate_single_turn(prompt_ids, None, {}, group)  # warm
+            t0 = time.perf_counter()
+            probe._generate_single_turn(prompt_ids, None, {}, group)
+            backends[name] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 -- a back-end that fails here is reported, not used
+            backends[name] = f"failed: {type(e).__name__}: {e}"[:200]
+        print(f"trl generation {name}: {backends[name]}", file=sys.stderr, flush=True)
+    timed = {k: v for k, v in backends.items() if isinstance(v, float)}
+    if not timed:
+        raise SystemExit(f"megatron-rl bench vs-trl: no TRL generation back-end ran: {backends}")
+    return min(timed, key=lambda k: timed[k]), backends
+
+
 def run_trl(args: argparse.Namespace, policy: Path, problems: list[Any], recipe: Any, root: Path) -> dict:
     """TRL's ``GRPOTrainer`` on the workload (module docstring), in this process."""
     import torch  # lazy: as above
     from datasets import Dataset  # lazy: as above
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # lazy: as above
-    from trl import GRPOConfig, GRPOTrainer  # lazy: the bench extra
+    from trl import GRPOTrainer  # lazy: the bench extra
 
-    from megatron_rl.data.sampling import decode_completion, render_prompt  # lazy: as above
-    from megatron_rl.rewards.compose import RewardInput, score_many  # lazy: as above
+    from megatron_rl.data.sampling import render_prompt  # lazy: as above
     from megatron_rl.rewards.pool import VerifierPool  # lazy: as above
-    from megatron_rl.rewards.template import (
-        build_messages,  # lazy: as above
-        resolve_system_prompt,  # lazy: as above
-    )
+    from megatron_rl.rewards.template import build_messages, resolve_system_prompt  # lazy: as above
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -193,11 +334,14 @@ def run_trl(args: argparse.Namespace, policy: Path, problems: list[Any], recipe:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     system = resolve_system_prompt(recipe.data.system_prompt, recipe.reward.think_tags)
-    rows = []
-    for p in problems:
-        messages = build_messages(p.problem, "math", system_prompt=system)
-        rows.append({"prompt": messages, "problem": p.problem, "answer": p.answer})
-    ours_ids = render_prompt(tok, problems[0].problem, "math", system_prompt=system)
+    rows = [
+        {
+            "prompt": build_messages(p.problem, "math", system_prompt=system),
+            "problem": p.problem,
+            "answer": p.answer,
+        }
+        for p in problems
+    ]
 
     def chat_ids(row: dict) -> list[int]:  # what TRL's _tokenize_prompts renders for a row
         return list(
@@ -206,114 +350,28 @@ def run_trl(args: argparse.Namespace, policy: Path, problems: list[Any], recipe:
             )["input_ids"]
         )
 
-    theirs_ids = chat_ids(rows[0])
-    per_step = args.prompts * args.group
-    clock: dict[str, list[float]] = {
-        "step": [],
-        "generate": [],
-        "reward": [],
-        "reward_mean": [],
-        "tokens": [],
-        "completion_tokens": [],
-        "sum_sq": [],
-    }
-    pending = {"generate": 0.0, "reward": 0.0}
-    rcfg = recipe.reward
-
-    pool = VerifierPool(rcfg.workers)
-
-    def reward_fn(prompts, completions, completion_ids, problem, answer, **_):
-        inputs = [
-            RewardInput(
-                problem=q, completion=decode_completion(tok, ids), task="math", answer=a, num_tokens=len(ids)
-            )
-            for q, ids, a in zip(problem, completion_ids, answer)
-        ]
-        values = [r.reward for r in score_many(inputs, rcfg, pool)]
-        clock["reward_mean"].append(statistics.fmean(values))
-        lengths = [len(ours_ids) + len(ids) for ids in completion_ids]  # the prompts are one length +- a few
-        clock["tokens"].append(float(sum(lengths)))
-        clock["completion_tokens"].append(float(sum(len(ids) for ids in completion_ids)))
-        clock["sum_sq"].append(float(sum(n * n for n in lengths)))
-        return values
-
-    reward_fn.__name__ = "megatron_rl_reward"
+    clock = _TrlClock({r["problem"]: len(chat_ids(r)) for r in rows}, 1 + args.trl_steps)
+    pool = VerifierPool(recipe.reward.workers)
+    reward_fn = clock.reward_fn(tok, recipe.reward, pool)
 
     class Timed(GRPOTrainer):
         def _generate(self, prompts):
-            t0 = time.perf_counter()
-            try:
-                return super()._generate(prompts)
-            finally:
-                pending["generate"] += time.perf_counter() - t0
+            return clock.timed("generate", super()._generate, prompts)
 
         def _calculate_rewards(self, *a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return super()._calculate_rewards(*a, **kw)
-            finally:
-                pending["reward"] += time.perf_counter() - t0
+            return clock.timed("reward", super()._calculate_rewards, *a, **kw)
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
-            self.t0 = time.perf_counter()
-            pending.update(generate=0.0, reward=0.0)
+            clock.step_begin()
 
         def on_step_end(self, *_a, **_k):
-            clock["step"].append(time.perf_counter() - self.t0)
-            clock["generate"].append(pending["generate"])
-            clock["reward"].append(pending["reward"])
-            n = len(clock["step"])
-            print(
-                f"trl step {n}/{1 + args.trl_steps}: {clock['step'][-1]:.1f} s (generation "
-                f"{pending['generate']:.1f} s), reward {clock['reward_mean'][-1]:.3f}",
-                file=sys.stderr,
-                flush=True,
-            )
+            clock.step_end()
 
-    optim = recipe.trainer.optim
-    algo = recipe.algorithm
-
-    def trainer(continuous: bool, steps: int):
-        model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-        config = GRPOConfig(
-            output_dir=str(root / "trl"),
-            per_device_train_batch_size=per_step,
-            gradient_accumulation_steps=1,
-            num_generations=args.group,
-            max_completion_length=args.max_new,
-            temperature=algo.temperature,
-            top_p=1.0,
-            top_k=0,
-            learning_rate=optim.lr,
-            lr_scheduler_type="constant",
-            warmup_steps=0,
-            adam_beta1=optim.adam_beta1,
-            adam_beta2=optim.adam_beta2,
-            adam_epsilon=optim.adam_eps,
-            weight_decay=optim.weight_decay,
-            max_grad_norm=optim.clip_grad,
-            beta=0.0,
-            loss_type="dapo",
-            epsilon=algo.eps_low,
-            epsilon_high=algo.eps_high,
-            scale_rewards="batch",
-            num_iterations=1,
-            max_steps=steps,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            use_cpu=True,
-            bf16=False,
-            gradient_checkpointing=False,
-            use_transformers_continuous_batching=continuous,
-            disable_tqdm=True,
-            seed=0,
-            dataloader_num_workers=0,
-        )
+    def trainer(continuous: bool, steps: int) -> Any:
         return Timed(
-            model=model,
-            args=config,
+            model=AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32),
+            args=_trl_config(args, recipe, root, steps, continuous),
             reward_funcs=[reward_fn],
             train_dataset=Dataset.from_list(rows),
             processing_class=tok,
@@ -321,47 +379,19 @@ def run_trl(args: argparse.Namespace, policy: Path, problems: list[Any], recipe:
         )
 
     try:
-        # The generation back-ends, warm, on one batch (the trainer's own generation call).
         probe = trainer(True, 1)  # built as use_transformers_continuous_batching builds it
         prompt_ids = [chat_ids(rows[i]) for i in range(args.prompts) for _ in range(args.group)]
-        backends: dict[str, float | str] = {}
-        for name, continuous in (("generate", False), ("generate_batch", True)):
-            probe.use_transformers_continuous_batching = continuous  # what _generate_single_turn reads
-            try:
-                probe._generate_single_turn(prompt_ids, None, {}, args.group)  # warm
-                t0 = time.perf_counter()
-                probe._generate_single_turn(prompt_ids, None, {}, args.group)
-                backends[name] = time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 -- a back-end that fails here is reported, not used
-                backends[name] = f"failed: {type(e).__name__}: {e}"[:200]
-            print(f"trl generation {name}: {backends[name]}", file=sys.stderr, flush=True)
+        winner, backends = _fastest_generation(probe, prompt_ids, args.group)
         del probe
-        timed = {k: v for k, v in backends.items() if isinstance(v, float)}
-        if not timed:
-            raise SystemExit(f"megatron-rl bench vs-trl: no TRL generation back-end ran: {backends}")
-        winner = min(timed, key=lambda k: timed[k])
-        t = trainer(winner == "generate_batch", 1 + args.trl_steps)
-        t.train()
+        trainer(winner == "generate_batch", 1 + args.trl_steps).train()
     finally:
         pool.close()
-    steps = clock["step"][1:]
-    wall = sum(steps)
-    gen, rew = sum(clock["generate"][1:]), sum(clock["reward"][1:])
-    times = [sum(steps[: i + 1]) for i in range(len(steps))]
     return {
-        "completions_per_s": per_step * len(steps) / wall,
-        "steps": len(steps),
-        "step_s": statistics.median(steps),
-        "where": {"generation": gen / wall, "scoring": rew / wall, "train": (wall - gen - rew) / wall},
-        "train_s": (wall - gen - rew) / len(steps),
-        "tokens_per_step": statistics.fmean(clock["tokens"][1:]),
-        "completion_tokens_per_step": statistics.fmean(clock["completion_tokens"][1:]),
-        "sum_sq_per_step": statistics.fmean(clock["sum_sq"][1:]),
-        "curve": list(zip(times, clock["reward_mean"][1:])),
-        "reward_warmup_step": clock["reward_mean"][0],
+        **clock.summary(args.prompts * args.group),
         "generation_backends_s": backends,
         "generation": winner,
-        "prompt_tokens_match": ours_ids == theirs_ids,
+        "prompt_tokens_match": render_prompt(tok, problems[0].problem, "math", system_prompt=system)
+        == chat_ids(rows[0]),
         "threads": args.threads,
     }
 

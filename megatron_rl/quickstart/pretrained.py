@@ -81,7 +81,7 @@ class PretrainedPlan:
     gguf: str  # convert gguf-to-hf's --gguf (a KNOWN_GGUF name or a path)
     recipe: Path  # the RL stage's recipe
     eval_problems: int = 256  # held-out problems (base, SFT and RL pass@1 are all on these)
-    pool_problems: int = 128  # problems the difficulty filter samples, filter_k times each
+    pool_problems: int = 256  # problems the difficulty filter samples, filter_k times each (~half are kept)
     filter_k: int = 4
     sft_steps: int = 24  # cold-start optimizer steps ...
     sft_batch: int = 16  # ... of this many traces
