@@ -15,7 +15,8 @@ Bottom first:
    -> dataclass with file:line errors), ``fileio`` (atomic writes, JSONL), ``layers`` (this file);
 2. pure parts -- ``algorithms`` (tensor math), ``rewards`` (verifiers, sandbox, pool), ``hf`` (HF
    config facts, the HF <-> Megatron name and layout map per architecture, HF folders on disk);
-3. ``batching`` (scored groups -> train batches and microbatches);
+3. ``batching`` (scored groups -> train batches and microbatches) and ``environments`` (multi-turn
+   environments, their calls under a deadline, a trajectory's exact tokens and loss mask);
 4. the engines of the loop -- ``training`` (Megatron trainer) and ``generation`` (fleet client,
    SGLang protocol, built-in engine server);
 5. what joins or drives the engines -- ``weight_sync`` (trainer -> fleet broadcast), ``convert``
@@ -42,7 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the error path and the version", ("errors", "version")),
     ("records and plumbing", ("", "types", "config", "fileio", "layers")),
     ("pure parts", ("algorithms", "rewards", "hf")),
-    ("batching", ("batching",)),
+    ("batching and environments", ("batching", "environments")),
     ("engines", ("training", "generation")),
     ("joining and driving the engines", ("weight_sync", "convert", "data")),
     ("evaluation", ("evaluation",)),

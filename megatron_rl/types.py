@@ -92,6 +92,11 @@ class Completion:
     # MoE routing replay: the experts of every position fed to the generator (prompt and
     # completion tokens but the last), [P + C - 1, layers, top_k] int32; None when not recorded
     routed_experts: torch.Tensor | None = None
+    # A multi-turn trajectory: True where the model sampled the token, False on the environment's
+    # rendered turns (context: no loss, log-prob 0.0, version -1); None = every token sampled
+    loss_mask: list[bool] | None = None
+    # A multi-turn trajectory's own prompt (its environment's reset, rendered); None = the group's
+    prompt_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -100,6 +105,16 @@ class Completion:
                 f"Completion {self.prompt_id}/{self.sample_index}: token_ids ({n}), logprobs "
                 f"({len(self.logprobs)}) and versions ({len(self.versions)}) must have equal length"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != n:
+            raise ValueError(
+                f"Completion {self.prompt_id}/{self.sample_index}: loss_mask has {len(self.loss_mask)} "
+                f"entries for {n} tokens"
+            )
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model sampled (all of them, but for a multi-turn trajectory's environment turns)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 @dataclass(kw_only=True)
@@ -143,6 +158,9 @@ class TrainSequence:
     # [C] float32: log-probs under the weights at the start of the step (decoupled objective);
     # None = the weights being trained are still those (the step's first minibatch)
     proximal_logprobs: torch.Tensor | None = None
+    # [C] bool: the completion tokens that carry loss (a multi-turn trajectory's model tokens);
+    # None = all of them. ``weight`` is normalised by the True ones only.
+    loss_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         c = self.completion_length
@@ -159,6 +177,12 @@ class TrainSequence:
         if self.proximal_logprobs is not None and self.proximal_logprobs.shape != (c,):
             raise ValueError(
                 f"proximal_logprobs must be [{c}] like behaviour_logprobs, got {tuple(self.proximal_logprobs.shape)}"
+            )
+        if self.loss_mask is not None and (
+            self.loss_mask.shape != (c,) or self.loss_mask.dtype != torch.bool
+        ):
+            raise ValueError(
+                f"loss_mask must be [{c}] bool, got {tuple(self.loss_mask.shape)} {self.loss_mask.dtype}"
             )
         routed = self.routed_experts
         if routed is not None and (routed.dim() != 3 or routed.shape[0] != self.length - 1):

@@ -118,6 +118,7 @@ def test_readme_commands_match_the_makefile_and_ci():
 CHECKED = {
     "megatron-rl reward --recipe examples/custom_reward/recipe.yaml",
     "ANSWER = re.compile",
+    "class Retry:",
     "from megatron_rl import convert_checkpoint",
     "mlflow runs describe",
     "benchmarks/results.json",
@@ -201,6 +202,13 @@ def test_every_other_command_block_runs(tmp_path, page, index, lang, body, shown
 def test_custom_reward_block_is_the_example_file_and_runs(tmp_path):
     lang, body = _block("ANSWER = re.compile")
     assert body + "\n" == (ROOT / "examples" / "custom_reward" / "unit_reward.py").read_text()
+    proc = _run(lang, body, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_multi_turn_block_is_the_example_environment(tmp_path):
+    lang, body = _block("class Retry:")
+    assert body + "\n" == (ROOT / "examples" / "multi_turn" / "retry_env.py").read_text()
     proc = _run(lang, body, tmp_path)
     assert proc.returncode == 0, proc.stderr
 

@@ -46,17 +46,21 @@ def build_train_batch(groups: list[Group], cfg: GRPOConfig) -> TrainBatch:
         eps=cfg.adv_eps,
         mask=keep,
     )
-    kept = torch.nonzero(keep).flatten().tolist()
-    lengths = torch.tensor([len(scored[i][2].completion.token_ids) for i in kept], dtype=torch.long)
+    # A completion without a sampled token (a trajectory whose environment failed at reset, a
+    # request that timed out twice) counts in its group's advantages but has nothing to train.
+    kept = [i for i in torch.nonzero(keep).flatten().tolist() if scored[i][2].completion.model_tokens > 0]
+    # The normaliser counts the tokens that carry loss: a multi-turn trajectory's model tokens only.
+    lengths = torch.tensor([scored[i][2].completion.model_tokens for i in kept], dtype=torch.long)
     weights = loss_token_weights(lengths, group_ids[kept], cfg.loss_norm) if kept else torch.empty(0)
     sequences = []
     for k, i in enumerate(kept):
         gi, group, sc = scored[i]
         c = sc.completion
+        prompt = group.prompt.token_ids if c.prompt_ids is None else c.prompt_ids
         sequences.append(
             TrainSequence(
-                tokens=torch.tensor(list(group.prompt.token_ids) + list(c.token_ids), dtype=torch.long),
-                prompt_length=len(group.prompt.token_ids),
+                tokens=torch.tensor(list(prompt) + list(c.token_ids), dtype=torch.long),
+                prompt_length=len(prompt),
                 behaviour_logprobs=torch.tensor(c.logprobs, dtype=torch.float32),
                 versions=torch.tensor(c.versions, dtype=torch.long),
                 advantage=float(adv[i]),
@@ -64,6 +68,7 @@ def build_train_batch(groups: list[Group], cfg: GRPOConfig) -> TrainBatch:
                 group_id=gi,
                 reward=float(rewards[i]),
                 routed_experts=c.routed_experts,
+                loss_mask=None if c.loss_mask is None else torch.tensor(c.loss_mask, dtype=torch.bool),
             )
         )
     return TrainBatch(sequences=sequences, filter_report=report)

@@ -38,7 +38,9 @@ routing is replayed), for a pipeline schedule that needs one shape for every mic
 Causal-LM alignment: position ``p`` predicts token ``p + 1`` of the same sequence. Completion token
 ``j`` of a sequence with prompt length ``P`` is the label at position ``P + j - 1``; every per-token
 field (loss weight, advantage, behaviour log-prob, version) sits at that position. Prompt
-positions, each sequence's last position and padding carry weight 0.
+positions, each sequence's last position and padding carry weight 0, and so do the environment's
+tokens of a multi-turn trajectory (``TrainSequence.loss_mask``): the loss, its metrics and the
+normaliser see only tokens the model sampled.
 """
 
 from __future__ import annotations
@@ -268,7 +270,10 @@ def _place(seq: TrainSequence, fields: dict[str, torch.Tensor], row: int, start:
     fields["labels"][row, start : start + n - 1] = seq.tokens[1:]
     lo, hi = start + p - 1, start + n - 1  # label positions of the completion tokens
     fields["mask"][row, lo:hi] = True
-    fields["loss_weights"][row, lo:hi] = seq.weight
+    if seq.loss_mask is None:
+        fields["loss_weights"][row, lo:hi] = seq.weight
+    else:  # a multi-turn trajectory: the environment's tokens are context, weight 0
+        fields["loss_weights"][row, lo:hi] = seq.loss_mask.to(torch.float32) * seq.weight
     fields["advantages"][row, lo:hi] = seq.advantage
     fields["behaviour_logprobs"][row, lo:hi] = seq.behaviour_logprobs
     fields["versions"][row, lo:hi] = seq.versions

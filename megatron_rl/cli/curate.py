@@ -122,8 +122,9 @@ def _servers(args) -> list[str] | None:
 
 
 def _sample(args, problems, pool):
-    from megatron_rl.cli.reward import (
-        reward_config,  # lazy: each verb imports only what it runs, so --help stays quick
+    from megatron_rl.cli.reward import (  # lazy: each verb imports only what it runs, so --help stays quick
+        env_config,
+        reward_config,
     )
     from megatron_rl.data.sampling import (  # lazy: each verb imports only what it runs, so --help stays quick
         SamplingConfig,
@@ -133,6 +134,7 @@ def _sample(args, problems, pool):
         open_generator,
         render_prompt,
         sample_and_score,
+        sequence_budget,
     )
     from megatron_rl.rewards.template import (
         resolve_system_prompt,  # lazy: each verb imports only what it runs, so --help stays quick
@@ -150,6 +152,7 @@ def _sample(args, problems, pool):
         top_p=args.top_p,
         seed=args.seed,
         system_prompt=resolve_system_prompt(args.system_prompt, reward_cfg.think_tags),
+        env=env_config(args.recipe, args.overrides),  # curated through the run's environment
     )
     longest = max(
         (len(render_prompt(tokenizer, p.problem, p.task, system_prompt=cfg.system_prompt)) for p in problems),
@@ -158,7 +161,7 @@ def _sample(args, problems, pool):
     generator = open_generator(
         model=args.model,
         servers=_servers(args),
-        max_len=longest + args.max_new_tokens,
+        max_len=sequence_budget(cfg, longest),
         max_slots=args.max_slots,
     )
     try:

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rl.cli.reward import reward_config
+from megatron_rl.cli.reward import env_config, reward_config
 from megatron_rl.data.benchmarks import FORMATS, load_benchmark
 from megatron_rl.data.problems import DataError
 from megatron_rl.data.sampling import (
@@ -32,6 +32,7 @@ from megatron_rl.data.sampling import (
     open_generator,
     render_prompt,
     sample_and_score,
+    sequence_budget,
 )
 from megatron_rl.errors import ArgumentParser, OutputError, float_arg, int_arg, run_cli, value_errors_as_usage
 from megatron_rl.evaluation.metrics import default_ks
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         system_prompt=system_prompt(reward_cfg.think_tags),
+        env=env_config(args.recipe, args.overrides),  # evaluated through the run's environment
     )
     problems, load_report = load_benchmark(args.data, args.format, seed=args.seed)
     if args.limit is not None:
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     generator = open_generator(
         model=args.model,
         servers=args.servers.split(",") if args.servers else None,
-        max_len=longest + args.max_new_tokens,
+        max_len=sequence_budget(sampling, longest),
         max_slots=args.max_slots,
     )
     start = time.monotonic()

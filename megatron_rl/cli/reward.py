@@ -48,9 +48,10 @@ from megatron_rl.rewards.compose import (
 from megatron_rl.rewards.pool import PoolTaskError, VerifierPool, max_workers
 
 if TYPE_CHECKING:
+    from megatron_rl.environments.config import EnvConfig
     from megatron_rl.fileio import JsonValue
 
-__all__ = ["main", "parse_line", "reward_config"]
+__all__ = ["env_config", "main", "parse_line", "reward_config"]
 
 
 def parse_line(obj: JsonValue, where: str, *, needs_reference: bool = True) -> RewardInput:
@@ -103,15 +104,26 @@ def reward_config(recipe: str | None, overrides: list[str], workers: int | None)
         load_config,  # lazy: the recipe imports torch; the parser must not
     )
 
-    bad = [o for o in overrides if not o.startswith("reward.")]
+    bad = [o for o in overrides if not o.startswith(("reward.", "env."))]
     if bad:
-        raise UsageError(f"only reward.KEY=VALUE overrides apply here, got {' '.join(bad)}")
+        raise UsageError(f"only reward.KEY=VALUE and env.KEY=VALUE overrides apply here, got {' '.join(bad)}")
     if workers is not None and not 1 <= workers <= max_workers():
         raise UsageError(f"--workers: must be in [1, {max_workers()}] on this machine, got {workers}")
     cfg = load_config(recipe, overrides).reward  # ConfigError names the file, line and field
     if workers is not None:
         cfg.workers = workers
     return cfg
+
+
+def env_config(recipe: str | None, overrides: list[str]) -> EnvConfig | None:
+    """The multi-turn environment of ``eval`` and ``curate``: a recipe's ``env`` section with
+    ``env.KEY=VALUE`` overrides; None when it names none (single-turn sampling)."""
+    from megatron_rl.orchestration.recipe import (
+        load_config,  # lazy: the recipe imports torch; the parser must not
+    )
+
+    env = load_config(recipe, [o for o in overrides if o.startswith("env.")]).env
+    return env if env.enabled else None
 
 
 def run(args) -> Counter:

@@ -8,7 +8,9 @@ One JSON object per line, appended by the loop as groups are scored::
      "versions": [11, 11, 12, ...]}
 
 ``versions`` holds the policy version of every completion token (same length as
-``completion_ids``); ``correct`` is null when the answer was never checked (e.g. a verifier that
+``completion_ids``); a multi-turn trajectory's line adds ``loss_mask`` (true on the tokens the
+model sampled, false on the environment's rendered turns, whose version is -1), its own
+``prompt_ids`` and, as ``completion``, its last model turn; ``correct`` is null when the answer was never checked (e.g. a verifier that
 timed out); ``reason`` is one of :data:`megatron_rl.rewards.result.REASONS`.
 
 The loop writes with :class:`SampleWriter` (line-buffered appends, so a crash loses at most the
@@ -54,9 +56,13 @@ class Sample:
     reason: str = "ok"  # one of REASONS
     correct: bool | None = None  # None: the answer was not checked
     versions: list[int] = field(default_factory=list)  # policy version per completion token
+    loss_mask: list[bool] | None = None  # a multi-turn trajectory: true where the model sampled
 
     def to_json(self) -> dict[str, JsonValue]:
-        return asdict(self)
+        out = asdict(self)
+        if self.loss_mask is None:
+            del out["loss_mask"]  # single-turn lines stay as they were
+        return out
 
     @classmethod
     def from_scored(cls, step: int, prompt: Prompt, scored: ScoredCompletion) -> Sample:
@@ -67,7 +73,7 @@ class Sample:
             prompt_id=prompt.prompt_id,
             problem=prompt.text,
             task=prompt.task,
-            prompt_ids=list(prompt.token_ids),
+            prompt_ids=list(prompt.token_ids if c.prompt_ids is None else c.prompt_ids),
             completion_ids=list(c.token_ids),
             completion=c.text,
             reward=float(scored.reward),
@@ -75,6 +81,7 @@ class Sample:
             reason=scored.reason,
             correct=scored.correct,
             versions=list(c.versions),
+            loss_mask=None if c.loss_mask is None else list(c.loss_mask),
         )
 
     @classmethod
@@ -117,6 +124,15 @@ class Sample:
             correct=need("correct", lambda v: v is None or isinstance(v, bool), "true, false or null"),
             versions=need("versions", int_list, "a list of integers"),
         )
+        if obj.get("loss_mask") is not None:
+            mask = obj["loss_mask"]
+            if not isinstance(mask, list) or not all(isinstance(m, bool) for m in mask):
+                raise DataError(f"{where}: loss_mask: expected a list of true/false, got {mask!r:.80}")
+            if len(mask) != len(s.completion_ids):
+                raise DataError(
+                    f"{where}: loss_mask: {len(mask)} entries for {len(s.completion_ids)} completion tokens"
+                )
+            s.loss_mask = mask
         if len(s.versions) != len(s.completion_ids):
             raise DataError(
                 f"{where}: versions: {len(s.versions)} entries for "

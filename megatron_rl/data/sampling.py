@@ -15,6 +15,7 @@ same call on the same generator samples the same completions.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import random
@@ -31,8 +32,10 @@ from tqdm import tqdm
 
 from megatron_rl.config import check_range
 from megatron_rl.data.problems import Problem, check_scorable, reward_input
+from megatron_rl.environments.calls import EnvCalls, load_environment
+from megatron_rl.environments.trajectory import TrajectoryRun, run_trajectories
 from megatron_rl.errors import InputError, UsageError
-from megatron_rl.generation.api import GenRequest, LocalGenerator
+from megatron_rl.generation.api import GenRequest, GenResult, LocalGenerator
 from megatron_rl.generation.client import FleetClient
 from megatron_rl.rewards.code import ensure_pch
 from megatron_rl.rewards.compose import RewardConfig, hard_timeout_s, score, verifier_warmup
@@ -42,13 +45,12 @@ from megatron_rl.rewards.template import (
     DEFAULT_THINK_TAGS,
     SYSTEM_PROMPT,
     build_messages,
-    merge_system,
-    render_plain,
+    render_messages,
 )
 
 if TYPE_CHECKING:
+    from megatron_rl.environments.config import EnvConfig
     from megatron_rl.fileio import JsonValue
-    from megatron_rl.generation.api import GenResult
     from megatron_rl.rewards.result import RewardResult
 
 __all__ = [
@@ -59,11 +61,11 @@ __all__ = [
     "close_generator",
     "decode_completion",
     "extract_answer",
-    "has_chat_template",
     "load_tokenizer",
     "open_generator",
     "render_prompt",
     "sample_and_score",
+    "sequence_budget",
     "stop_token_ids",
 ]
 
@@ -78,6 +80,8 @@ class SamplingConfig:
     top_p: float = 1.0
     seed: int = 0  # base of the per-request seeds
     system_prompt: str = SYSTEM_PROMPT  # the training prompt's; "" for none
+    # a multi-turn environment (the run's env section): each sample a trajectory; None: single-turn
+    env: EnvConfig | None = None
 
     def __post_init__(self) -> None:
         check_range("k", self.k, low=1)
@@ -142,39 +146,26 @@ def check_think_tags_in(tokenizer, think_tags: Sequence[str], *, name: str = "")
         )
 
 
-def has_chat_template(tokenizer) -> bool:
-    """Whether the tokenizer carries a chat template (``tokenizer_config.json``'s
-    ``chat_template``, or ``chat_template.jinja`` beside it)."""
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
 def render_prompt(tokenizer, problem: str, task: str, *, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
-    """Token ids of the training prompt for ``problem``: system prompt + problem + instruction.
-
-    With a chat template: rendered by it (the system prompt as the system message, none when
-    ``system_prompt`` is "", the generation prompt appended) and tokenized without adding
-    special tokens (the template holds any BOS it wants). A template that refuses a system role
-    (it raises, as some Mistral and Gemma templates do) gets the system prompt at the head of
-    the user message instead. Without a template (a base model, or ``data.chat_template: none``
-    through :func:`load_tokenizer`): :func:`~megatron_rl.rewards.template.render_plain`, with
-    the tokenizer's own special tokens (its BOS)."""
+    """Token ids of the training prompt for ``problem``: system prompt + problem + instruction,
+    rendered by :func:`~megatron_rl.rewards.template.render_messages` (the chat template with the
+    generation prompt appended; a template that refuses a system role gets the system prompt at
+    the head of the user message; without a template, plain text with the tokenizer's BOS). No
+    system message when ``system_prompt`` is ""."""
     messages = build_messages(problem, task, system_prompt=system_prompt)
     if not system_prompt:
         messages = messages[1:]
-    if not has_chat_template(tokenizer):
-        return list(tokenizer(render_plain(messages))["input_ids"])
-    from jinja2 import TemplateError  # lazy: jinja2 comes with transformers, like the tokenizer
+    return render_messages(tokenizer, messages)
 
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except TemplateError:
-        if messages[0]["role"] != "system":
-            raise
-        text = tokenizer.apply_chat_template(
-            merge_system(messages), tokenize=False, add_generation_prompt=True
-        )
-    # The template already holds any BOS it wants; tokenizing it must not add another.
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+def sequence_budget(cfg: SamplingConfig, longest_prompt: int) -> int:
+    """The engine's ``max_len`` for sampling with ``cfg``: the longest rendered prompt and the
+    completion budget; with an environment, its whole trajectory (``env.max_tokens``) and room
+    for what its ``reset`` adds to the problem's prompt (the Python tool's instructions: ~60
+    tokens; 256 kept)."""
+    if cfg.env is not None and cfg.env.enabled:
+        return longest_prompt + max(cfg.max_new_tokens, cfg.env.max_tokens) + 256
+    return longest_prompt + cfg.max_new_tokens
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -376,6 +367,109 @@ def _until(generator, results: Iterator[GenResult], deadline: float) -> Iterator
         yield item  # type: ignore[misc]  # kind == "result": a GenResult
 
 
+Sampled = tuple[int, int, GenResult, str, dict[str, float]]  # problem, sample, result, text, env terms
+
+
+def _single_turn_samples(
+    problems: Sequence[Problem], generator, tokenizer, cfg: SamplingConfig, deadline: float | None
+) -> Iterator[Sampled]:
+    """Each problem's ``cfg.k`` completions as they finish (none past ``deadline``)."""
+    prompts = [render_prompt(tokenizer, p.problem, p.task, system_prompt=cfg.system_prompt) for p in problems]
+    stops = stop_token_ids(tokenizer)
+
+    def requests():
+        for i, p in enumerate(problems):
+            for j in range(cfg.k):
+                yield GenRequest(
+                    request_id=f"{i}/{j}",
+                    input_ids=prompts[i],
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    stop_token_ids=stops,
+                    seed=zlib.crc32(f"{cfg.seed}:{p.id}:{j}".encode()),
+                )
+
+    if deadline is not None and time.monotonic() >= deadline:
+        return  # past its deadline: nothing to do
+    results = generator.generate(requests())
+    for res in results if deadline is None else _until(generator, results, deadline):
+        if res.finish_reason == "abort" and deadline is not None and time.monotonic() >= deadline:
+            continue  # cut by the deadline: not a sample
+        i, j = (int(x) for x in res.request_id.split("/"))
+        yield i, j, res, decode_completion(tokenizer, res.token_ids), {}
+
+
+def _trajectory_samples(
+    problems: Sequence[Problem],
+    generator,
+    tokenizer,
+    cfg: SamplingConfig,
+    env: EnvConfig,
+    deadline: float | None,
+) -> Iterator[Sampled]:
+    """Each problem's ``cfg.k`` trajectories with the environment ``env``, run turn by turn
+    (a turn that would start past ``deadline`` is not sent: the trajectory ends there)."""
+    assert env.custom is not None
+    make = functools.partial(load_environment(env.custom), **env.options)
+    calls = EnvCalls(env.step_timeout_s)
+    stops = stop_token_ids(tokenizer)
+    decode = completion_decoder(tokenizer)
+    keys = [(i, j) for i in range(len(problems)) for j in range(cfg.k)]
+    runs = [
+        TrajectoryRun(
+            make,
+            problems[i].to_json(),
+            calls=calls,
+            tokenizer=tokenizer,
+            cfg=env,
+            stop_ids=stops,
+            decode=decode,
+        )
+        for i, _ in keys
+    ]
+    turn = [0] * len(keys)
+
+    def generate(turns: list[tuple[int, list[int], int]]) -> Iterator[tuple[int, GenResult]]:
+        if deadline is not None and time.monotonic() >= deadline:
+            for k, _, _ in turns:
+                runs[k].trajectory.end = "time_limit"
+            return
+        reqs = []
+        for k, ids, max_new in turns:
+            i, j = keys[k]
+            reqs.append(
+                GenRequest(
+                    request_id=str(k),
+                    input_ids=ids,
+                    max_new_tokens=max_new,
+                    temperature=cfg.temperature,
+                    top_p=cfg.top_p,
+                    stop_token_ids=stops,
+                    seed=zlib.crc32(f"{cfg.seed}:{problems[i].id}:{j}:{turn[k]}".encode()),
+                )
+            )
+            turn[k] += 1
+        for res in generator.generate(reqs):
+            yield int(res.request_id), res
+
+    try:
+        trajectories = run_trajectories(runs, generate)
+    finally:
+        calls.close()
+    for (i, j), t in zip(keys, trajectories):
+        res = GenResult(
+            request_id=f"{i}/{j}",
+            prompt_ids=t.prompt_ids,
+            token_ids=t.token_ids,
+            logprobs=t.logprobs,
+            versions=t.versions,
+            finish_reason="length" if t.cut else "stop",
+            loss_mask=t.loss_mask,
+        )
+        yield i, j, res, t.final_text, t.terms
+
+
 def sample_and_score(
     problems: Sequence[Problem],
     generator,
@@ -399,41 +493,32 @@ def sample_and_score(
     them as ``k * len(problems)`` minus the attempts), and samples not scored by then score 0 with
     reason ``time_limit``. ``pool`` is reused when given, else one of ``reward_cfg.workers`` is
     started. :class:`~megatron_rl.rewards.pool.PoolBroken` when no verifier can start.
+
+    ``cfg.env`` (``env.custom`` set): every sample is a trajectory with its environment, as in
+    training (:func:`~megatron_rl.environments.trajectory.run_trajectories`, turn by turn); the
+    last model turn is scored, with the trajectory's model tokens as its length and the
+    environment's terms added (``env/<name>`` parts), and ``completion_ids`` holds the whole
+    trajectory.
     """
 
     for p in problems:
         check_scorable(p, needs_reference=not reward_cfg.replaces_correctness)
     if any(p.task == "code" and p.language in (None, "cpp") for p in problems):
         ensure_pch(reward_cfg.code)  # once, outside the per-sample hard time limits
-    prompts = [render_prompt(tokenizer, p.problem, p.task, system_prompt=cfg.system_prompt) for p in problems]
-    stops = stop_token_ids(tokenizer)
-
-    def requests():
-        for i, p in enumerate(problems):
-            for j in range(cfg.k):
-                yield GenRequest(
-                    request_id=f"{i}/{j}",
-                    input_ids=prompts[i],
-                    max_new_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
-                    stop_token_ids=stops,
-                    seed=zlib.crc32(f"{cfg.seed}:{p.id}:{j}".encode()),
-                )
-
+    if cfg.env is not None and cfg.env.enabled:
+        samples = _trajectory_samples(problems, generator, tokenizer, cfg, cfg.env, deadline)
+    else:
+        samples = _single_turn_samples(problems, generator, tokenizer, cfg, deadline)
     own = pool is None
     pool = pool or VerifierPool(reward_cfg.workers, warmup=verifier_warmup(reward_cfg))
     pending: list[tuple[int, int, GenResult, str, Future[RewardResult]]] = []
     bar = tqdm(total=len(problems) * cfg.k, desc=desc, unit="sample", file=sys.stderr, disable=not progress)
-    past = deadline is not None and time.monotonic() >= deadline
-    results = iter(()) if past else generator.generate(requests())  # past its deadline: nothing to do
+    terms: dict[tuple[int, int], dict[str, float]] = {}
     try:
-        for res in results if deadline is None else _until(generator, results, deadline):
-            if res.finish_reason == "abort" and deadline is not None and time.monotonic() >= deadline:
-                continue  # cut by the deadline: not a sample
-            i, j = (int(x) for x in res.request_id.split("/"))
-            text = decode_completion(tokenizer, res.token_ids)
-            inp = reward_input(problems[i], text, num_tokens=len(res.token_ids))
+        for i, j, res, text, env_terms in samples:
+            if env_terms:
+                terms[(i, j)] = env_terms
+            inp = reward_input(problems[i], text, num_tokens=res.model_tokens)
             future = pool.submit(score, inp, reward_cfg, timeout_s=hard_timeout_s(inp, reward_cfg))
             pending.append((i, j, res, text, future))
             bar.update(1)
@@ -448,11 +533,14 @@ def sample_and_score(
                 reward, reason, correct, parts = r.reward, r.reason, r.correct, r.parts
             except PoolTaskError as e:
                 reward, reason, correct, parts = 0.0, e.reason, False, {}
+            if (i, j) in terms:  # the environment's own reward terms, as in training
+                reward += sum(terms[(i, j)].values())
+                parts = {**parts, **{f"env/{k}": v for k, v in terms[(i, j)].items()}}
             out[p.id].append(
                 Attempt(
                     index=j,
                     completion=text,
-                    num_tokens=len(res.token_ids),
+                    num_tokens=res.model_tokens,
                     finish_reason=res.finish_reason,
                     reward=reward,
                     reason=reason,

@@ -56,6 +56,14 @@ class GenResult:
     #: prompt and the output but its last token), flat int32 ``[positions * layers * top_k]``
     #: in position, layer, rank order, as SGLang sends them; None when not asked for
     routed_experts: torch.Tensor | None = None
+    #: a multi-turn trajectory put together by the rollouts: True on the tokens the model
+    #: sampled, False on the environment's (``prompt_ids`` is then the trajectory's own prompt)
+    loss_mask: list[bool] | None = None
+
+    @property
+    def model_tokens(self) -> int:
+        """Tokens the model sampled: all of them, but a trajectory's environment turns."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 class Generator(Protocol):

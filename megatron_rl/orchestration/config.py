@@ -307,6 +307,7 @@ LOGGED_FAMILIES = (
     "time/",
     "requests/",
     "samples/reason/",
+    "env/",
     "weight_sync/",
     "colocate/",
     "version/",

@@ -78,6 +78,9 @@ class GroupRecord:
     done_at: float = 0.0
     remaining: int = field(default=0, repr=False)  # samples not yet scored (under Rollouts' lock)
     record: dict[str, JsonValue] | None = field(default=None, repr=False)  # problem.to_json(), once
+    env_terms: dict[int, dict[str, float]] = field(
+        default_factory=dict, repr=False
+    )  # sample -> its environment's terms
 
     @property
     def key(self) -> tuple[str, int]:
@@ -101,7 +104,9 @@ class GroupRecord:
 
     def min_version(self) -> int:
         """The policy version of the group's oldest token (the issue version before any)."""
-        return min((min(r.versions) for r in self.results if r and r.versions), default=self.issued_version)
+        # -1: a trajectory's environment tokens, which no policy sampled
+        sampled = [v for r in self.results if r for v in r.versions if v >= 0]
+        return min(sampled, default=self.issued_version)
 
     def staleness(self, current: int) -> int:
         """Versions between ``current`` and the group's oldest token."""
@@ -122,6 +127,8 @@ class GroupRecord:
                 finish_reason=r.finish_reason,
                 text=text,
                 routed_experts=routed_experts(r, routed_shape),
+                loss_mask=r.loss_mask,
+                prompt_ids=None if r.loss_mask is None else r.prompt_ids,
             ),
             reward=float(res.reward),
             parts=dict(res.parts),

@@ -417,8 +417,8 @@ class Orchestrator:
         release_stats = self._release_fleet()
         stats_list: list[dict[str, float]] = []
         # Minibatch i is trained by the weights of version + i: its tokens' lag counts from there.
-        versions = [
-            (version + i, s.completion.versions)
+        versions = [  # the model's tokens: a trajectory's environment turns have no version (-1)
+            (version + i, [v for v in s.completion.versions if v >= 0])
             for i, c in enumerate(chunks)
             for rec in c
             for s in rec.all_scored()
@@ -508,7 +508,7 @@ class Orchestrator:
         m: dict[str, float] = {"step": float(new_version), "version/trained_from": float(version)}
         if scored:
             rewards = torch.tensor([s.reward for s in scored])
-            lengths = torch.tensor([float(len(s.completion.token_ids)) for s in scored])
+            lengths = torch.tensor([float(s.completion.model_tokens) for s in scored])
             m.update(
                 {
                     "reward/mean": float(rewards.mean()),
@@ -527,6 +527,10 @@ class Orchestrator:
                 if part == "custom" and not any("custom" in s.parts for s in scored):
                     continue
                 m[f"reward/{part}"] = sum(s.parts.get(part, 0.0) for s in scored) / len(scored)
+            for part in sorted({p for s in scored for p in s.parts if p.startswith("env/")}):
+                m[f"reward/{part}"] = sum(s.parts.get(part, 0.0) for s in scored) / len(
+                    scored
+                )  # an environment's terms
         m.update(train_stats(stats_list))
         m.update(staleness_stats(versions))
         dropped = r.drain_dropped()
@@ -564,6 +568,9 @@ class Orchestrator:
         # errors, custom labels, counted per reason.
         for reason, n in Counter(s.reason for rec in (*groups, *dropped) for s in rec.all_scored()).items():
             m[f"samples/reason/{reason}"] = float(n)
+        # How the multi-turn trajectories ended (env/done, env/max_turns, env/env_timeout, ...),
+        # counted since the start of this invocation.
+        m.update({k: float(v) for k, v in stats.items() if k.startswith("env/")})
         for k, v in sync_stats.items():
             m[k] = float(v)
         self._last = {

@@ -17,6 +17,7 @@ from typing import Any
 from megatron_rl.algorithms.config import GRPOConfig
 from megatron_rl.batching.config import BatchingConfig
 from megatron_rl.config import ConfigError, ConfigFieldError, config_from_dict, config_to_dict, load_dataclass
+from megatron_rl.environments.config import EnvConfig
 from megatron_rl.hf.hub import cached_snapshot, looks_like_hub_id
 from megatron_rl.orchestration.config import (
     DataConfig,
@@ -56,6 +57,7 @@ class RunConfig:
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)  # trainer -> fleet
     run: RunDirConfig = field(default_factory=RunDirConfig)  # run directory, checkpoints
     curriculum: list[StageConfig] = field(default_factory=list)  # stages, in order
+    env: EnvConfig = field(default_factory=EnvConfig)  # multi-turn environment (none: single-turn)
 
     def __post_init__(self) -> None:
         self.check_curriculum()
@@ -67,6 +69,10 @@ class RunConfig:
                 "every update (keep counts the cached share as generator/prefix_cached_fraction)",
             )
 
+        if self.env.enabled and self.algorithm.routing_replay == "rollout":
+            raise ConfigFieldError(
+                "env.custom", "routing replay (algorithm.routing_replay: rollout) is single-turn only"
+            )
         cp = self.trainer.parallel.context_parallel
         if cp > 1 and self.batching.layout != "packed":
             raise ConfigFieldError(

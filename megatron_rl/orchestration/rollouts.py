@@ -73,6 +73,7 @@ from megatron_rl.generation.client import ClientClosed, ServerLost
 from megatron_rl.hf.arch import routed_shape
 from megatron_rl.orchestration.group_record import GroupRecord, request_seed, routed_experts
 from megatron_rl.orchestration.scoring import Scorer
+from megatron_rl.orchestration.trajectories import Trajectories
 from megatron_rl.rewards.compose import (
     RewardConfig,
     prepare_verifiers,
@@ -85,6 +86,7 @@ if TYPE_CHECKING:
 
     from transformers import PreTrainedTokenizerBase
 
+    from megatron_rl.environments.config import EnvConfig
     from megatron_rl.generation.api import GenResult
     from megatron_rl.orchestration.recipe import RunConfig
     from megatron_rl.orchestration.sampler import PromptSampler
@@ -158,12 +160,15 @@ class Rollouts:
         version: Callable[[], int] = lambda: 0,
         group_requests: bool | str = "auto",
         routed_shape: tuple[int, int] | None = None,
+        env: EnvConfig | None = None,
     ):
         """``stall_groups``: this many groups dropped in a row stop the run (0: never);
         ``group_requests``: a group's samples go to one server in one request (else one each);
         ``"auto"``: where the fleet streams them back one by one (:meth:`Fleet.streams_batches`);
         ``routed_shape``: ``(MoE layers, top_k)`` to ask the generators for every position's
-        experts and keep them with each completion (routing replay), None not to."""
+        experts and keep them with each completion (routing replay), None not to; ``env``: a
+        multi-turn environment (``env.custom`` set): every sample is a trajectory
+        (:mod:`~megatron_rl.orchestration.trajectories`), one request per model turn."""
         if group_requests not in ("auto", True, False):
             raise ValueError(f"group_requests: must be true, false or 'auto', got {group_requests!r}")
         self.group_requests = fleet.streams_batches() if group_requests == "auto" else bool(group_requests)
@@ -202,6 +207,21 @@ class Rollouts:
         self._room_at = -1  # a score wakes the waiters when _unscored is down to this (wait_until)
         self._plain_waiters = 0  # wait_until calls without outstanding_at_most (any count may matter)
         self._prepared: set[str | None] | None = None  # code languages set up (None: none looked at)
+        self.env: Trajectories | None = None
+        if env is not None and env.enabled:
+            if routed_shape is not None:
+                raise UsageError(
+                    "env.custom: routing replay (algorithm.routing_replay: rollout) is single-turn only"
+                )
+            self.group_requests = False  # each sample's turns are requests of their own
+            self.env = Trajectories(
+                env,
+                tokenizer=tokenizer,
+                stop_ids=(self.eos,) if self.eos is not None else (),
+                decode=self._decode,
+                max_model_tokens=max_new_tokens,
+                on_error=self.fail,
+            )
 
     @classmethod
     def from_config(
@@ -234,6 +254,7 @@ class Rollouts:
             version=version,
             group_requests=cfg.fleet.group_requests,
             routed_shape=routed_shape(cfg.model.hf) if cfg.algorithm.routing_replay == "rollout" else None,
+            env=cfg.env,
         )
 
     # ------------------------------------------------------------------ counts (read-only)
@@ -280,9 +301,13 @@ class Rollouts:
         return self.fleet.capacity_tokens()
 
     def snapshot_stats(self) -> Counter[str]:
-        """A copy of the counters, taken at one instant (missing keys read 0)."""
+        """A copy of the counters, taken at one instant (missing keys read 0); with an
+        environment, how its trajectories ended as ``env/<end>``."""
         with self._lock:
-            return Counter(self._stats)
+            out = Counter(self._stats)
+        if self.env is not None:
+            out.update({f"env/{k}": n for k, n in self.env.end_counts().items()})
+        return out
 
     def pending_keys(self) -> list[tuple[str, int]]:
         """Prompts issued and neither trained nor dropped, in issue order."""
@@ -381,6 +406,8 @@ class Rollouts:
     def stop(self) -> None:
         """The loop is over: cancel the scoring that has not started and ignore what comes back."""
         self.scorer.stop()
+        if self.env is not None:
+            self.env.close()
         self.notify_all()
 
     def retire(self, rec: GroupRecord) -> None:
@@ -428,7 +455,7 @@ class Rollouts:
                 problem=problem,
                 epoch=int(epoch or 0),
                 index=next(self._index),
-                prompt_ids=self.render(problem),
+                prompt_ids=self.render(problem) if self.env is None else [],  # env: its resets'
                 issued_version=self.version(),
                 issued_at=time.monotonic(),
                 results=[None] * self.group_size,
@@ -442,7 +469,18 @@ class Rollouts:
             self._unscored += self.group_size
             self._stats["groups_issued"] += 1
             self._cond.notify_all()
-        self._submit(rec, list(range(self.group_size)))
+        if self.env is None:
+            self._submit(rec, list(range(self.group_size)))
+            return rec
+        if rec.record is None:
+            rec.record = problem.to_json()
+        for i in range(self.group_size):  # each from its environment's reset, when that is back
+            self.env.start(
+                rec,
+                i,
+                on_ready=functools.partial(self._submit, rec, [i]),
+                on_end=functools.partial(self._trajectory_done, rec, i),
+            )
         return rec
 
     def _prepare(self, problem: Problem | None) -> None:
@@ -464,13 +502,16 @@ class Rollouts:
         self._prepared = prepared
 
     def _request(self, rec: GroupRecord, i: int) -> GenRequest:
+        ids, max_new, turn = rec.prompt_ids, self.max_new_tokens, 0
+        if self.env is not None:  # the trajectory's next model turn, from its own ids
+            ids, max_new, turn = self.env.request(rec, i)
         return GenRequest(
-            request_id=f"{rec.prompt_id}#{rec.index}.{i}",
-            input_ids=rec.prompt_ids,
-            max_new_tokens=self.max_new_tokens,
+            request_id=f"{rec.prompt_id}#{rec.index}.{i}" + (f"/{turn}" if turn else ""),
+            input_ids=ids,
+            max_new_tokens=max_new,
             temperature=self.temperature,
             top_p=self.top_p,
-            seed=request_seed(self.seed, rec.problem.id, rec.epoch, i),
+            seed=request_seed(self.seed, rec.problem.id, rec.epoch, i) ^ turn,
             stop_token_ids=(self.eos,) if self.eos is not None else (),
             return_routed_experts=self.routed_shape is not None,
         )
@@ -560,15 +601,42 @@ class Rollouts:
             except ValueError as e:
                 self.fail(UsageError(str(e)))
                 return
-        if done:
+        if done and self.env is not None:
+            for i, result in done:
+                self.env.turn(
+                    rec,
+                    i,
+                    result,
+                    on_next=functools.partial(self._submit, rec, [i], exclude),
+                    on_end=functools.partial(self._trajectory_done, rec, i),
+                )
+        elif done:
             self._generated(rec, done)
 
-    def _generated(self, rec: GroupRecord, done: list[tuple[int, GenResult]]) -> None:
+    def _trajectory_done(self, rec: GroupRecord, i: int) -> None:
+        """Sample ``i``'s trajectory has ended: scored as one result (its environment's terms
+        added to the reward by :meth:`_score`)."""
+        assert self.env is not None
+
+        def scored(result: GenResult, text: str, terms: dict[str, float]) -> None:
+            with self._lock:
+                if not rec.prompt_ids:  # the group's prompt in its records: its first trajectory's
+                    rec.prompt_ids = list(result.prompt_ids)
+                if terms:
+                    rec.env_terms[i] = terms
+            self._generated(rec, [(i, result)], [text])
+
+        self.env.finish(rec, i, scored)
+
+    def _generated(
+        self, rec: GroupRecord, done: list[tuple[int, GenResult]], texts: list[str] | None = None
+    ) -> None:
         """Samples of ``rec`` came back whole (or timed out twice): count them and send them to
-        the verifier pool together, each with its deadline."""
+        the verifier pool together, each with its deadline (``texts``: what the verifiers read,
+        when not the decoded tokens: a trajectory's last model turn)."""
         with self._cond:
             for i, result in done:
-                n = len(result.token_ids)
+                n = result.model_tokens
                 rec.results[i] = result
                 self._length_ema = n if not self._length_ema else 0.95 * self._length_ema + 0.05 * n
                 self._stats["generated_tokens"] += n
@@ -581,12 +649,17 @@ class Rollouts:
                 self._busy_since = None
             if self._plain_waiters or self._in_flight == 0:  # the room waiter counts scores
                 self._cond.notify_all()
-        texts = [self._decode(r.token_ids) for _, r in done]
+        if texts is None:
+            texts = [self._decode(r.token_ids) for _, r in done]
         self.scorer.submit(rec, done, texts, self.reward)
 
     def _score(self, rec: GroupRecord, i: int, r: GenResult, text: str, res: RewardResult) -> None:
         """Sample ``i`` of ``rec`` (generated as ``r``, decoded as ``text``) has its score ``res``."""
         scored = rec.scored_completion(i, r, text, res, routed_shape=self.routed_shape)
+        terms = rec.env_terms.get(i)
+        if terms:  # the environment's own reward terms, beside the reward stack's
+            scored.reward += sum(terms.values())
+            scored.parts.update({f"env/{k}": v for k, v in terms.items()})
         with self._cond:
             self._stats[f"reason/{res.reason}"] += 1
             self._unscored -= 1

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megatron_rl.config import ConfigError
-from megatron_rl.data.sampling import SamplingConfig, check_think_tags_in, has_chat_template, load_tokenizer
+from megatron_rl.data.sampling import SamplingConfig, check_think_tags_in, load_tokenizer
 from megatron_rl.errors import ArgumentParser, UserError, run_cli
 from megatron_rl.evaluation.heldout import describe, held_out_pass_at_1
 from megatron_rl.fileio import append_jsonl, atomic_write_text, read_jsonl
@@ -63,7 +63,7 @@ from megatron_rl.orchestration.sampler import PromptSampler
 from megatron_rl.orchestration.trackers import Tracker, open_trackers
 from megatron_rl.rewards.pool import VerifierPool
 from megatron_rl.rewards.remote import verifier_pool
-from megatron_rl.rewards.template import resolve_system_prompt
+from megatron_rl.rewards.template import has_chat_template, resolve_system_prompt
 from megatron_rl.training.checkpoint import NonFiniteError
 from megatron_rl.training.checkpoint_manifest import (
     CheckpointCorruptError,
@@ -118,7 +118,8 @@ def _evaluate(
 
 def held_out_sampling(cfg: RunConfig) -> SamplingConfig:
     """How a run samples its held-out problems (``run.eval_k`` each, its temperature, top-p,
-    completion budget and system prompt): what anything compared with its evaluations uses."""
+    completion budget, system prompt and environment): what anything compared with its
+    evaluations uses."""
     return SamplingConfig(
         k=cfg.run.eval_k,
         max_new_tokens=cfg.reward.l_max,
@@ -126,6 +127,7 @@ def held_out_sampling(cfg: RunConfig) -> SamplingConfig:
         top_p=cfg.loop.top_p,
         seed=cfg.loop.seed + 7919,
         system_prompt=resolve_system_prompt(cfg.data.system_prompt, cfg.reward.think_tags),
+        env=cfg.env if cfg.env.enabled else None,  # evaluated through the environment it trains with
     )
 
 
@@ -615,6 +617,8 @@ class _Run:
             "eval_after_reasons": latest("after").get("reasons"),
             "eval_after_partial": bool(latest("after").get("partial")),
             "train_reasons": {k[7:]: v for k, v in sorted(scored.items()) if k.startswith("reason/")},
+            # How the trajectories of a multi-turn environment ended, per reason (empty without one).
+            "env_ends": {k[4:]: v for k, v in sorted(scored.items()) if k.startswith("env/")},
             # All of this invocation's server restarts; a step's fleet/restarts counts only those
             # before it (a server killed after the last rollout is started again after it).
             "fleet_restarts": self.doctor.total_restarts if self.doctor is not None else None,

@@ -159,22 +159,23 @@ def write_samples(run_dir: Path, result: StepResult, dropped: list[GroupRecord],
     for g in (*result.groups, *dropped):
         for s in g.all_scored():
             c = s.completion
-            rows.append(
-                {
-                    "step": step,
-                    "prompt_id": g.problem.id,
-                    "problem": g.problem.problem,
-                    "task": g.problem.task,
-                    "prompt_ids": g.prompt_ids,
-                    "completion_ids": c.token_ids,
-                    "completion": c.text,
-                    "reward": s.reward,
-                    "parts": s.parts,
-                    "reason": s.reason,
-                    "correct": s.correct,
-                    "versions": c.versions,
-                }
-            )
+            row: dict[str, JsonValue] = {
+                "step": step,
+                "prompt_id": g.problem.id,
+                "problem": g.problem.problem,
+                "task": g.problem.task,
+                "prompt_ids": g.prompt_ids if c.prompt_ids is None else c.prompt_ids,
+                "completion_ids": c.token_ids,
+                "completion": c.text,
+                "reward": s.reward,
+                "parts": s.parts,
+                "reason": s.reason,
+                "correct": s.correct,
+                "versions": c.versions,
+            }
+            if c.loss_mask is not None:  # a multi-turn trajectory (data/rundir.py's schema)
+                row["loss_mask"] = c.loss_mask
+            rows.append(row)
     append_jsonl(run_dir / "samples.jsonl", rows)
 
 

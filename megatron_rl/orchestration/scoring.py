@@ -112,7 +112,7 @@ class Scorer:
             rec.record = rec.problem.to_json()
         inputs = [
             reward_input(
-                rec.problem, text, num_tokens=len(r.token_ids), group_id=rec.prompt_id, record=rec.record
+                rec.problem, text, num_tokens=r.model_tokens, group_id=rec.prompt_id, record=rec.record
             )
             for text, (_, r) in zip(texts, done)
         ]

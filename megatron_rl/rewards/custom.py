@@ -67,7 +67,15 @@ from typing import Any
 from megatron_rl.config import ConfigFieldError
 from megatron_rl.rewards.result import REASON_LABEL
 
-__all__ = ["ENTRY_POINT_GROUP", "CustomScore", "call_custom", "registered_rewards", "resolve", "warm_up"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "CustomScore",
+    "call_custom",
+    "load_attribute",
+    "registered_rewards",
+    "resolve",
+    "warm_up",
+]
 
 #: The entry-point group in which installed packages register named rewards.
 ENTRY_POINT_GROUP = "megatron_rl.rewards"
@@ -97,7 +105,7 @@ def _where_it_failed(e: BaseException) -> str:
     return f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
-def _import(module: str, what: str) -> Any:
+def _import(module: str, what: str, field: str = _FIELD) -> Any:
     try:
         return importlib.import_module(module)
     except KeyboardInterrupt:
@@ -105,16 +113,16 @@ def _import(module: str, what: str) -> Any:
     except ModuleNotFoundError as e:
         if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
             raise ConfigFieldError(
-                _FIELD,
+                field,
                 f"{what}: no module named {e.name!r} (install it, or put its folder on PYTHONPATH, "
                 f"e.g. PYTHONPATH=path/to/dir)",
             ) from None
         raise ConfigFieldError(
-            _FIELD, f"{what}: importing {module!r} failed: {e}{_where_it_failed(e)}"
+            field, f"{what}: importing {module!r} failed: {e}{_where_it_failed(e)}"
         ) from None
     except BaseException as e:  # noqa: BLE001 -- whatever the user's module does on import
         raise ConfigFieldError(
-            _FIELD, f"{what}: importing {module!r} raised {type(e).__name__}: {e}{_where_it_failed(e)}"
+            field, f"{what}: importing {module!r} raised {type(e).__name__}: {e}{_where_it_failed(e)}"
         ) from None
 
 
@@ -126,13 +134,13 @@ def _own_callable(obj: Any, name: str) -> bool:
     return not inspect.ismodule(obj) or getattr(value, "__module__", obj.__name__) == obj.__name__
 
 
-def _attribute(obj: Any, dotted: str, module: str, what: str) -> Any:
+def _attribute(obj: Any, dotted: str, module: str, what: str, field: str = _FIELD) -> Any:
     for i, name in enumerate(dotted.split(".")):
         if not hasattr(obj, name):
             where = module if i == 0 else f"{module}:{'.'.join(dotted.split('.')[:i])}"
             public = sorted(n for n in dir(obj) if not n.startswith("_") and _own_callable(obj, n))
             raise ConfigFieldError(
-                _FIELD,
+                field,
                 f"{what}: {where!r} has no attribute {name!r}"
                 + (f" (callables there: {', '.join(public[:12])})" if public else ""),
             )
@@ -156,6 +164,24 @@ def _check_callable(fn: Any, what: str) -> CustomFn:
     return fn
 
 
+def load_attribute(spec: str, field: str, *, kind: str) -> Any:
+    """What ``module:attribute`` names (the attribute may be dotted), for the recipe field
+    ``field``; :class:`ConfigFieldError` on ``field`` saying why it cannot be had: a malformed
+    spec, ``__main__`` (worker processes do not run the caller's script), a module that does not
+    import (with the file and line where it failed), a missing attribute (with what is there).
+    ``kind`` names what the attribute should be in those messages ("function", "class")."""
+    module, _, attr = spec.strip().partition(":")
+    if not module or not attr or ":" in attr:
+        raise ConfigFieldError(field, f"expected 'module:{kind}', got {spec!r}")
+    if module == "__main__":  # the worker processes do not run the caller's script
+        raise ConfigFieldError(
+            field,
+            f"{spec!r}: a {kind} of the script being run cannot be loaded by the worker processes; "
+            f"put it in a module (e.g. my_module.py beside the script) and name it 'my_module:{attr}'",
+        )
+    return _attribute(_import(module, repr(spec), field), attr, module, repr(spec), field)
+
+
 @cache
 def resolve(spec: str) -> CustomFn:
     """The function that ``spec`` names (see the module docstring); :class:`ConfigFieldError` on
@@ -166,17 +192,7 @@ def resolve(spec: str) -> CustomFn:
         )
     spec = spec.strip()
     if ":" in spec:
-        module, _, attr = spec.partition(":")
-        if not module or not attr or ":" in attr:
-            raise ConfigFieldError(_FIELD, f"expected 'module:function', got {spec!r}")
-        if module == "__main__":  # the verifier processes do not run the caller's script
-            raise ConfigFieldError(
-                _FIELD,
-                f"{spec!r}: a function of the script being run cannot be loaded by the verifier "
-                "processes; put it in a module (e.g. my_reward.py beside the script) and name it "
-                "'my_reward:" + attr + "'",
-            )
-        return _check_callable(_attribute(_import(module, repr(spec)), attr, module, repr(spec)), repr(spec))
+        return _check_callable(load_attribute(spec, _FIELD, kind="function"), repr(spec))
     known = registered_rewards()
     eps = known.get(spec)
     if not eps:

@@ -23,7 +23,9 @@ __all__ = [
     "THINK_OPEN",
     "build_messages",
     "fill_think_tags",
+    "has_chat_template",
     "merge_system",
+    "render_messages",
     "render_plain",
     "resolve_system_prompt",
     "system_prompt",
@@ -108,3 +110,34 @@ def merge_system(messages: list[dict]) -> list[dict]:
         return messages
     system, user, *rest = messages
     return [{**user, "content": f"{system['content'].rstrip()}\n\n{user['content']}"}, *rest]
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer carries a chat template (``tokenizer_config.json``'s
+    ``chat_template``, or ``chat_template.jinja`` beside it)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_messages(tokenizer, messages: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` as the model reads them.
+
+    With a chat template: rendered by it and tokenized without adding special tokens (the
+    template holds any BOS it wants). A template that refuses a system role (it raises, as some
+    Mistral and Gemma templates do) gets the system message folded into the first user message
+    (:func:`merge_system`). Without a template (a base model): :func:`render_plain`, with the
+    tokenizer's own special tokens (its BOS)."""
+    if not has_chat_template(tokenizer):
+        return list(tokenizer(render_plain(messages))["input_ids"])
+    from jinja2 import TemplateError  # lazy: jinja2 comes with transformers, like the tokenizer
+
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except TemplateError:
+        if not messages or messages[0]["role"] != "system":
+            raise
+        text = tokenizer.apply_chat_template(
+            merge_system(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

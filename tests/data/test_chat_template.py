@@ -10,10 +10,10 @@ from jinja2 import TemplateError
 from tokenizers import processors
 
 from megatron_rl.config import ConfigError
-from megatron_rl.data.sampling import has_chat_template, load_tokenizer, render_prompt
+from megatron_rl.data.sampling import load_tokenizer, render_prompt
 from megatron_rl.orchestration.recipe import load_config
 from megatron_rl.quickstart.tokenizer import CHAT_TEMPLATE as QUICKSTART_TEMPLATE
-from megatron_rl.rewards.template import MATH_INSTRUCTION, SYSTEM_PROMPT
+from megatron_rl.rewards.template import MATH_INSTRUCTION, SYSTEM_PROMPT, has_chat_template
 from tests.data.tinylm import make_tokenizer
 
 PROBLEM = "What is 2+2?"

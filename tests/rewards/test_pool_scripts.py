@@ -87,7 +87,7 @@ def test_workers_do_not_run_the_script(tmp_path):
     ("text", "says"),
     [
         (MAIN_TASK, "'cube' is defined in the script being run (__main__)"),
-        (MAIN_REWARD, "a function of the script being run cannot be loaded by the verifier processes"),
+        (MAIN_REWARD, "a function of the script being run cannot be loaded by the worker processes"),
     ],
     ids=["task", "reward"],
 )
