@@ -458,15 +458,7 @@ def _trajectory_samples(
     finally:
         calls.close()
     for (i, j), t in zip(keys, trajectories):
-        res = GenResult(
-            request_id=f"{i}/{j}",
-            prompt_ids=t.prompt_ids,
-            token_ids=t.token_ids,
-            logprobs=t.logprobs,
-            versions=t.versions,
-            finish_reason="length" if t.cut else "stop",
-            loss_mask=t.loss_mask,
-        )
+        res = GenResult.of_trajectory(f"{i}/{j}", t)
         yield i, j, res, t.final_text, t.terms
 
 

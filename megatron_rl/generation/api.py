@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from megatron_rl.generation.engine import Engine, EngineConfig
 from megatron_rl.types import FinishReason
+
+if TYPE_CHECKING:
+    from megatron_rl.environments.trajectory import Trajectory
 
 __all__ = ["GenRequest", "GenResult", "Generator", "LocalGenerator"]
 
@@ -59,6 +62,19 @@ class GenResult:
     #: a multi-turn trajectory put together by the rollouts: True on the tokens the model
     #: sampled, False on the environment's (``prompt_ids`` is then the trajectory's own prompt)
     loss_mask: list[bool] | None = None
+
+    @classmethod
+    def of_trajectory(cls, request_id: str, t: Trajectory) -> GenResult:
+        """A whole multi-turn trajectory as one result: its own prompt, every token, the mask."""
+        return cls(
+            request_id=request_id,
+            prompt_ids=t.prompt_ids,
+            token_ids=t.token_ids,
+            logprobs=t.logprobs,
+            versions=t.versions,
+            finish_reason="length" if t.cut else "stop",
+            loss_mask=t.loss_mask,
+        )
 
     @property
     def model_tokens(self) -> int:

@@ -155,15 +155,7 @@ class Trajectories:
         def scored(_f: Any) -> None:
             with self._lock:
                 self._runs.pop((rec.index, i), None)
-            result = GenResult(
-                request_id=f"{rec.prompt_id}#{rec.index}.{i}",
-                prompt_ids=t.prompt_ids,
-                token_ids=t.token_ids,
-                logprobs=t.logprobs,
-                versions=t.versions,
-                finish_reason="length" if t.cut else "stop",
-                loss_mask=t.loss_mask,
-            )
+            result = GenResult.of_trajectory(f"{rec.prompt_id}#{rec.index}.{i}", t)
             on_scored(result, t.final_text, t.terms)
 
         run.finish().add_done_callback(scored)
